@@ -1,0 +1,127 @@
+"""The CLI end to end: the main job, its run directory, bad input, a dying worker."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import lowband
+from lowband.telemetry import read_events
+
+FIELDS = {
+    "step": {"step", "loss", "lr", "tokens", "step_s", "compute_s"},
+    "comm": {"op", "group", "tag", "payload_bytes", "wire_bytes", "codec", "start", "end"},
+    "eval": {"step", "val_loss"},
+    "run": {"phase", "world", "config_hash"},
+}
+SUMMARY = {"algorithm", "replicas", "shards", "steps", "tokens", "wall_s", "tokens_per_s",
+           "compute_s", "compute_utilization", "outer_wire_bytes", "inner_wire_bytes",
+           "peak_outer_payload_bytes", "final_loss", "final_val_loss"}
+
+
+def test_main_job_small(tmp_path):
+    proc = lowband("train", "--model", "nano", "--steps", 12, "--eval-every", 5, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("run directory: runs/ddp-")
+    assert "loss" in lines[1] and "tokens/s" in lines[1] and "outer link" in lines[1]
+    run = tmp_path / lines[0].split(": ", 1)[1]
+    summary = json.loads((run / "summary.json").read_text())
+    assert SUMMARY <= set(summary)
+    assert summary["steps"] == 12 and summary["replicas"] == 2
+    assert summary["tokens"] == 12 * 2 * 8 * 128
+    assert summary["outer_wire_bytes"] > 0 and summary["inner_wire_bytes"] == 0
+    assert 0 < summary["compute_utilization"] <= 1
+    config = json.loads((run / "config.json").read_text())
+    assert config["algo"] == "ddp" and config["meta"]["world"] == 2
+
+    events = read_events(run)
+    for e in events:
+        assert {"v", "t", "rank", "replica", "kind"} <= set(e)
+        assert FIELDS.get(e["kind"], set()) <= set(e), e
+    kinds = {(e["rank"], e["kind"]) for e in events}
+    assert kinds == {(r, k) for r in (0, 1) for k in FIELDS}
+    steps = [e for e in events if e["kind"] == "step" and e["rank"] == 0]
+    assert [e["step"] for e in steps] == list(range(1, 13))
+    assert [e["step"] for e in events if e["kind"] == "eval" and e["rank"] == 0] == [5, 10, 12]
+    last = summary["final_val_loss"]
+    assert abs(last - sum(e["val_loss"] for e in events if e["kind"] == "eval" and e["step"] == 12) / 2) < 1e-9
+
+
+def test_config_file_and_flags_override(tmp_path):
+    (tmp_path / "run.toml").write_text('model = "nano"\nsteps = 50\nseq_len = 32\nreplicas = 1\n')
+    proc = lowband("train", "--config", "run.toml", "--steps", 3, "--run-dir", "r", "--no-progress",
+                   cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    config = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert (config["model"], config["steps"], config["seq_len"], config["replicas"]) == ("nano", 3, 32, 1)
+
+
+BAD = [
+    (["--algo", "nope"], "unknown algorithm 'nope'"),
+    (["--model", "huge"], "unknown model 'huge'"),
+    (["--data", "/no/such/file.txt"], "does not exist"),
+    (["--steps", "0"], "--steps must be a positive integer"),
+    (["--batch-size", "-3"], "--batch-size must be a positive integer"),
+    (["--lr", "0"], "--lr must be positive"),
+    (["--steps", "many"], "invalid int value"),
+    (["--no-such-flag"], "unrecognized arguments"),
+    (["--config", "bad.toml"], "unknown key 'stepz'"),
+    (["--config", "missing.toml"], "does not exist"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD)
+def test_bad_input_one_sentence_exit_2(tmp_path, args, message):
+    (tmp_path / "bad.toml").write_text("stepz = 3\n")
+    proc = lowband("train", *args, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert message in proc.stderr
+    assert not (tmp_path / "runs").exists()  # nothing started, nothing written
+
+
+def test_world_mismatch_under_torchrun(tmp_path):
+    env = {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    proc = lowband("train", "--replicas", 2, "--shards", 1, cwd=tmp_path, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "make R x S equal the world size" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_worker_side_error_stops_everyone(tmp_path):
+    (tmp_path / "tiny.txt").write_bytes(b"x" * 300)  # too small for 4 shards of 64 tokens
+    proc = lowband("train", "--data", "tiny.txt", "--replicas", 4, "--seq-len", 64,
+                   "--model", "nano", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "too small" in proc.stderr
+    assert _workers_of(tmp_path) == []
+
+
+def _workers_of(cwd) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", "lowband.cli train"], capture_output=True, text=True).stdout
+    pids = [int(p) for p in out.split()]
+    return [p for p in pids if os.path.realpath(f"/proc/{p}/cwd") == os.path.realpath(cwd)]
+
+
+def test_killed_worker_stops_the_job(tmp_path):
+    parent = subprocess.Popen([sys.executable, "-m", "lowband.cli", "train", "--model", "nano",
+                               "--steps", "100000", "--no-progress", "--run-dir", "r"],
+                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    events = tmp_path / "r" / "events" / "rank1.jsonl"
+    deadline = time.time() + 120
+    while not (events.exists() and '"step"' in events.read_text()) and time.time() < deadline:
+        time.sleep(0.2)
+    victim = [p for p in _workers_of(tmp_path) if p != parent.pid
+              and "RANK=1\0" in open(f"/proc/{p}/environ").read()]
+    assert victim, "rank 1 is not running"
+    os.kill(victim[0], signal.SIGKILL)
+    t0 = time.time()
+    out, err = parent.communicate(timeout=60)
+    assert time.time() - t0 < 15
+    assert parent.returncode != 0
+    assert "worker rank 1 was killed by SIGKILL" in err
+    assert _workers_of(tmp_path) == []

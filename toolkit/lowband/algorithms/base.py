@@ -1,0 +1,54 @@
+"""The small interface the trainer calls. The trainer owns the loop; an algorithm adds hooks.
+
+Per step the trainer calls, in order:
+  before_forward(step)                       start or apply syncs (streaming, edit)
+  for each micro-batch: forward, before_backward(step, micro, last), backward
+  after_backward(step)                       gradient communication (ddp, acco)
+  (gradient clipping, inner optimizer step)
+  after_step(step)                           outer steps and merges (diloco family)
+and finish() once after the last step, to drain transfers still in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+from lowband.comm import Comm
+from lowband.config import Config
+from lowband.topology import Topology
+
+
+class Algorithm:
+    name = "base"
+
+    def setup(self, model: nn.Module, blocks: nn.ModuleList,
+              make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+              topology: Topology, comm: Comm, config: Config) -> torch.optim.Optimizer:
+        """Wrap the model if needed and build the inner optimizer (after any sharding)."""
+        self.model, self.blocks, self.topo, self.comm, self.config = model, blocks, topology, comm, config
+        self.optimizer = make_optimizer(model.parameters())
+        return self.optimizer
+
+    def before_forward(self, step: int) -> None:
+        pass
+
+    def before_backward(self, step: int, micro: int, last: bool) -> None:
+        pass
+
+    def after_backward(self, step: int) -> None:
+        pass
+
+    def after_step(self, step: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass

@@ -1,0 +1,85 @@
+"""ddp: gradients averaged over every rank, every step (the data-parallel baseline).
+
+Parameters are packed into buckets of about `bucket_mb` MiB in reverse registration order (the
+order their gradients become ready in backward). A hook on each parameter copies its gradient
+into its bucket once it has been accumulated on the last micro-batch; a full bucket is
+all-reduced asynchronously at once, so communication overlaps the rest of the backward pass.
+after_backward waits for every bucket and writes the averages back into the gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowband.algorithms.base import Algorithm
+
+
+class Bucket:
+    def __init__(self, params: list[torch.nn.Parameter], index: int):
+        self.params, self.index = params, index
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32,
+                                device=params[0].device)
+        self.views, offset = {}, 0
+        for p in params:
+            self.views[p] = self.flat[offset: offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.ready: set = set()
+        self.transfer = None
+
+
+class DDP(Algorithm):
+    name = "ddp"
+
+    def setup(self, model, blocks, make_optimizer, topology, comm, config):
+        optimizer = super().setup(model, blocks, make_optimizer, topology, comm, config)
+        params = [p for p in model.parameters() if p.requires_grad][::-1]
+        limit = int(config.bucket_mb * 2**20)
+        groups, current, size = [], [], 0
+        for p in params:
+            if current and size + p.numel() * 4 > limit:
+                groups.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += p.numel() * 4
+        if current:
+            groups.append(current)
+        self.buckets = [Bucket(g, i) for i, g in enumerate(groups)]
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.armed = False
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+        return optimizer
+
+    def before_backward(self, step, micro, last):
+        self.armed = last  # earlier micro-batches only accumulate locally
+
+    def _grad_ready(self, p):
+        if not self.armed:
+            return
+        bucket = self.bucket_of[p]
+        bucket.views[p].copy_(p.grad)
+        bucket.ready.add(p)
+        if len(bucket.ready) == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket):
+        bucket.transfer = self.comm.all_reduce(bucket.flat, "world", tag=f"bucket{bucket.index}")
+
+    def after_backward(self, step):
+        for bucket in self.buckets:
+            if bucket.transfer is None:  # some parameter got no gradient this step
+                for p in bucket.params:
+                    if p not in bucket.ready:
+                        bucket.views[p].copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+                self._launch(bucket)
+        world = self.topo.world
+        for bucket in self.buckets:
+            bucket.transfer.wait()
+            bucket.flat.div_(world)
+            for p in bucket.params:
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+                p.grad.copy_(bucket.views[p])
+            bucket.ready.clear()
+            bucket.transfer = None
+        self.armed = False

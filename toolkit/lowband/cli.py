@@ -1,0 +1,144 @@
+"""`lowband train | plan | report`.
+
+`lowband train` run plainly starts R x S local worker processes itself; under torchrun or TorchX
+(RANK and WORLD_SIZE in the environment) it is one worker and takes the world from there.
+Errors a user can cause end with one sentence on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from lowband.config import Config, ConfigError, fields
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one sentence, no usage wall
+        raise ConfigError(f"{message} (see `{self.prog} --help`).")
+
+
+def train_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="lowband train", description="Train a language model across ranks and "
+                "replicas. With no arguments: the main job (a multi-replica run on the built-in "
+                "corpus). Flags override --config FILE.toml.", argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", help="a TOML file whose keys are these options' names")
+    for f in fields():
+        flag = "--" + f.name.replace("_", "-")
+        help_ = f"{f.metadata['help']} (default: {f.default!r})"
+        if isinstance(f.default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
+        else:
+            p.add_argument(flag, type=type(f.default), help=help_, metavar=f.name.upper())
+    return p
+
+
+def parse_train(argv: list[str]) -> Config:
+    args = vars(train_parser().parse_args(argv))
+    path = args.pop("config", None)
+    cfg = Config.from_toml(path) if path else Config()
+    for name, value in args.items():
+        setattr(cfg, name, value)
+    return cfg.validate()
+
+
+def is_worker() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def cmd_train(argv: list[str]) -> int:
+    cfg = parse_train(argv)
+    if is_worker():
+        from lowband.train import train
+
+        train(cfg)
+        return 0
+    return launch_local(cfg, argv)
+
+
+def launch_local(cfg: Config, argv: list[str]) -> int:
+    from lowband.data import load_tokens
+    from lowband.local import LocalJob, describe_exit, last_line
+    from lowband.telemetry import RunDir
+
+    load_tokens(cfg.data)  # build the corpus cache once, before the workers all want it
+    run = RunDir(cfg.run_dir or os.path.join("runs", f"{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}"))
+    run.create()
+    code, rank = LocalJob(argv, cfg.world, run).wait()
+    if code == 130:
+        print("lowband: interrupted; the workers were stopped.", file=sys.stderr)
+        return 130
+    if code != 0:
+        log = run.logs / f"rank{rank}.log"
+        if rank != 0:
+            detail = last_line(log)
+            if detail:
+                print(detail, file=sys.stderr)
+        if code != 2:
+            where = f"; its log: {log}" if rank != 0 else ""
+            print(f"lowband: error: worker rank {rank} {describe_exit(code)}, so the other "
+                  f"workers were stopped{where}.", file=sys.stderr)
+        return code if code > 0 else 1
+    summary = run.read_json(run.summary) or {}
+    print(f"run directory: {run.root}")
+    print(one_line(summary))
+    return 0
+
+
+def one_line(s: dict) -> str:
+    return (f"{s.get('algorithm')} R={s.get('replicas')} S={s.get('shards')}: "
+            f"loss {s.get('final_loss', float('nan')):.4f}, "
+            f"val loss {s.get('final_val_loss', float('nan')):.4f}, "
+            f"{s.get('tokens_per_s', 0):,.0f} tokens/s, "
+            f"outer link {human_bytes(s.get('outer_wire_bytes', 0))}, "
+            f"compute utilization {100 * s.get('compute_utilization', 0):.0f}%")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n} B"
+
+
+COMMANDS = {"train": cmd_train}
+
+
+def _subcommand(module: str):
+    def run(argv):
+        import importlib
+
+        return importlib.import_module(module).main(argv)
+
+    return run
+
+
+COMMANDS["plan"] = _subcommand("lowband.plan")
+COMMANDS["report"] = _subcommand("lowband.report")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        if argv and argv[0] in ("-h", "--help"):
+            print("usage: lowband {train,plan,report} ...  (lowband COMMAND --help for each)")
+            return 0
+        if argv and not argv[0].startswith("-"):
+            print(f"lowband: error: unknown command '{argv[0]}': use one of "
+                  f"{', '.join(COMMANDS)}.", file=sys.stderr)
+            return 2
+        argv = ["train", *argv]  # `lowband` alone (or with flags) is `lowband train`
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except ConfigError as e:
+        print(f"lowband: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

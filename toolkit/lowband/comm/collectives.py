@@ -1,0 +1,156 @@
+"""Asynchronous collectives that record every transfer.
+
+Every byte an algorithm moves between ranks goes through `Comm`. Each call starts the collective
+asynchronously and returns a `Transfer` handle; when the collective completes (a callback on its
+future, so `end` is when the bytes arrived, not when somebody waited) a `comm` event is written
+with the payload bytes, the bytes this rank put on the wire, and start/end times. `wait()` counts
+the seconds the caller was blocked, which the trainer subtracts from the step to get compute time.
+
+Wire bytes per rank, for a group of n ranks (ring algorithms, the bandwidth-optimal schedule):
+  all_reduce       2 (n-1)/n x payload
+  all_gather       (n-1) x the local input      (payload = the gathered output)
+  reduce_scatter   (n-1)/n x the input          (payload = the input)
+  broadcast        (n-1) x payload on the root, 0 elsewhere
+A group spanning several replicas crosses the slow outer link; for a world-wide ring in rank
+order, rank r's bytes go to rank r+1, so they cross the outer link exactly when r+1 lies in
+another replica, and are recorded as `outer`, else `inner`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from lowband.telemetry import EventWriter
+from lowband.topology import Topology
+
+
+def wire_bytes(op: str, payload: int, n: int, is_root: bool = False) -> int:
+    if n <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1) * payload // n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) * payload // n
+    if op == "broadcast":
+        return (n - 1) * payload if is_root else 0
+    raise ValueError(f"unknown collective {op}")
+
+
+@dataclass
+class Totals:
+    wire_bytes: dict = field(default_factory=lambda: {"outer": 0, "inner": 0})
+    payload_bytes: dict = field(default_factory=lambda: {"outer": 0, "inner": 0})
+    peak_outer_payload: int = 0
+    transfers: int = 0
+
+
+class Transfer:
+    """A collective in flight. `wait()` blocks until it is done and returns its result tensor."""
+
+    def __init__(self, comm: "Comm", work, result, record: dict):
+        self.comm, self.work, self.result, self.record = comm, work, result, record
+        self._done = threading.Event()
+        if work is None:
+            self._finish(None)
+        else:
+            work.get_future().then(self._finish)
+
+    def _finish(self, _future) -> None:
+        self.record["end"] = time.time()
+        self.comm._record(self.record)
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self):
+        t0 = time.perf_counter()
+        if self.work is not None:
+            self.work.wait()
+        self._done.wait()
+        self.comm.wait_s += time.perf_counter() - t0
+        return self.result
+
+
+class Comm:
+    def __init__(self, topology: Topology, events: EventWriter | None):
+        self.topo, self.events = topology, events
+        self.totals = Totals()
+        self.wait_s = 0.0  # seconds the training thread spent blocked on transfers
+        self._lock = threading.Lock()
+
+    def take_wait_s(self) -> float:
+        w, self.wait_s = self.wait_s, 0.0
+        return w
+
+    def link(self, group: str) -> str:
+        """Which link a transfer on `group` travels: outer (slow) or inner (fast)."""
+        t = self.topo
+        if group == "world":
+            nxt = (t.rank + 1) % t.world
+            return "outer" if nxt // t.shards != t.replica else "inner"
+        return group
+
+    def _start(self, op, group, payload, launch, result, tag, codec, root=None) -> Transfer:
+        pg = self.topo.group(group)
+        n = dist.get_world_size(pg)
+        is_root = root is not None and n > 1 and dist.get_rank(pg) == root
+        record = {"op": op, "group": self.link(group), "tag": tag, "codec": codec,
+                  "payload_bytes": int(payload), "wire_bytes": wire_bytes(op, payload, n, is_root),
+                  "start": time.time()}
+        work = launch(pg) if n > 1 else None
+        return Transfer(self, work, result, record)
+
+    def _record(self, rec: dict) -> None:
+        with self._lock:
+            t = self.totals
+            t.wire_bytes[rec["group"]] += rec["wire_bytes"]
+            t.payload_bytes[rec["group"]] += rec["payload_bytes"]
+            t.transfers += 1
+            if rec["group"] == "outer" and rec["wire_bytes"]:
+                t.peak_outer_payload = max(t.peak_outer_payload, rec["payload_bytes"])
+        if self.events is not None and rec["wire_bytes"]:
+            self.events.emit("comm", **rec)
+
+    def all_reduce(self, tensor: torch.Tensor, group: str = "world", tag: str = "",
+                   codec: str = "fp32") -> Transfer:
+        """Sum `tensor` in place over `group`."""
+        nbytes = tensor.numel() * tensor.element_size()
+        return self._start("all_reduce", group, nbytes,
+                           lambda pg: dist.all_reduce(tensor, group=pg, async_op=True),
+                           tensor, tag, codec)
+
+    def all_gather(self, tensor: torch.Tensor, group: str = "world", tag: str = "",
+                   codec: str = "fp32") -> Transfer:
+        """Gather `tensor` from every rank of `group`; the result is a list in group-rank order."""
+        n = dist.get_world_size(self.topo.group(group))
+        out = [torch.empty_like(tensor) for _ in range(n)] if n > 1 else [tensor]
+        nbytes = tensor.numel() * tensor.element_size()
+        return self._start("all_gather", group, nbytes * n,
+                           lambda pg: dist.all_gather(out, tensor, group=pg, async_op=True),
+                           out, tag, codec)
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, group: str = "world",
+                       tag: str = "", codec: str = "fp32") -> Transfer:
+        """Sum `tensor` (n equal chunks) over `group`; this rank gets its chunk in `output`."""
+        nbytes = tensor.numel() * tensor.element_size()
+
+        def launch(pg):
+            return dist.reduce_scatter_tensor(output, tensor, group=pg, async_op=True)
+
+        if dist.get_world_size(self.topo.group(group)) == 1:
+            output.copy_(tensor)
+        return self._start("reduce_scatter", group, nbytes, launch, output, tag, codec)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, group: str = "world",
+                  tag: str = "", codec: str = "fp32") -> Transfer:
+        """Copy group-rank `src`'s tensor to every rank of `group`."""
+        nbytes = tensor.numel() * tensor.element_size()
+        return self._start("broadcast", group, nbytes,
+                           lambda g: dist.broadcast(tensor, group_src=src, group=g, async_op=True),
+                           tensor, tag, codec, root=src)

@@ -1,0 +1,141 @@
+"""The configuration of a run: one dataclass, one validate() with clear messages.
+
+Every field is a `lowband train` flag (`--batch-size` for `batch_size`) and a key of a
+`--config FILE.toml`; flags given on the command line override the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """Input a user can fix; its message is one sentence naming the fix."""
+
+
+def _f(default, help: str, choices=None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class Config:
+    # what to run
+    algo: str = _f("ddp", "training algorithm", ("ddp",))
+    replicas: int = _f(2, "R: replica groups, joined by the slow outer link")
+    shards: int = _f(1, "S: ranks inside each replica group, joined by the fast inner link")
+    # model
+    model: str = _f("micro", "model preset (nano, micro, mini, small, gpt2)")
+    n_layer: int = _f(0, "override the preset's number of blocks (0 keeps the preset)")
+    n_head: int = _f(0, "override the preset's attention heads (0 keeps the preset)")
+    d_model: int = _f(0, "override the preset's width (0 keeps the preset)")
+    vocab_size: int = _f(0, "override the vocabulary size (0: 256 for bytes, the preset's otherwise)")
+    # data
+    data: str = _f("builtin", "'builtin' (the Python standard library's source), a text file or "
+                   "directory of text files, or a uint16 token file (.bin)")
+    val_fraction: float = _f(0.02, "fraction of the corpus held out for validation")
+    seq_len: int = _f(128, "tokens per sequence")
+    batch_size: int = _f(8, "sequences per micro-batch on each rank")
+    grad_accum: int = _f(1, "micro-batches accumulated per step on each rank")
+    # inner optimizer
+    steps: int = _f(200, "training steps")
+    lr: float = _f(3e-3, "peak learning rate of the inner AdamW")
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak (cosine decay)")
+    warmup_steps: int = _f(10, "linear learning-rate warm-up steps")
+    weight_decay: float = _f(0.1, "AdamW weight decay")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    grad_clip: float = _f(1.0, "clip the gradient norm to this value (0 disables)")
+    # communication
+    bucket_mb: float = _f(4.0, "gradient bucket size in MiB for data-parallel all-reduce")
+    # evaluation, output, reproducibility
+    eval_every: int = _f(50, "evaluate on the validation split every N steps (0: only at the end)")
+    eval_batches: int = _f(4, "validation micro-batches per evaluation")
+    seed: int = _f(0, "seed for initialisation and data order")
+    run_dir: str = _f("", "run directory (default: runs/<algo>-<time>)")
+    device: str = _f("auto", "auto, cpu or cuda", ("auto", "cpu", "cuda"))
+    progress: bool = _f(True, "show a progress bar on rank 0")
+
+    @property
+    def world(self) -> int:
+        return self.replicas * self.shards
+
+    def validate(self) -> "Config":
+        from lowband.algorithms import ALGORITHMS
+        from lowband.model import PRESETS
+
+        if self.algo not in ALGORITHMS:
+            raise ConfigError(f"unknown algorithm '{self.algo}': use one of {', '.join(ALGORITHMS)}.")
+        if self.model not in PRESETS:
+            raise ConfigError(f"unknown model '{self.model}': use one of {', '.join(PRESETS)}.")
+        for name in ("replicas", "shards", "seq_len", "batch_size", "grad_accum", "steps",
+                     "eval_batches"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}.")
+        for name in ("n_layer", "n_head", "d_model", "vocab_size", "warmup_steps", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{_flag(name)} must be zero or positive, got {getattr(self, name)}.")
+        for name in ("lr", "bucket_mb"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}.")
+        for name in ("weight_decay", "grad_clip"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"--{_flag(name)} must be zero or positive, got {getattr(self, name)}.")
+        for name in ("beta1", "beta2", "min_lr_ratio"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"--{_flag(name)} must lie in [0, 1], got {getattr(self, name)}.")
+        if not 0 < self.val_fraction < 1:
+            raise ConfigError(f"--val-fraction must lie strictly between 0 and 1, got {self.val_fraction}.")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"unknown device '{self.device}': use auto, cpu or cuda.")
+        if self.data != "builtin" and not Path(self.data).exists():
+            raise ConfigError(f"data path '{self.data}' does not exist: give an existing text file, "
+                              "directory or .bin token file, or 'builtin'.")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+
+    @classmethod
+    def from_dict(cls, values: dict, source: str = "config") -> "Config":
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in values:
+            if key.replace("-", "_") not in known:
+                raise ConfigError(f"unknown key '{key}' in {source}: remove it or use one of the "
+                                  "`lowband train --help` options.")
+        cfg = cls()
+        for key, value in values.items():
+            name = key.replace("-", "_")
+            expected = type(getattr(cfg, name))
+            if expected is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+                raise ConfigError(f"'{key}' in {source} must be of type {expected.__name__}, "
+                                  f"got {value!r}.")
+            setattr(cfg, name, value)
+        return cfg
+
+    @classmethod
+    def from_toml(cls, path: str) -> "Config":
+        try:
+            values = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file '{path}' does not exist: check the --config path.") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file '{path}' is not valid TOML ({e}): fix its syntax.") from None
+        return cls.from_dict(values, source=path)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def fields() -> list[dataclasses.Field]:
+    return list(dataclasses.fields(Config))

@@ -1,0 +1,118 @@
+"""Corpora and deterministic, disjoint per-rank batches with a held-out validation split.
+
+Three sources, all read as one flat array of token ids:
+  builtin      the running Python's standard library source (*.py, sorted by path), as bytes;
+               cached once under ~/.cache/lowband (or $LOWBAND_CACHE)
+  a text file  its bytes; a directory: the bytes of every file under it, sorted by path
+  a .bin file  uint16 token ids (nanoGPT style), memory-mapped
+
+The last `val_fraction` of the array is the validation split; the rest is cut into `world`
+contiguous, disjoint shards, one per global rank. A batch is a pure function of
+(seed, rank, step, micro): reproducible, resumable, and never touches another rank's shard or
+the validation split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lowband.config import ConfigError
+
+BYTE_VOCAB = 256
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("LOWBAND_CACHE", Path.home() / ".cache" / "lowband"))
+
+
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+
+
+def _concat_to_cache(files: list[Path], tag: str) -> Path:
+    """Concatenate files' bytes into one cached file (atomic: written beside, then renamed)."""
+    key = hashlib.sha256("\n".join(f"{p}:{p.stat().st_size}" for p in files).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"{tag}-{key}.u8"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        with open(tmp, "wb") as out:
+            for p in files:
+                out.write(p.read_bytes())
+        os.replace(tmp, path)
+    return path
+
+
+def builtin_path() -> Path:
+    return _concat_to_cache(stdlib_files(), "stdlib-py" + sysconfig.get_python_version())
+
+
+def load_tokens(data: str) -> np.ndarray:
+    """The flat token array of a data source (see the module docstring)."""
+    if data == "builtin":
+        return np.memmap(builtin_path(), dtype=np.uint8, mode="r")
+    path = Path(data)
+    if not path.exists():
+        raise ConfigError(f"data path '{data}' does not exist: give an existing text file, "
+                          "directory or .bin token file, or 'builtin'.")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        if not files:
+            raise ConfigError(f"data directory '{data}' has no files: put text files in it.")
+        return np.memmap(_concat_to_cache(files, "dir"), dtype=np.uint8, mode="r")
+    if path.stat().st_size == 0:
+        raise ConfigError(f"data file '{data}' is empty: give a file with text or tokens in it.")
+    if path.suffix == ".bin":
+        if path.stat().st_size % 2:
+            raise ConfigError(f"token file '{data}' has an odd number of bytes: a .bin file must "
+                              "hold uint16 token ids.")
+        return np.memmap(path, dtype=np.uint16, mode="r")
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def vocab_needed(tokens: np.ndarray) -> int:
+    return BYTE_VOCAB if tokens.dtype == np.uint8 else int(tokens.max()) + 1
+
+
+class Batches:
+    """Training and validation batches for one global rank."""
+
+    def __init__(self, tokens: np.ndarray, *, rank: int, world: int, seq_len: int,
+                 batch_size: int, seed: int, val_fraction: float):
+        self.tokens, self.rank, self.world = tokens, rank, world
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        n = len(tokens)
+        self.val_start = n - max(int(n * val_fraction), seq_len + 1)
+        shard = self.val_start // world
+        if shard < seq_len + 1 or self.val_start < 0:
+            raise ConfigError(f"the corpus ({n} tokens) is too small for {world} shards of "
+                              f"sequences of {seq_len} tokens: use more data, fewer ranks or a "
+                              "shorter --seq-len.")
+        self.lo, self.hi = rank * shard, (rank + 1) * shard  # this rank's shard [lo, hi)
+
+    def _windows(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
+        chunk = torch.from_numpy(np.asarray(self.tokens[idx], dtype=np.int64))
+        return chunk[:, :-1], chunk[:, 1:]
+
+    def train_starts(self, step: int, micro: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, self.rank, step, micro])
+        return rng.integers(self.lo, self.hi - self.seq_len, size=self.batch_size)
+
+    def train(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets, each (batch_size, seq_len), from this rank's shard."""
+        return self._windows(self.train_starts(step, micro))
+
+    def val(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validation batch i: the same on every rank, only from the held-out split."""
+        rng = np.random.default_rng([self.seed, 1 << 20, i])
+        starts = rng.integers(self.val_start, len(self.tokens) - self.seq_len, size=self.batch_size)
+        return self._windows(starts)

@@ -1,0 +1,101 @@
+"""Start R x S worker processes on this machine, watch them, stop them all if one fails.
+
+Workers get torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1,
+MASTER_PORT), so the worker code path is the same as under torchrun or TorchX. Rank 0 writes
+to this terminal; the other ranks write to <run>/logs/rank<r>.log. If any worker exits with an
+error, the others are terminated (then killed) and the job exits with that worker's status.
+Workers die with this process (PR_SET_PDEATHSIG), so no process is left behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from lowband.telemetry import RunDir
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def last_line(path: Path) -> str:
+    try:
+        lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+class LocalJob:
+    def __init__(self, argv: list[str], world: int, run: RunDir, env: dict | None = None):
+        self.run, self.world = run, world
+        port = free_port()
+        self.procs: list[subprocess.Popen] = []
+        self._logs = []
+        for r in range(world):
+            wenv = {**os.environ, **(env or {}), "RANK": str(r), "WORLD_SIZE": str(world),
+                    "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOWBAND_WORKER": "1"}
+            out = None if r == 0 else open(run.logs / f"rank{r}.log", "w")
+            self._logs.append(out)
+            cmd = [sys.executable, "-m", "lowband.cli", "train", *argv, "--run-dir", str(run.root)]
+            self.procs.append(subprocess.Popen(cmd, env=wenv, stdout=out, stderr=out,
+                                               stdin=subprocess.DEVNULL,
+                                               preexec_fn=_die_with_parent))
+
+    def wait(self) -> tuple[int, int | None]:
+        """Block until every worker is done or one fails. Returns (status, failed rank)."""
+        try:
+            while True:
+                codes = [p.poll() for p in self.procs]
+                failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+                if failed:
+                    # a worker killed by a signal or refusing input is the cause; the others
+                    # usually fail after it because their peer vanished
+                    first = min(failed, key=lambda r: (codes[r] >= 0 and codes[r] != 2, r))
+                    self.stop()
+                    return codes[first], first
+                if all(c == 0 for c in codes):
+                    return 0, None
+                time.sleep(0.1)
+        except KeyboardInterrupt:
+            self.stop()
+            return 130, None
+        finally:
+            for f in self._logs:
+                if f is not None:
+                    f.close()
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.time() + grace_s
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(deadline - time.time(), 0.01))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

@@ -1,0 +1,152 @@
+"""The run directory and its events: the contract between trainer, dashboard and report.
+
+runs/<name>/config.json            the validated config
+runs/<name>/events/rank<r>.jsonl   append-only, one JSON object a line
+runs/<name>/summary.json           written at the end: totals and final metrics
+runs/<name>/logs/rank<r>.log       what a worker printed (ranks other than 0, local launches)
+
+Every event carries v (schema version), t (unix seconds), rank, replica and kind. Kinds:
+  step  step, loss, lr, tokens (cumulative, this rank), step_s, compute_s
+  comm  op, group (outer/inner), tag, payload_bytes, wire_bytes, codec, start, end
+  sync  step, fragment/block, pseudo_grad_norm, weight, anomaly, outer_lr
+  eval  step, val_loss
+  spike step, loss, z
+  run   phase (start/end), world, config_hash
+Readers skip a torn last line, damaged lines, unknown fields and unknown kinds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+KINDS = ("step", "comm", "sync", "eval", "spike", "run")
+
+
+class RunDir:
+    """Paths inside one run directory."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.json"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def events(self) -> Path:
+        return self.root / "events"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    def event_file(self, rank: int) -> Path:
+        return self.events / f"rank{rank}.jsonl"
+
+    def create(self) -> "RunDir":
+        for d in (self.root, self.events, self.logs):
+            d.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def read_json(self, path: Path) -> dict | None:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write beside, then rename: a reader sees the old file or the new one, never half."""
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+class EventWriter:
+    """Appends one rank's events to its JSONL file; safe to call from communication threads."""
+
+    def __init__(self, run_dir: RunDir, rank: int, replica: int):
+        self.rank, self.replica = rank, replica
+        run_dir.events.mkdir(parents=True, exist_ok=True)
+        self._file = open(run_dir.event_file(rank), "a", buffering=1)
+        self._lock = threading.Lock()
+
+    def emit(self, kind: str, **fields) -> dict:
+        event = {"v": SCHEMA_VERSION, "t": time.time(), "rank": self.rank,
+                 "replica": self.replica, "kind": kind, **fields}
+        line = json.dumps(event, separators=(",", ":")) + "\n"
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(line)
+        return event
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+class EventTail:
+    """Incremental reader of a run's event files by byte offset.
+
+    poll() returns the events appended since the last call. A last line without its newline is
+    being written (or was torn by a crash): it is left for the next poll, never parsed half.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike | RunDir):
+        self.run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+        self._offsets: dict[Path, int] = {}
+
+    def poll(self, kinds: tuple[str, ...] = KINDS) -> list[dict]:
+        out: list[dict] = []
+        if not self.run_dir.events.is_dir():
+            return out
+        for path in sorted(self.run_dir.events.glob("rank*.jsonl")):
+            offset = self._offsets.get(path, 0)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    chunk = f.read()
+            except OSError:
+                continue
+            end = chunk.rfind(b"\n")
+            if end < 0:
+                continue
+            self._offsets[path] = offset + end + 1
+            for line in chunk[: end + 1].splitlines():
+                event = parse_event(line)
+                if event is not None and event["kind"] in kinds:
+                    out.append(event)
+        return out
+
+
+def parse_event(line: bytes | str) -> dict | None:
+    """One event from one line, or None for a damaged line or one without the common fields."""
+    try:
+        event = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(event, dict):
+        return None
+    if not all(k in event for k in ("v", "t", "rank", "kind")):
+        return None
+    return event
+
+
+def read_events(run_dir: str | os.PathLike | RunDir, kinds: tuple[str, ...] = KINDS) -> list[dict]:
+    """Every complete event of a run, ordered by time."""
+    events = EventTail(run_dir).poll(kinds)
+    events.sort(key=lambda e: e["t"])
+    return events

@@ -1,0 +1,76 @@
+"""R replicas x S shards -> a 2-D DeviceMesh, the inner and outer process groups.
+
+Global rank r is shard r % S of replica r // S. The inner group joins the S ranks of one replica
+(the fast link); the outer group joins the ranks holding the same shard index across replicas
+(the slow link). gloo on CPU, NCCL on CUDA, chosen automatically.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lowband.config import ConfigError
+
+
+@dataclass
+class Topology:
+    rank: int
+    world: int
+    replicas: int
+    shards: int
+    device: torch.device
+    mesh: DeviceMesh
+    inner: dist.ProcessGroup
+    outer: dist.ProcessGroup
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.shards
+
+    @property
+    def shard(self) -> int:
+        return self.rank % self.shards
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", self.rank))
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        return {"inner": self.inner, "outer": self.outer, "world": dist.group.WORLD}[name]
+
+
+def pick_device(requested: str) -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but no CUDA device is available: use "
+                          "--device cpu or auto.")
+    if requested == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+
+
+def init(replicas: int, shards: int, device: str = "auto", timeout_s: float = 300) -> Topology:
+    """Join the process group described by the environment (torchrun's variables)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if replicas * shards != world:
+        raise ConfigError(f"--replicas {replicas} x --shards {shards} = {replicas * shards} ranks, "
+                          f"but the job has {world} processes: make R x S equal the world size.")
+    dev = pick_device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ.setdefault("RANK", "0")
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                                device_id=dev if dev.type == "cuda" else None)
+    mesh = init_device_mesh(dev.type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    return Topology(rank=dist.get_rank(), world=world, replicas=replicas, shards=shards,
+                    device=dev, mesh=mesh, inner=mesh.get_group("shard"),
+                    outer=mesh.get_group("replicate"))

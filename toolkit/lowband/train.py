@@ -1,0 +1,222 @@
+"""The one training loop, used by every algorithm.
+
+Run inside a process group that torchrun, TorchX or `lowband train` set up (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT in the environment). `train(config)` builds lowband's GPT;
+`train(config, model=my_module)` trains a user's own nn.Module that maps (B, T) token ids to
+(B, T, V) logits, whose blocks are found by `find_blocks` (or passed as `blocks=`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from lowband import topology as topo_mod
+from lowband.algorithms import ALGORITHMS
+from lowband.comm import Comm
+from lowband.config import Config, ConfigError
+from lowband.data import Batches, load_tokens, vocab_needed
+from lowband.model import GPT, find_blocks, gpt_config, lm_loss, num_params
+from lowband.telemetry import EventWriter, RunDir, write_json_atomic
+
+
+def lr_at(cfg: Config, step: int) -> float:
+    """Linear warm-up to cfg.lr, then cosine decay to cfg.lr * cfg.min_lr_ratio at the end."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(cfg.steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer_factory(cfg: Config, device: torch.device):
+    """AdamW with weight decay on matrices and embeddings only (not on norms' scales)."""
+
+    def make(params):
+        params = [p for p in params if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        rest = [p for p in params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+                  {"params": rest, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                 fused=device.type == "cuda")
+
+    return make
+
+
+def build_model(cfg: Config, vocab: int) -> nn.Module:
+    mc = gpt_config(cfg.model, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.vocab_size, cfg.seq_len)
+    if mc.vocab_size < vocab:
+        raise ConfigError(f"the data has token ids up to {vocab - 1} but the model's vocabulary "
+                          f"is {mc.vocab_size}: pass --vocab-size {vocab} or more.")
+    if mc.d_model % mc.n_head:
+        raise ConfigError(f"--d-model {mc.d_model} is not divisible by --n-head {mc.n_head}: "
+                          "pick sizes where it is.")
+    return GPT(mc)
+
+
+def _set_threads() -> None:
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_world, 1)))
+
+
+def _resolve_run_dir(cfg: Config, rank: int) -> RunDir:
+    """Rank 0 picks the run directory (default runs/<algo>-<time>) and tells the others."""
+    name = [cfg.run_dir or os.path.join("runs", f"{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}")]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(name, src=0)
+    cfg.run_dir = name[0]
+    return RunDir(cfg.run_dir).create()
+
+
+def evaluate(model, batches: Batches, cfg: Config, device) -> float:
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for i in range(cfg.eval_batches):
+            x, y = batches.val(i)
+            total += lm_loss(model, x.to(device), y.to(device)).item()
+    model.train(was_training)
+    return total / cfg.eval_batches
+
+
+def train(cfg: Config, model: nn.Module | None = None, blocks: nn.ModuleList | None = None) -> dict | None:
+    """Train on this process's rank. Returns the summary on rank 0, None elsewhere."""
+    cfg.validate()
+    _set_threads()
+    topo = topo_mod.init(cfg.replicas, cfg.shards, cfg.device)
+    run = _resolve_run_dir(cfg, topo.rank)
+    events = EventWriter(run, topo.rank, topo.replica)
+    try:
+        return _train(cfg, topo, run, events, model, blocks)
+    finally:
+        events.close()
+
+
+def _train(cfg, topo, run, events, model, blocks):
+    device = topo.device
+    tokens = load_tokens(cfg.data)
+    batches = Batches(tokens, rank=topo.rank, world=topo.world, seq_len=cfg.seq_len,
+                      batch_size=cfg.batch_size, seed=cfg.seed, val_fraction=cfg.val_fraction)
+    torch.manual_seed(cfg.seed)
+    if model is None:
+        model = build_model(cfg, vocab_needed(tokens))
+    model.to(device)
+    blocks = blocks if blocks is not None else find_blocks(model)
+    comm = Comm(topo, events)
+    _broadcast_init(model, comm)
+
+    algo = ALGORITHMS[cfg.algo]()
+    optimizer = algo.setup(model, blocks, make_optimizer_factory(cfg, device), topo, comm, cfg)
+    if topo.rank == 0:
+        write_json_atomic(run.config, {**cfg.to_dict(), "meta": {
+            "world": topo.world, "n_params": num_params(model), "torch": torch.__version__,
+            "device": device.type, "backend": dist.get_backend()}})
+    events.emit("run", phase="start", world=topo.world, config_hash=cfg.hash())
+
+    bar = _progress(cfg, topo.rank)
+    per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+    my_tokens, compute_s, last_loss, val_loss = 0, 0.0, float("nan"), float("nan")
+    model.train()
+    t_start = time.time()
+    for step in range(cfg.steps):
+        t0 = time.perf_counter()
+        lr = lr_at(cfg, step)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        algo.before_forward(step)
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(cfg.grad_accum):
+            x, y = batches.train(step, micro)
+            loss = lm_loss(model, x.to(device), y.to(device)) / cfg.grad_accum
+            algo.before_backward(step, micro, micro == cfg.grad_accum - 1)
+            loss.backward()
+            loss_sum += loss.detach()
+        algo.after_backward(step)
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        algo.after_step(step)
+        last_loss = loss_sum.item()
+        step_s = time.perf_counter() - t0
+        step_compute = max(step_s - comm.take_wait_s(), 0.0)
+        compute_s += step_compute
+        my_tokens += per_step
+        events.emit("step", step=step + 1, loss=last_loss, lr=lr, tokens=my_tokens,
+                    step_s=step_s, compute_s=step_compute)
+        if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps:
+            val_loss = evaluate(model, batches, cfg, device)
+            events.emit("eval", step=step + 1, val_loss=val_loss)
+        if bar is not None:
+            bar.set_postfix(loss=f"{last_loss:.3f}",
+                            tok_s=f"{my_tokens * topo.world / (time.time() - t_start):.0f}")
+            bar.update(1)
+    algo.finish()
+    wall_s = time.time() - t_start
+    if bar is not None:
+        bar.close()
+    events.emit("run", phase="end", world=topo.world, config_hash=cfg.hash())
+
+    mine = {"tokens": my_tokens, "wall_s": wall_s, "compute_s": compute_s, "loss": last_loss,
+            "val_loss": val_loss, "replica": topo.replica, "shard": topo.shard,
+            "outer_wire": comm.totals.wire_bytes["outer"], "inner_wire": comm.totals.wire_bytes["inner"],
+            "peak_outer": comm.totals.peak_outer_payload}
+    everyone = [None] * topo.world
+    dist.all_gather_object(everyone, mine)
+    if topo.rank == 0:
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, run.root / "model.pt")
+    summary = summarize(cfg, everyone) if topo.rank == 0 else None
+    if summary is not None:
+        write_json_atomic(run.summary, summary)
+    dist.barrier()
+    return summary
+
+
+def _broadcast_init(model: nn.Module, comm: Comm) -> None:
+    """Every rank starts from rank 0's initialisation (one flat transfer, recorded as 'init')."""
+    params = list(model.parameters())
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    comm.broadcast(flat, src=0, tag="init").wait()
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(flat[offset: offset + p.numel()].view_as(p))
+            offset += p.numel()
+    comm.take_wait_s()
+
+
+def summarize(cfg: Config, ranks: list[dict]) -> dict:
+    """summary.json: totals over ranks (see docs/run-directory.md for every field)."""
+    wall = max(r["wall_s"] for r in ranks)
+    tokens = sum(r["tokens"] for r in ranks)
+    compute = sum(r["compute_s"] for r in ranks) / len(ranks)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {
+        "algorithm": cfg.algo, "replicas": cfg.replicas, "shards": cfg.shards, "steps": cfg.steps,
+        "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "compute_s": compute, "compute_utilization": mean([r["compute_s"] / r["wall_s"] for r in ranks]),
+        "outer_wire_bytes": sum(r["outer_wire"] for r in ranks),
+        "inner_wire_bytes": sum(r["inner_wire"] for r in ranks),
+        "peak_outer_payload_bytes": max(r["peak_outer"] for r in ranks),
+        "final_loss": mean([r["loss"] for r in ranks]),
+        "final_val_loss": mean([r["val_loss"] for r in ranks if r["shard"] == 0]),
+        "run_dir": cfg.run_dir,
+    }
+
+
+def _progress(cfg: Config, rank: int):
+    if rank != 0 or not cfg.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.steps, desc=f"{cfg.algo} R={cfg.replicas} S={cfg.shards}",
+                file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
