@@ -72,6 +72,15 @@ BAD = [
     (["--no-such-flag"], "unrecognized arguments"),
     (["--config", "bad.toml"], "unknown key 'stepz'"),
     (["--config", "missing.toml"], "does not exist"),
+    (["--algo", "streaming", "--sync-every", "8", "--fragments", "2", "--overlap", "4"],
+     "--overlap 4 must be at least 0 and below H/P = 4"),
+    (["--algo", "streaming", "--fragments", "8", "--sync-every", "16"], "more than the model's 4 blocks"),
+    (["--algo", "streaming", "--alpha", "1.5"], "--alpha must lie in [0, 1]"),
+    (["--algo", "streaming", "--sync-every", "10", "--fragments", "4"], "is not a multiple of"),
+    (["--algo", "diloco", "--fragments", "2"], "use --algo streaming"),
+    (["--algo", "streaming", "--codec", "fp8"], "unknown codec 'fp8'"),
+    (["--link-bandwidth", "fast"], "cannot read the bandwidth 'fast'"),
+    (["--fragment-pattern", "random"], "is not one of strided, sequential"),
 ]
 
 

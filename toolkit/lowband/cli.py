@@ -27,11 +27,12 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="a TOML file whose keys are these options' names")
     for f in fields():
         flag = "--" + f.name.replace("_", "-")
-        help_ = f"{f.metadata['help']} (default: {f.default!r})"
+        default = "per algorithm" if f.default is None else repr(f.default)
+        help_ = f"{f.metadata['help']} (default: {default})"
         if isinstance(f.default, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
         else:
-            p.add_argument(flag, type=type(f.default), help=help_, metavar=f.name.upper())
+            p.add_argument(flag, type=f.metadata["type"], help=help_, metavar=f.name.upper())
     return p
 
 

@@ -18,14 +18,24 @@ class ConfigError(ValueError):
     """Input a user can fix; its message is one sentence naming the fix."""
 
 
-def _f(default, help: str, choices=None):
-    return field(default=default, metadata={"help": help, "choices": choices})
+def _f(default, help: str, choices=None, kind=None):
+    """A field; `kind` is its type where the default is None (resolved per algorithm)."""
+    return field(default=default, metadata={"help": help, "choices": choices,
+                                            "type": kind or type(default)})
+
+
+# per-algorithm defaults of the fields left as None
+ALGO_DEFAULTS = {
+    "diloco": {"fragments": 1, "overlap": 0, "alpha": 0.0, "codec": "fp32"},
+    "streaming": {"fragments": 4, "overlap": 1, "alpha": 0.5, "codec": "fp4-e3m0"},
+}
+OUTER_ALGOS = tuple(ALGO_DEFAULTS)
 
 
 @dataclass
 class Config:
     # what to run
-    algo: str = _f("ddp", "training algorithm", ("ddp",))
+    algo: str = _f("ddp", "training algorithm: ddp, diloco or streaming")
     replicas: int = _f(2, "R: replica groups, joined by the slow outer link")
     shards: int = _f(1, "S: ranks inside each replica group, joined by the fast inner link")
     # model
@@ -52,6 +62,26 @@ class Config:
     grad_clip: float = _f(1.0, "clip the gradient norm to this value (0 disables)")
     # communication
     bucket_mb: float = _f(4.0, "gradient bucket size in MiB for data-parallel all-reduce")
+    # outer loop (diloco, streaming)
+    sync_every: int = _f(20, "H: inner steps between two syncs of the same fragment")
+    fragments: int = _f(None, "P: fragments synced in turn (diloco 1, streaming 4)", kind=int)
+    fragment_pattern: str = _f("strided", "strided (block i -> fragment i mod P) or sequential",
+                               ("strided", "sequential"))
+    overlap: int = _f(None, "tau: steps between starting a fragment's exchange and applying it "
+                      "(diloco 0, streaming 1)", kind=int)
+    alpha: float = _f(None, "merge theta <- alpha*local + (1-alpha)*outer (diloco 0, streaming 0.5)",
+                      kind=float)
+    codec: str = _f(None, "outer exchange codec: fp32, bf16, int8, fp4-e3m0, fp4-e2m1 "
+                    "(diloco fp32, streaming fp4-e3m0)", kind=str)
+    codec_block: int = _f(64, "values per quantization block (one bf16 scale each)")
+    outer_lr: float = _f(0.7, "outer SGD learning rate")
+    outer_momentum: float = _f(0.9, "outer SGD Nesterov momentum")
+    outer_state_device: str = _f("cpu", "where the outer parameters and momentum live: cpu or "
+                                 "same (the model's device)", ("cpu", "same"))
+    eval_params: str = _f("local", "evaluate the local (replica) or the outer parameters",
+                          ("local", "outer"))
+    link_bandwidth: str = _f("", "emulate the outer link's bandwidth, e.g. 100Mbit (empty: none)")
+    link_latency: str = _f("0ms", "emulated outer link latency, e.g. 20ms")
     # evaluation, output, reproducibility
     eval_every: int = _f(50, "evaluate on the validation split every N steps (0: only at the end)")
     eval_batches: int = _f(4, "validation micro-batches per evaluation")
@@ -90,12 +120,57 @@ class Config:
                 raise ConfigError(f"--{_flag(name)} must lie in [0, 1], got {getattr(self, name)}.")
         if not 0 < self.val_fraction < 1:
             raise ConfigError(f"--val-fraction must lie strictly between 0 and 1, got {self.val_fraction}.")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"unknown device '{self.device}': use auto, cpu or cuda.")
+        for f in dataclasses.fields(self):
+            choices, value = f.metadata["choices"], getattr(self, f.name)
+            if choices and value is not None and value not in choices:
+                raise ConfigError(f"--{_flag(f.name)} '{value}' is not one of {', '.join(choices)}.")
+        self._validate_outer()
         if self.data != "builtin" and not Path(self.data).exists():
             raise ConfigError(f"data path '{self.data}' does not exist: give an existing text file, "
                               "directory or .bin token file, or 'builtin'.")
         return self
+
+    def _validate_outer(self) -> None:
+        from lowband.comm import CODECS, parse_bandwidth, parse_duration
+
+        for name, value in ALGO_DEFAULTS.get(self.algo, {}).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        if self.algo == "diloco" and (self.fragments, self.overlap) != (1, 0):
+            raise ConfigError("diloco syncs the whole model with no overlap: use --algo streaming "
+                              "for --fragments above 1 or --overlap above 0.")
+        try:
+            parse_bandwidth(self.link_bandwidth or 0)
+            parse_duration(self.link_latency)
+        except ValueError as e:
+            raise ConfigError(f"{e}.") from None
+        if self.algo not in OUTER_ALGOS:
+            return
+        P, H = self.fragments, self.sync_every
+        if H <= 0 or P <= 0:
+            raise ConfigError("--sync-every and --fragments must be positive integers.")
+        if H % P:
+            raise ConfigError(f"--sync-every {H} is not a multiple of --fragments {P}: fragments "
+                              "sync in turn every H/P steps, so pick H divisible by P.")
+        if P > self.n_blocks():
+            raise ConfigError(f"--fragments {P} is more than the model's {self.n_blocks()} blocks: "
+                              "use at most one fragment per block.")
+        if not 0 <= self.overlap < H // P:
+            raise ConfigError(f"--overlap {self.overlap} must be at least 0 and below H/P = "
+                              f"{H // P}, so a fragment's exchange lands before its next one starts.")
+        if not 0 <= self.alpha <= 1:
+            raise ConfigError(f"--alpha must lie in [0, 1], got {self.alpha}.")
+        if self.codec not in CODECS:
+            raise ConfigError(f"unknown codec '{self.codec}': use one of {', '.join(CODECS)}.")
+        if self.codec_block <= 0 or not self.outer_lr > 0:
+            raise ConfigError("--codec-block and --outer-lr must be positive.")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"--outer-momentum must lie in [0, 1), got {self.outer_momentum}.")
+
+    def n_blocks(self) -> int:
+        from lowband.model import PRESETS
+
+        return self.n_layer or PRESETS[self.model][0]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -113,7 +188,7 @@ class Config:
         cfg = cls()
         for key, value in values.items():
             name = key.replace("-", "_")
-            expected = type(getattr(cfg, name))
+            expected = FIELD_TYPES[name]
             if expected is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
             if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
@@ -139,3 +214,6 @@ def _flag(name: str) -> str:
 
 def fields() -> list[dataclasses.Field]:
     return list(dataclasses.fields(Config))
+
+
+FIELD_TYPES = {f.name: f.metadata["type"] for f in dataclasses.fields(Config)}

@@ -19,10 +19,11 @@ import torch.nn as nn
 
 from lowband import topology as topo_mod
 from lowband.algorithms import ALGORITHMS
-from lowband.comm import Comm
+from lowband.comm import Comm, Link, parse_bandwidth, parse_duration
 from lowband.config import Config, ConfigError
 from lowband.data import Batches, load_tokens, vocab_needed
 from lowband.model import GPT, find_blocks, gpt_config, lm_loss, num_params
+from lowband.params import flatten, write_flat
 from lowband.telemetry import EventWriter, RunDir, write_json_atomic
 
 
@@ -111,7 +112,10 @@ def _train(cfg, topo, run, events, model, blocks):
         model = build_model(cfg, vocab_needed(tokens))
     model.to(device)
     blocks = blocks if blocks is not None else find_blocks(model)
-    comm = Comm(topo, events)
+    link = None
+    if cfg.link_bandwidth:
+        link = Link(parse_bandwidth(cfg.link_bandwidth), parse_duration(cfg.link_latency))
+    comm = Comm(topo, events, link)
     _broadcast_init(model, comm)
 
     algo = ALGORITHMS[cfg.algo]()
@@ -154,13 +158,15 @@ def _train(cfg, topo, run, events, model, blocks):
         events.emit("step", step=step + 1, loss=last_loss, lr=lr, tokens=my_tokens,
                     step_s=step_s, compute_s=step_compute)
         if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps:
-            val_loss = evaluate(model, batches, cfg, device)
+            with algo.eval_weights(cfg.eval_params):
+                val_loss = evaluate(model, batches, cfg, device)
             events.emit("eval", step=step + 1, val_loss=val_loss)
         if bar is not None:
             bar.set_postfix(loss=f"{last_loss:.3f}",
                             tok_s=f"{my_tokens * topo.world / (time.time() - t_start):.0f}")
             bar.update(1)
     algo.finish()
+    outer = algo.outer_params()
     wall_s = time.time() - t_start
     if bar is not None:
         bar.close()
@@ -174,6 +180,8 @@ def _train(cfg, topo, run, events, model, blocks):
     dist.all_gather_object(everyone, mine)
     if topo.rank == 0:
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, run.root / "model.pt")
+        if outer is not None:
+            torch.save({k: v.cpu() for k, v in outer.items()}, run.root / "outer.pt")
     summary = summarize(cfg, everyone) if topo.rank == 0 else None
     if summary is not None:
         write_json_atomic(run.summary, summary)
@@ -184,13 +192,9 @@ def _train(cfg, topo, run, events, model, blocks):
 def _broadcast_init(model: nn.Module, comm: Comm) -> None:
     """Every rank starts from rank 0's initialisation (one flat transfer, recorded as 'init')."""
     params = list(model.parameters())
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    flat = flatten(params)
     comm.broadcast(flat, src=0, tag="init").wait()
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            p.copy_(flat[offset: offset + p.numel()].view_as(p))
-            offset += p.numel()
+    write_flat(params, flat)
     comm.take_wait_s()
 
 

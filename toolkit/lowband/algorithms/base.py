@@ -11,6 +11,7 @@ and finish() once after the last step, to drain transfers still in flight.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Iterable
 
 import torch
@@ -46,6 +47,14 @@ class Algorithm:
 
     def finish(self) -> None:
         pass
+
+    def outer_params(self) -> dict[str, torch.Tensor] | None:
+        """The outer (synced) parameters by name, for algorithms that keep them."""
+        return None
+
+    def eval_weights(self, which: str):
+        """A context in which the model holds the weights to evaluate ('local' or 'outer')."""
+        return contextlib.nullcontext()
 
     def state_dict(self) -> dict:
         return {}

@@ -10,6 +10,7 @@ after_backward waits for every bucket and writes the averages back into the grad
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from lowband.algorithms.base import Algorithm
 
@@ -29,6 +30,9 @@ class Bucket:
 
 class DDP(Algorithm):
     name = "ddp"
+
+    def __init__(self, group: str = "world"):
+        self.group = group  # streaming reuses this class over its replica's inner group
 
     def setup(self, model, blocks, make_optimizer, topology, comm, config):
         optimizer = super().setup(model, blocks, make_optimizer, topology, comm, config)
@@ -63,7 +67,7 @@ class DDP(Algorithm):
             self._launch(bucket)
 
     def _launch(self, bucket):
-        bucket.transfer = self.comm.all_reduce(bucket.flat, "world", tag=f"bucket{bucket.index}")
+        bucket.transfer = self.comm.all_reduce(bucket.flat, self.group, tag=f"bucket{bucket.index}")
 
     def after_backward(self, step):
         for bucket in self.buckets:
@@ -72,7 +76,7 @@ class DDP(Algorithm):
                     if p not in bucket.ready:
                         bucket.views[p].copy_(p.grad if p.grad is not None else torch.zeros_like(p))
                 self._launch(bucket)
-        world = self.topo.world
+        world = dist.get_world_size(self.topo.group(self.group))
         for bucket in self.buckets:
             bucket.transfer.wait()
             bucket.flat.div_(world)

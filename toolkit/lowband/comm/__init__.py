@@ -1,4 +1,7 @@
 """Every byte that crosses a link goes through here."""
-from lowband.comm.collectives import Comm, Transfer, wire_bytes
+from lowband.comm.codecs import CODECS, NonFiniteError, decode, encode, payload_bytes
+from lowband.comm.collectives import Average, Comm, Transfer, wire_bytes
+from lowband.comm.link import Link, parse_bandwidth, parse_duration
 
-__all__ = ["Comm", "Transfer", "wire_bytes"]
+__all__ = ["CODECS", "Average", "Comm", "Link", "NonFiniteError", "Transfer", "decode", "encode",
+           "parse_bandwidth", "parse_duration", "payload_bytes", "wire_bytes"]

@@ -11,6 +11,7 @@ Wire bytes per rank, for a group of n ranks (ring algorithms, the bandwidth-opti
   all_gather       (n-1) x the local input      (payload = the gathered output)
   reduce_scatter   (n-1)/n x the input          (payload = the input)
   broadcast        (n-1) x payload on the root, 0 elsewhere
+On the outer link an emulated `Link` (link.py) may delay completion: `end` then includes it.
 A group spanning several replicas crosses the slow outer link; for a world-wide ring in rank
 order, rank r's bytes go to rank r+1, so they cross the outer link exactly when r+1 lies in
 another replica, and are recorded as `outer`, else `inner`.
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from lowband.comm.codecs import decode, encode
+from lowband.comm.link import Link
 from lowband.telemetry import EventWriter
 from lowband.topology import Topology
 
@@ -52,8 +55,9 @@ class Totals:
 class Transfer:
     """A collective in flight. `wait()` blocks until it is done and returns its result tensor."""
 
-    def __init__(self, comm: "Comm", work, result, record: dict):
+    def __init__(self, comm: "Comm", work, result, record: dict, not_before: float = 0.0):
         self.comm, self.work, self.result, self.record = comm, work, result, record
+        self.not_before = not_before  # when an emulated link lets the bytes arrive
         self._done = threading.Event()
         if work is None:
             self._finish(None)
@@ -61,25 +65,26 @@ class Transfer:
             work.get_future().then(self._finish)
 
     def _finish(self, _future) -> None:
-        self.record["end"] = time.time()
+        self.record["end"] = max(time.time(), self.not_before)
         self.comm._record(self.record)
         self._done.set()
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._done.is_set() and time.time() >= self.not_before
 
     def wait(self):
         t0 = time.perf_counter()
         if self.work is not None:
             self.work.wait()
         self._done.wait()
+        time.sleep(max(self.not_before - time.time(), 0.0))
         self.comm.wait_s += time.perf_counter() - t0
         return self.result
 
 
 class Comm:
-    def __init__(self, topology: Topology, events: EventWriter | None):
-        self.topo, self.events = topology, events
+    def __init__(self, topology: Topology, events: EventWriter | None, link: Link | None = None):
+        self.topo, self.events, self.link = topology, events, link
         self.totals = Totals()
         self.wait_s = 0.0  # seconds the training thread spent blocked on transfers
         self._lock = threading.Lock()
@@ -88,7 +93,7 @@ class Comm:
         w, self.wait_s = self.wait_s, 0.0
         return w
 
-    def link(self, group: str) -> str:
+    def link_of(self, group: str) -> str:
         """Which link a transfer on `group` travels: outer (slow) or inner (fast)."""
         t = self.topo
         if group == "world":
@@ -100,11 +105,14 @@ class Comm:
         pg = self.topo.group(group)
         n = dist.get_world_size(pg)
         is_root = root is not None and n > 1 and dist.get_rank(pg) == root
-        record = {"op": op, "group": self.link(group), "tag": tag, "codec": codec,
+        record = {"op": op, "group": self.link_of(group), "tag": tag, "codec": codec,
                   "payload_bytes": int(payload), "wire_bytes": wire_bytes(op, payload, n, is_root),
                   "start": time.time()}
+        not_before = 0.0
+        if self.link is not None and record["group"] == "outer" and record["wire_bytes"]:
+            not_before = self.link.schedule(record["start"], record["wire_bytes"])
         work = launch(pg) if n > 1 else None
-        return Transfer(self, work, result, record)
+        return Transfer(self, work, result, record, not_before)
 
     def _record(self, rec: dict) -> None:
         with self._lock:
@@ -154,3 +162,37 @@ class Comm:
         return self._start("broadcast", group, nbytes,
                            lambda g: dist.broadcast(tensor, group_src=src, group=g, async_op=True),
                            tensor, tag, codec, root=src)
+
+    def average(self, x: torch.Tensor, group: str, codec: str = "fp32", block: int = 64,
+                tag: str = "") -> "Average":
+        """Start averaging the flat fp32 tensor `x` over `group`, sent in `codec`.
+
+        fp32 is a plain all-reduce. Every other codec all-gathers the encoded payloads (the
+        bytes that travel are the packed codes and scales) and each rank decodes and sums them
+        in fp32, its own payload included, so every rank ends with the same average.
+        """
+        n = dist.get_world_size(self.topo.group(group))
+        if codec == "fp32":
+            return Average(self.all_reduce(x.clone(), group, tag, codec), n, None)
+        payload = encode(x, codec, block)
+        return Average(self.all_gather(payload, group, tag, codec), n, (x.numel(), codec, block))
+
+
+class Average:
+    """A mean over a group in flight; wait() returns it as a flat fp32 tensor."""
+
+    def __init__(self, transfer: Transfer, n: int, decoding):
+        self.transfer, self.n, self.decoding = transfer, n, decoding
+
+    def done(self) -> bool:
+        return self.transfer.done()
+
+    def wait(self) -> torch.Tensor:
+        result = self.transfer.wait()
+        if self.decoding is None:
+            return result.div_(self.n)
+        numel, codec, block = self.decoding
+        total = decode(result[0], numel, codec, block)
+        for payload in result[1:]:
+            total += decode(payload, numel, codec, block)
+        return total.div_(self.n)

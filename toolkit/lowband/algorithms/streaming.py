@@ -1,0 +1,168 @@
+"""diloco and streaming (Streaming DiLoCo, arXiv 2501.18512): one implementation.
+
+Each replica trains on its own with the inner AdamW (whose state is never synced). The model's
+blocks are split into P fragments (params.split_fragments). Fragment p starts a sync after
+inner step s whenever s is a multiple of H/P and (s / (H/P) - 1) mod P == p: so fragment 0
+syncs at H/P, H/P + H, ..., fragment P-1 at H, 2H, ...; some fragment syncs every H/P steps,
+each one every H steps. A sync of fragment p:
+  start (after step s)     delta = theta_outer_p - theta_p, averaged over the replicas
+                           through the outer link in the codec, asynchronously
+  apply (after step s+tau) m = mu m + delta;  theta_outer_p -= lr (delta + mu m)   (Nesterov)
+                           theta_p <- alpha theta_p + (1 - alpha) theta_outer_p
+With P=1, tau=0, alpha=0 and fp32 this is DiLoCo.
+
+With S > 1 ranks per replica, the replica is data-parallel inside (gradients averaged over the
+inner group by ddp's buckets) and the outer work is split: shard k of the replica owns slice k
+of each fragment's flat vector, keeps the outer parameters and momentum of that slice only,
+averages it over the outer group (the ranks holding slice k in the other replicas), and the
+merged slices are all-gathered over the inner group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+
+from lowband.algorithms.base import Algorithm
+from lowband.algorithms.ddp import DDP
+from lowband.config import ConfigError
+from lowband.params import flatten, split_fragments, write_flat
+
+
+class Fragment:
+    def __init__(self, index: int, params: list, shard: int, shards: int, device):
+        self.index, self.params = index, params
+        self.numel = sum(p.numel() for p in params)
+        self.chunk = math.ceil(self.numel / shards)
+        self.lo = min(shard * self.chunk, self.numel)
+        self.hi = min(self.lo + self.chunk, self.numel)
+        self.outer = self.local_slice().to(device)  # theta_outer, this rank's slice
+        self.momentum = torch.zeros_like(self.outer)
+        self.pending = None  # (apply after step, start step, Average in flight)
+
+    def local_slice(self) -> torch.Tensor:
+        return flatten(self.params)[self.lo: self.hi]
+
+
+class Streaming(Algorithm):
+    name = "streaming"
+
+    def setup(self, model, blocks, make_optimizer, topology, comm, config):
+        c = config
+        if c.fragments > len(blocks):
+            raise ConfigError(f"--fragments {c.fragments} is more than the model's {len(blocks)} "
+                              "blocks: use at most one fragment per block.")
+        self.inner = DDP(group="inner") if topology.shards > 1 else None
+        if self.inner is not None:
+            optimizer = self.inner.setup(model, blocks, make_optimizer, topology, comm, config)
+        else:
+            optimizer = make_optimizer(model.parameters())
+        self.model, self.blocks, self.topo, self.comm, self.config = model, blocks, topology, comm, c
+        self.optimizer = optimizer
+        device = torch.device("cpu") if c.outer_state_device == "cpu" else topology.device
+        self.period = c.sync_every // c.fragments
+        self.fragments = [Fragment(i, ps, topology.shard, topology.shards, device)
+                          for i, ps in enumerate(split_fragments(model, blocks, c.fragments,
+                                                                 c.fragment_pattern))]
+        return optimizer
+
+    def before_backward(self, step, micro, last):
+        if self.inner is not None:
+            self.inner.before_backward(step, micro, last)
+
+    def after_backward(self, step):
+        if self.inner is not None:
+            self.inner.after_backward(step)
+
+    def due(self, s: int) -> int | None:
+        """The fragment whose sync starts after inner step s (1-based), if any."""
+        if s % self.period:
+            return None
+        return (s // self.period - 1) % len(self.fragments)
+
+    def after_step(self, step):
+        s = step + 1
+        for f in self.fragments:
+            if f.pending is not None and f.pending[0] == s:
+                self._apply(f)
+        p = self.due(s)
+        if p is not None:
+            self._start(self.fragments[p], s)
+
+    def _start(self, f: Fragment, s: int) -> None:
+        delta = f.outer.to(self.topo.device) - f.local_slice()
+        avg = self.comm.average(delta, "outer", self.config.codec, self.config.codec_block,
+                                tag=f"frag{f.index}")
+        f.pending = (s + self.config.overlap, s, avg)
+        if self.config.overlap == 0:
+            self._apply(f)
+
+    @torch.no_grad()
+    def _apply(self, f: Fragment) -> None:
+        c = self.config
+        _, started, avg = f.pending
+        f.pending = None
+        delta = avg.wait().to(f.outer.device)
+        f.momentum.mul_(c.outer_momentum).add_(delta)
+        f.outer.sub_(c.outer_lr * (delta + c.outer_momentum * f.momentum))
+        merged = c.alpha * f.local_slice().to(f.outer.device) + (1 - c.alpha) * f.outer
+        write_flat(f.params, self._gather(f, merged.to(self.topo.device)))
+        if self.comm.events is not None:
+            self.comm.events.emit("sync", step=started, fragment=f.index, applied_step=started + c.overlap,
+                                  pseudo_grad_norm=self._norm(delta), weight=1 / self.topo.replicas,
+                                  anomaly=False, outer_lr=c.outer_lr)
+
+    def _gather(self, f: Fragment, piece: torch.Tensor) -> torch.Tensor:
+        """The whole fragment from every shard's slice (over the fast inner link)."""
+        if self.topo.shards == 1:
+            return piece
+        padded = F.pad(piece, (0, f.chunk - piece.numel()))
+        parts = self.comm.all_gather(padded, "inner", tag=f"frag{f.index}").wait()
+        return torch.cat(parts)[: f.numel]
+
+    def _norm(self, delta: torch.Tensor) -> float:
+        """Norm of the averaged pseudo-gradient over the whole fragment (all slices)."""
+        sq = delta.double().pow(2).sum().reshape(1)
+        if self.topo.shards > 1:
+            sq = torch.cat(self.comm.all_gather(sq.to(self.topo.device), "inner", tag="norm").wait())
+        return float(sq.sum().sqrt())
+
+    def finish(self):
+        """Land the exchanges still in flight, in the order they started."""
+        for f in sorted((f for f in self.fragments if f.pending), key=lambda f: f.pending[1]):
+            self._apply(f)
+
+    def outer_params(self) -> dict[str, torch.Tensor]:
+        """The full outer parameters by name (gathered over the inner group when sharded)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out = {}
+        for f in self.fragments:
+            full = self._gather(f, f.outer.to(self.topo.device))
+            offset = 0
+            for p in f.params:
+                out[names[id(p)]] = full[offset: offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+        return out
+
+    @contextlib.contextmanager
+    def eval_weights(self, which: str):
+        if which != "outer":
+            yield
+            return
+        saved = [flatten(f.params) for f in self.fragments]
+        outer = self.outer_params()
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(outer[name])
+        try:
+            yield
+        finally:
+            for f, flat in zip(self.fragments, saved):
+                write_flat(f.params, flat)
+
+
+class DiLoCo(Streaming):
+    name = "diloco"
