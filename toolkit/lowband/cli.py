@@ -13,6 +13,7 @@ import sys
 import time
 
 from lowband.config import Config, ConfigError, fields
+from lowband.units import fmt_si
 
 
 class _Parser(argparse.ArgumentParser):
@@ -93,16 +94,8 @@ def one_line(s: dict) -> str:
             f"loss {s.get('final_loss', float('nan')):.4f}, "
             f"val loss {s.get('final_val_loss', float('nan')):.4f}, "
             f"{s.get('tokens_per_s', 0):,.0f} tokens/s, "
-            f"outer link {human_bytes(s.get('outer_wire_bytes', 0))}, "
+            f"outer link {fmt_si(s.get('outer_wire_bytes', 0), 'B')}, "
             f"compute utilization {100 * s.get('compute_utilization', 0):.0f}%")
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n} B"
 
 
 COMMANDS = {"train": cmd_train}

@@ -108,7 +108,8 @@ def _train(cfg, topo, run, events, model, blocks):
     batches = Batches(tokens, rank=topo.rank, world=topo.world, seq_len=cfg.seq_len,
                       batch_size=cfg.batch_size, seed=cfg.seed, val_fraction=cfg.val_fraction)
     torch.manual_seed(cfg.seed)
-    if model is None:
+    user_model = model is not None
+    if not user_model:  # built from the seed: the same on every rank by construction
         model = build_model(cfg, vocab_needed(tokens))
     model.to(device)
     blocks = blocks if blocks is not None else find_blocks(model)
@@ -116,7 +117,8 @@ def _train(cfg, topo, run, events, model, blocks):
     if cfg.link_bandwidth:
         link = Link(parse_bandwidth(cfg.link_bandwidth), parse_duration(cfg.link_latency))
     comm = Comm(topo, events, link)
-    _broadcast_init(model, comm)
+    if user_model:
+        _broadcast_init(model, comm)
 
     algo = ALGORITHMS[cfg.algo]()
     optimizer = algo.setup(model, blocks, make_optimizer_factory(cfg, device), topo, comm, cfg)
@@ -190,7 +192,8 @@ def _train(cfg, topo, run, events, model, blocks):
 
 
 def _broadcast_init(model: nn.Module, comm: Comm) -> None:
-    """Every rank starts from rank 0's initialisation (one flat transfer, recorded as 'init')."""
+    """A user's model starts from rank 0's initialisation on every rank (one flat transfer,
+    recorded as 'init')."""
     params = list(model.parameters())
     flat = flatten(params)
     comm.broadcast(flat, src=0, tag="init").wait()

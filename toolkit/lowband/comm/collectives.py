@@ -8,7 +8,7 @@ the seconds the caller was blocked, which the trainer subtracts from the step to
 
 Wire bytes per rank, for a group of n ranks (ring algorithms, the bandwidth-optimal schedule):
   all_reduce       2 (n-1)/n x payload
-  all_gather       (n-1) x the local input      (payload = the gathered output)
+  all_gather       (n-1) x payload              (payload = this rank's input)
   reduce_scatter   (n-1)/n x the input          (payload = the input)
   broadcast        (n-1) x payload on the root, 0 elsewhere
 On the outer link an emulated `Link` (link.py) may delay completion: `end` then includes it.
@@ -37,7 +37,9 @@ def wire_bytes(op: str, payload: int, n: int, is_root: bool = False) -> int:
         return 0
     if op == "all_reduce":
         return 2 * (n - 1) * payload // n
-    if op in ("all_gather", "reduce_scatter"):
+    if op == "all_gather":
+        return (n - 1) * payload
+    if op == "reduce_scatter":
         return (n - 1) * payload // n
     if op == "broadcast":
         return (n - 1) * payload if is_root else 0
@@ -139,7 +141,7 @@ class Comm:
         n = dist.get_world_size(self.topo.group(group))
         out = [torch.empty_like(tensor) for _ in range(n)] if n > 1 else [tensor]
         nbytes = tensor.numel() * tensor.element_size()
-        return self._start("all_gather", group, nbytes * n,
+        return self._start("all_gather", group, nbytes,
                            lambda pg: dist.all_gather(out, tensor, group=pg, async_op=True),
                            out, tag, codec)
 
