@@ -1,0 +1,26 @@
+"""How much bandwidth does a run need? A schedule simulator of one training run on a slow link.
+
+The model follows the compute-utilization simulations of Streaming DiLoCo (arXiv 2501.18512):
+a step is a forward pass (1/3 of the step time) and a backward pass (2/3); every transfer over
+the outer (slow) link queues first in, first out on one link of a bandwidth (bit/s) and a
+latency (s per transfer). The timeline is event-driven: only steps that send or wait are
+visited. docs/plan.md states the model, its assumptions and its formulas.
+
+    from lowband.plan import simulate, required_bandwidth, plan
+    simulate("streaming", params=1e9, layers=24, step_time=0.1, sync_every=100, fragments=8,
+             overlap=1, codec="fp4-e3m0", bandwidth="1gbit").cu
+
+inputs.py (presets, codecs, parsing, validation), timeline.py (each algorithm's schedule and
+the replay), api.py (simulate, required_bandwidth, plan, plan_config, figure), cli.py (main).
+"""
+
+from lowband.plan.api import SimResult, figure, plan, plan_config, required_bandwidth, simulate
+from lowband.plan.cli import main, table
+from lowband.plan.inputs import (ALGORITHMS, BLOCK_SIZE, CODECS, GRAD_DTYPES, MODELS,
+                                 SCALE_BYTES, PlanError, Run, bytes_per_value, exchange_wire_bytes,
+                                 make_run, parse_bandwidth, ring_wire_bytes)
+
+__all__ = ["ALGORITHMS", "BLOCK_SIZE", "CODECS", "GRAD_DTYPES", "MODELS", "SCALE_BYTES",
+           "PlanError", "Run", "SimResult", "bytes_per_value", "exchange_wire_bytes", "figure",
+           "main", "make_run", "parse_bandwidth", "plan", "plan_config", "required_bandwidth",
+           "ring_wire_bytes", "simulate", "table"]

@@ -1,0 +1,194 @@
+"""The Python API: simulate one algorithm, find the bandwidth a target needs, plan all, draw."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Mapping
+
+from lowband.plan.inputs import (ALGORITHMS, GRAD_DTYPES, PlanError, Run, _number,
+                                 bytes_per_value, fmt_bandwidth, fmt_count, make_run)
+from lowband.plan.timeline import Timeline, schedule, steady_stall
+
+
+@dataclass
+class SimResult:
+    """One algorithm on one link. Times are totals over the simulated window of `steps` steps."""
+    algorithm: str
+    cu: float                    # compute / (compute + stall)
+    compute_s: float
+    stall_s: float
+    steps: int
+    step_time: float
+    bandwidth: float
+    latency: float
+    wire_bytes_per_step: float   # sent by each replica over the slow link, on average
+    transfers_per_step: float
+    peak_transfer_bytes: float   # the largest single transfer
+    peak_transfer_s: float       # its duration on this link, latency included
+
+    @property
+    def stall_per_step(self) -> float:
+        return self.stall_s / self.steps
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"stall_per_step": self.stall_per_step}
+
+
+def simulate(algorithm: str, **params) -> SimResult:
+    """CU of one algorithm: steady state by default, or the whole run when `steps` is given.
+
+    params: make_run's arguments (params, layers, step_time, bandwidth, latency, ...)."""
+    run = _run(params)
+    if run.bandwidth is None:
+        raise PlanError("give the link bandwidth with --bandwidth (e.g. 1gbit) to simulate a run.")
+    return _simulate(algorithm, run, run.bandwidth)
+
+
+def _run(params: dict) -> Run:
+    """A Run passed as run=..., or one made from make_run's keyword arguments."""
+    return params.pop("run") if "run" in params else make_run(**params)
+
+
+def _simulate(algorithm: str, run: Run, bandwidth: float) -> SimResult:
+    s = schedule(algorithm, run)
+    if run.steps is None:  # the periodic regime after the transient
+        units, stall = steady_stall(s, bandwidth, run.latency)
+    else:  # the whole run, and the wait for what is still in flight after its last step
+        units, timeline = run.steps * s.units_per_step, Timeline(s, bandwidth, run.latency)
+        stall = timeline.advance(units) + timeline.drain()
+    compute = units * s.unit_s
+    sending = len(s.offsets) * s.units_per_step / s.period  # sending units per step
+    peak = max((send.nbytes for send in s.sends), default=0.0)
+    return SimResult(
+        algorithm, compute / (compute + stall), compute, stall, round(compute / run.step_time),
+        run.step_time, bandwidth, run.latency,
+        wire_bytes_per_step=round(sum(send.nbytes for send in s.sends) * sending, 3),
+        transfers_per_step=len(s.sends) * sending, peak_transfer_bytes=round(peak, 3),
+        peak_transfer_s=run.latency + peak * 8 / bandwidth if s.sends else 0.0)
+
+
+def required_bandwidth(algorithm: str, target_cu: float = 0.9, **params) -> float | None:
+    """The lowest bandwidth (bit/s) whose CU reaches target_cu; None when unreachable at any
+    bandwidth (latency alone stalls too long), 0.0 when nothing crosses the link."""
+    run = _run(params)
+    return _required(algorithm, run, _target(target_cu))
+
+
+def _target(target_cu) -> float:
+    target = _number(target_cu, "target-cu")
+    if not 0 < target <= 1:
+        raise PlanError(f"--target-cu must lie in (0, 1], got {target_cu}.")
+    return target
+
+
+def _required(algorithm: str, run: Run, target: float) -> float | None:
+    def ok(bw: float) -> bool:
+        return _simulate(algorithm, run, bw).cu >= target
+
+    if not schedule(algorithm, run).sends:
+        return 0.0
+    lo, hi = 1.0, 1e18
+    if not ok(hi):
+        return None
+    if ok(lo):
+        return lo
+    while hi / lo > 1 + 1e-7:  # bisection on a log scale
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    rounded = _ceil_sig(hi, 5)  # readable, and still at or above the bisection's answer
+    return rounded if ok(rounded) else hi
+
+
+def _ceil_sig(x: float, digits: int) -> float:
+    """x rounded up to `digits` significant digits."""
+    e = digits - 1 - math.floor(math.log10(x))
+    return math.ceil(x * 10**e) / 10**e if e >= 0 else float(math.ceil(x / 10**-e) * 10**-e)
+
+
+# ----------------------------------------------------------------------------- plan, figure
+
+def plan(target_cu: float = 0.9, algorithms=ALGORITHMS, **params) -> dict:
+    """What `lowband plan --json` prints: the inputs, and per algorithm its CU on the given link
+    (null without a bandwidth) and the lowest bandwidth reaching target_cu (null: unreachable)."""
+    run, target = _run(params), _target(target_cu)
+    inputs = asdict(run) | {
+        "bandwidth": "inf" if run.bandwidth == math.inf else run.bandwidth,  # JSON has no inf
+        "codec_bytes_per_value": bytes_per_value(run.codec, run.block_size, run.scale_bytes),
+        "grad_bytes_per_value": GRAD_DTYPES[run.grad_dtype]}
+    out = {"inputs": inputs, "target_cu": target, "algorithms": {}}
+    for alg in algorithms:
+        sim = _simulate(alg, run, run.bandwidth if run.bandwidth is not None else math.inf)
+        row = {k: v for k, v in sim.to_dict().items()
+               if k not in ("algorithm", "bandwidth", "latency")}
+        if run.bandwidth is None:
+            row |= {"cu": None, "compute_s": None, "stall_s": None, "stall_per_step": None,
+                    "peak_transfer_s": None}
+        out["algorithms"][alg] = row | {"required_bandwidth": _required(alg, run, target)}
+    return out
+
+
+def plan_config(cfg: Mapping, target_cu: float = 0.9, **overrides) -> dict:
+    """The plan of one run described by a lowband config-like dict, e.g. Config.to_dict() plus
+    the measured step_time, to set a measured run beside its prediction.
+
+    Keys read: algorithm (or algo), params or model, layers (or n_layer; 0 keeps the preset),
+    step_time, replicas, sync_every, fragments, overlap, codec, block_size (or codec_block),
+    bandwidth (or link_bandwidth; empty or 0: no emulated link), latency (or link_latency),
+    bucket_mb, steps, grad_dtype; other keys are ignored. Unset fragments/overlap/codec take
+    lowband's per-algorithm defaults, and ddp sends fp32 gradients as lowband's ddp does.
+    overrides: the same keys, taking precedence over cfg."""
+    aliases = {"algo": "algorithm", "n_layer": "layers", "codec_block": "block_size",
+               "link_bandwidth": "bandwidth", "link_latency": "latency"}
+    known = {f.name for f in fields(Run)} | {"model", "flops_per_step", "flops", "algorithm"}
+    kw: dict = {}
+    for key, value in list(cfg.items()) + list(overrides.items()):
+        name = aliases.get(key, key)
+        if name in known and value is not None and (key == name or name not in kw
+                                                    or key in overrides):
+            kw[name] = value
+    algorithm = kw.pop("algorithm", None)
+    if algorithm is None:
+        raise PlanError("the config names no algorithm: add 'algorithm' (or 'algo').")
+    if kw.get("layers") == 0:  # lowband's config: 0 keeps the preset
+        kw.pop("layers")
+    if kw.get("bandwidth") in ("", 0, "0", None):  # lowband: no emulated link
+        kw["bandwidth"] = math.inf
+    try:
+        from lowband.config import ALGO_DEFAULTS
+    except ImportError:  # the planner does not need the trainer
+        ALGO_DEFAULTS = {}
+    for name, value in ALGO_DEFAULTS.get(algorithm, {}).items():
+        if name in known and kw.get(name) is None:
+            kw[name] = value
+    if algorithm == "ddp":
+        kw.setdefault("grad_dtype", "fp32")
+    result = plan(target_cu, algorithms=(algorithm,), run=make_run(**kw))
+    return {"inputs": result["inputs"], "target_cu": result["target_cu"], "algorithm": algorithm,
+            **result["algorithms"][algorithm]}
+
+
+def figure(target_cu: float = 0.9, algorithms=ALGORITHMS, points: int = 60, bandwidths=None,
+           **params):
+    """A plotly Figure of CU against bandwidth (log x axis), one curve per algorithm, the target
+    as a dashed line and the given --bandwidth, if any, as a dotted one. By default the x axis
+    spans 100x around the bandwidths the algorithms need."""
+    import plotly.graph_objects as go  # optional dependency (the `ui` extra)
+
+    run, target = _run(params), _target(target_cu)
+    if bandwidths is None:
+        need = [b for a in algorithms if (b := _required(a, run, target))] or [1e9]
+        lo, hi = min(need) / 100, max(need) * 100
+        bandwidths = [lo * (hi / lo) ** (i / (points - 1)) for i in range(points)]
+    fig = go.Figure()
+    for alg in algorithms:
+        fig.add_trace(go.Scatter(x=list(bandwidths), name=alg, mode="lines",
+                                 y=[_simulate(alg, run, b).cu for b in bandwidths]))
+    fig.add_hline(y=target, line_dash="dash", annotation_text=f"target CU {target:g}")
+    if run.bandwidth is not None:
+        fig.add_vline(x=run.bandwidth, line_dash="dot",
+                      annotation_text=fmt_bandwidth(run.bandwidth))
+    title = f"Compute utilization, {fmt_count(run.params)} params, {run.replicas} replicas"
+    fig.update_layout(title=title, xaxis=dict(type="log", title="bandwidth (bit/s)"),
+                      yaxis=dict(title="compute utilization", range=[0, 1.05]))
+    return fig
