@@ -1,0 +1,399 @@
+"""The dashboard's aggregation (lowband.dashboard.model) and widgets, on synthetic runs."""
+
+import asyncio
+import json
+import math
+import random
+import re
+import time
+
+import numpy as np
+import pytest
+
+from lowband.dashboard.model import RunModel, SpikeDetector, bin_transfers, detect_spikes
+from lowband.dashboard.synthetic import SyntheticRun, make_run
+from lowband.telemetry import EventWriter, RunDir, read_events, write_json_atomic
+
+
+def small_run(root, **kw):
+    kw.setdefault("steps", 120)
+    return make_run(root, **kw)
+
+
+# -- aggregation --------------------------------------------------------------------------------
+
+def test_bin_transfers_spreads_bytes_evenly():
+    edges = np.array([0.0, 0.25, 0.5, 0.75, 1.0])
+    assert bin_transfers([0.0], [1.0], [100.0], edges) == pytest.approx([25, 25, 25, 25])
+    assert bin_transfers([0.1], [0.6], [50.0], edges) == pytest.approx([15, 25, 10, 0])
+    # a zero-length transfer lands whole in the bin holding its start
+    assert bin_transfers([0.3], [0.3], [7.0], edges) == pytest.approx([0, 7, 0, 0])
+
+
+def test_bin_transfers_conserves_bytes():
+    rng = random.Random(1)
+    starts = [rng.uniform(0, 50) for _ in range(500)]
+    ends = [s + (0 if i % 7 == 0 else rng.expovariate(1.0)) for i, s in enumerate(starts)]
+    nbytes = [rng.uniform(1, 1e6) for _ in starts]
+    for width in (0.01, 0.3, 7.0):
+        edges = np.arange(0, max(ends) + width, width)
+        binned = bin_transfers(starts, ends, nbytes, edges)
+        assert binned.sum() == pytest.approx(sum(nbytes), rel=1e-9)
+        assert (binned >= -1e-6).all()
+
+
+def test_bandwidth_from_events_conserves_bytes_and_knows_capacity(tmp_path):
+    rd = small_run(tmp_path / "run", link_bandwidth=1e7)
+    m = RunModel(rd.root).load()
+    bw = m.bandwidth(max_bins=100)
+    assert set(bw["series"]) == {"rank 0", "rank 1", "rank 2", "rank 3"}   # a link per rank
+    total = sum((rate * np.diff(bw["edges"])).sum() for rate in bw["series"].values())
+    outer = sum(e["wire_bytes"] for e in read_events(rd, ("comm",)) if e["group"] == "outer")
+    assert total == pytest.approx(outer, rel=1e-9)
+    assert m.outer_wire_bytes == pytest.approx(outer)
+    assert len(bw["edges"]) <= 102
+    assert bw["capacity"] == pytest.approx(1e7 / 8)
+    assert 0 < bw["mean"] < bw["peak"]
+
+
+def test_queued_transfers_on_an_emulated_link_do_not_overlap(tmp_path):
+    rd = RunDir(tmp_path / "run").create()
+    write_json_atomic(rd.config, {"algo": "streaming", "replicas": 2, "shards": 1,
+                                  "link_bandwidth": "8Mbit", "link_latency": "10ms"})
+    w = EventWriter(rd, 0, 0)
+    # 1 MB each at 1 MB/s, both requested at 100.0: the second waits for the first
+    w.emit("comm", t=101.01, op="all_reduce", group="outer", tag="frag0", payload_bytes=1e6,
+           wire_bytes=1e6, codec="fp32", start=100.0, end=101.01)
+    w.emit("comm", t=102.01, op="all_reduce", group="outer", tag="frag1", payload_bytes=1e6,
+           wire_bytes=1e6, codec="fp32", start=100.0, end=102.01)
+    w.emit("step", t=103.0, step=1, loss=1.0, tokens=1, step_s=3.0, compute_s=1.0)
+    m = RunModel(rd.root).load()
+    begin, end = m.transmission_windows()
+    assert begin.tolist() == pytest.approx([100.0, 101.0])
+    assert end.tolist() == pytest.approx([101.0, 102.0])
+    bw = m.bandwidth(max_bins=30)
+    assert bw["capacity"] == 1e6
+    assert bw["peak"] == pytest.approx(1e6)
+    assert (bw["series"]["rank 0"] * np.diff(bw["edges"])).sum() == pytest.approx(2e6)
+
+
+def _noisy_curve(n, seed, sd=0.02):
+    rng = random.Random(seed)
+    return [1.6 + 3.0 * math.exp(-i / 60) + rng.gauss(0, sd) for i in range(n)]
+
+
+def test_spike_detector_flags_a_jump_and_not_steady_noise():
+    for seed in range(5):
+        losses = _noisy_curve(400, seed)
+        assert detect_spikes(losses) == [], f"steady noise flagged (seed {seed})"
+        losses[250] += 1.0
+        assert detect_spikes(losses) == [250]
+    det = SpikeDetector(z=4, warmup=5)
+    zs = [det.update(x) for x in [2.0, 2.01, 1.99, 2.0, 2.02, 1.98, 2.0, 2.01, 5.0]]
+    assert zs[-1][1] and zs[-1][0] > 4 and not any(flag for _, flag in zs[:-1])
+
+
+def test_spikes_from_step_events_and_spike_events(tmp_path):
+    rd = small_run(tmp_path / "run",
+                   spike={"replica": 1, "step": 90, "size": 1.5, "event": True})
+    m = RunModel(rd.root).load()
+    assert [(s.replica, s.step) for s in m.detected_spikes()] == [(1, 90)]
+    assert [(s.replica, s.step) for s in m.spike_events] == [(0, 90)]
+    quiet = RunModel(small_run(tmp_path / "quiet").root).load()
+    assert quiet.detected_spikes() == []
+
+
+def test_loss_per_replica_is_the_mean_over_its_ranks(tmp_path):
+    rd = small_run(tmp_path / "run", replicas=2, shards=3)
+    m = RunModel(rd.root).load()
+    by = {}
+    for e in read_events(rd, ("step",)):
+        by.setdefault((e["replica"], e["step"]), []).append(e["loss"])
+    assert sorted(m.replicas) == [0, 1]
+    for q, rs in m.replicas.items():
+        assert rs.steps == list(range(120))
+        for step, loss in zip(rs.steps, rs.loss):
+            assert len(by[(q, step)]) == 3
+            assert loss == pytest.approx(sum(by[(q, step)]) / 3)
+        # tokens: the replica's ranks' tokens summed; the run's: times the replicas
+        assert rs.tokens[-1] == 3 * 120 * 4096
+    assert m.run_tokens(m.replicas[0].tokens[-1]) == 6 * 120 * 4096
+
+
+def test_a_lagging_rank_holds_back_its_replicas_point(tmp_path):
+    rd = RunDir(tmp_path / "run").create()
+    write_json_atomic(rd.config, {"algo": "diloco", "replicas": 1, "shards": 2, "steps": 10})
+    w0, w1 = EventWriter(rd, 0, 0), EventWriter(rd, 1, 0)
+    for s in range(5):
+        w0.emit("step", step=s, loss=2.0, tokens=s, step_s=0.1, compute_s=0.1)
+    for s in range(3):
+        w1.emit("step", step=s, loss=4.0, tokens=s, step_s=0.1, compute_s=0.1)
+    m = RunModel(rd.root)
+    m.poll()
+    assert m.replicas[0].steps == [0, 1, 2] and m.replicas[0].loss == [3.0, 3.0, 3.0]
+    for s in range(3, 5):
+        w1.emit("step", step=s, loss=4.0, tokens=s, step_s=0.1, compute_s=0.1)
+    m.poll()
+    assert m.replicas[0].steps == [0, 1, 2, 3, 4]
+
+
+def test_sync_marks_are_one_per_step_and_fragment(tmp_path):
+    rd = small_run(tmp_path / "run", replicas=2, shards=2, fragments=2, sync_every=20,
+                   anomaly_at=(1, 40, 0))
+    m = RunModel(rd.root).load()
+    syncs = read_events(rd, ("sync",))
+    keys = {(e["step"], e["fragment"]) for e in syncs}
+    marks = m.sync_marks()
+    assert len(marks) == len(keys) and {(mk.step, int(mk.label[4:])) for mk in marks} == keys
+    assert [(mk.step, mk.label) for mk in marks if mk.anomaly] == [(40, "frag0")]
+    assert m.anomalies == 1
+
+
+def test_sync_marks_fall_back_to_outer_comm(tmp_path):
+    rd = RunDir(tmp_path / "run").create()
+    write_json_atomic(rd.config, {"algo": "diloco", "replicas": 2, "shards": 1, "steps": 4})
+    ws = [EventWriter(rd, r, r) for r in range(2)]
+    t0 = 1000.0
+    for s in range(4):
+        for r, w in enumerate(ws):
+            w.emit("step", t=t0 + s + 0.5, step=s, loss=3.0, tokens=s, step_s=0.5, compute_s=0.4)
+            if s in (1, 3):   # both replicas exchange at once: one sync
+                w.emit("comm", t=t0 + s + 0.8, op="all_reduce", group="outer", tag="frag0",
+                       payload_bytes=100, wire_bytes=100, codec="fp32",
+                       start=t0 + s + 0.5 + 0.01 * r, end=t0 + s + 0.8)
+    m = RunModel(rd.root).load()
+    assert [(mk.step, mk.label) for mk in m.sync_marks()] == [(1, "frag0"), (3, "frag0")]
+
+
+# -- reading incrementally ----------------------------------------------------------------------
+
+def test_poll_reads_only_what_was_appended(tmp_path):
+    run = SyntheticRun(tmp_path / "run", steps=60)
+    run.emit_steps(0, 30)
+    m = RunModel(run.rd.root)
+    first = m.poll()
+    files = sorted(run.rd.events.glob("rank*.jsonl"))
+    sizes = {p: p.stat().st_size for p in files}
+    assert m.offsets == sizes
+    lines = sum(len(p.read_text().splitlines()) for p in files)
+    assert first == lines - 1             # the synthetic run's "mystery" kind is skipped
+    assert m.poll() == 0
+    run.emit_steps(30, 40)
+    new = m.poll()
+    assert new == sum(len(p.read_text().splitlines()) for p in files) - lines
+    assert m.offsets == {p: p.stat().st_size for p in files}
+    assert all(rs.steps == list(range(40)) for rs in m.replicas.values())
+    run.close()
+
+
+def test_torn_line_waits_until_completed(tmp_path):
+    run = SyntheticRun(tmp_path / "run", steps=20)
+    run.emit_steps(0, 20)
+    m = RunModel(run.rd.root)
+    m.poll()
+    before = m.offsets
+    rest = run.tear(rank=0)
+    assert m.poll() == 0 and m.offsets == before
+    assert 20 not in m._val
+    with open(run.rd.event_file(0), "ab") as f:
+        f.write(rest)
+    assert m.poll() == 1
+    assert m.val_series()[1][-1] == 9.5
+    run.close()
+
+
+def test_damaged_lines_and_unknown_fields_are_skipped(tmp_path):
+    rd = small_run(tmp_path / "run", steps=10)
+    with open(rd.event_file(1), "a") as f:
+        f.write("not json at all\n")
+        f.write(json.dumps({"v": 1, "t": 1.7e9, "rank": 1, "replica": 0, "kind": "step",
+                            "step": "eleven", "loss": None}) + "\n")
+        f.write(json.dumps({"v": 1, "t": 1.7e9, "rank": 1, "replica": 0, "kind": "comm",
+                            "group": "outer", "wire_bytes": "lots"}) + "\n")
+    m = RunModel(rd.root).load()
+    assert all(len(rs.steps) == 10 for rs in m.replicas.values())
+    assert m.stats()["status"] == "finished"
+
+
+def test_status(tmp_path):
+    assert RunModel(tmp_path / "nothing").status() == "waiting"
+    run = SyntheticRun(tmp_path / "run", steps=10)
+    run.emit_steps(0, 5)
+    m = RunModel(run.rd.root)
+    m.poll()
+    assert m.status() == "running"
+    assert m.status(now=time.time() + 3600) == "stalled"
+    run.emit_steps(5, 10)
+    run.finish()
+    m.poll()
+    assert m.status() == "finished" and m.finished
+    assert m.stats()["tokens"] == 4 * 10 * 4096
+
+
+# -- the widget ---------------------------------------------------------------------------------
+
+def _trace(fig, name):
+    return next(t for t in fig.data if t.name == name)
+
+
+def _points(fig, name="replica 0") -> int:
+    return next((len(t.x) for t in fig.data if t.name == name), -1)
+
+
+def test_dashboard_refresh_updates_the_figures(tmp_path):
+    from lowband.dashboard import Dashboard
+
+    run = SyntheticRun(tmp_path / "run", steps=100)
+    run.emit_steps(0, 40)
+    d = Dashboard(run.rd.root)              # no event loop here: loads once, synchronously
+    assert not d.live
+    assert _points(d.loss_fig) == 40
+    assert len(_trace(d.loss_fig, "replica 1").y) == 40
+    assert any(t.name == "rank 3" and len(t.y) for t in d.bandwidth_fig.data)
+    assert any(t.name.startswith("capacity") for t in d.bandwidth_fig.data)
+    bars = {t.name: t for t in d.timeline_fig.data if t.type == "bar"}
+    assert {"step (compute)", "inner comm", "outer frag0", "outer frag1"} <= set(bars)
+    assert len(bars["step (compute)"].x) == 4 * 40
+    assert "running" in d.summary.value
+    run.emit_steps(40, 70)
+    assert d.refresh() > 0
+    assert _points(d.loss_fig) == 70
+    assert d.refresh() == 0
+    d.xaxis.value = "tokens"
+    assert _trace(d.loss_fig, "replica 0").x[-1] == 70 * 4096 * 4
+    d.xaxis.value = "time"
+    assert _trace(d.loss_fig, "replica 0").x[-1] == pytest.approx(7.0, abs=0.05)
+    run.finish()
+    d.refresh()
+    assert "finished" in d.summary.value
+    assert d.last_error is None
+    assert "application/vnd.jupyter.widget-view+json" in d._repr_mimebundle_()
+
+
+def test_dashboard_caps_points_per_trace(tmp_path):
+    from lowband.dashboard import Dashboard
+
+    rd = small_run(tmp_path / "run", steps=300)
+    d = Dashboard(rd.root, max_points=50, max_spans=100)
+    assert len(_trace(d.loss_fig, "replica 0").x) <= 50
+    assert _trace(d.loss_fig, "replica 0").x[-1] == 299
+    assert all(len(t.x) <= 100 for t in d.timeline_fig.data)
+
+
+def test_dashboard_overlays_several_runs(tmp_path):
+    from lowband.dashboard import Dashboard
+
+    a = small_run(tmp_path / "a", name="alpha")
+    b = small_run(tmp_path / "b", name="beta", fragments=1, replicas=1)
+    d = Dashboard([a.root, str(b.root)])
+    names = {t.name for t in d.loss_fig.data}
+    assert {"alpha · replica 0", "alpha · replica 1", "beta · replica 0"} <= names
+    bw_names = {t.name for t in d.bandwidth_fig.data}
+    assert {"alpha (mean per link)", "beta (mean per link)"} <= bw_names
+    assert "alpha" in d.timeline_fig.layout.title.text
+    d.timeline_run.value = 1
+    assert "beta" in d.timeline_fig.layout.title.text
+
+
+class Handle:
+    def __init__(self, run_dir):
+        self.run_dir = run_dir
+        self.calls = []
+
+    def start(self):
+        self.calls.append("start")
+
+    def cancel(self):
+        self.calls.append("cancel")
+
+    def status(self):
+        return "RUNNING"
+
+
+def test_dashboard_on_a_launch_handle(tmp_path):
+    from lowband.dashboard import Dashboard
+
+    run = SyntheticRun(tmp_path / "run", steps=20)
+    run.emit_steps(0, 10)
+    h = Handle(run.rd.root)
+    d = Dashboard(h)
+    assert d.start_button is not None and d.stop_button is not None
+    assert "RUNNING" in d.summary.value
+    d.stop_button.click()
+    deadline = time.time() + 5
+    while "cancel" not in h.calls and time.time() < deadline:
+        time.sleep(0.01)
+    assert h.calls == ["cancel"]
+
+    class Bare:
+        run_dir = run.rd.root
+
+    bare = Dashboard(Bare())
+    assert bare.start_button is None and bare.stop_button is None
+    run.close()
+
+
+def _wait(cond, timeout=10.0):
+    deadline = time.time() + timeout
+    while not cond() and time.time() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
+def test_live_polling_in_a_thread_follows_the_run_and_stops_at_the_end(tmp_path):
+    from lowband.dashboard import Dashboard
+
+    run = SyntheticRun(tmp_path / "run", steps=60)
+    run.emit_steps(0, 20)
+    d = Dashboard(run.rd.root, autostart=False, interval=0.02)
+    d.start()
+    assert d.live
+    assert _wait(lambda: _points(d.loss_fig) == 20)
+    run.emit_steps(20, 60)
+    assert _wait(lambda: _points(d.loss_fig) == 60)
+    run.finish()
+    assert _wait(lambda: not d.live), "polling did not stop once summary.json appeared"
+    assert "finished" in d.summary.value
+    d.stop()
+
+
+def test_live_polling_as_an_asyncio_task(tmp_path):
+    from lowband.dashboard import Dashboard
+
+    run = SyntheticRun(tmp_path / "run", steps=40)
+    run.emit_steps(0, 10)
+
+    async def main():
+        began = time.monotonic()
+        d = Dashboard(run.rd.root, interval=0.02)   # a loop runs: polls as a task on it
+        assert time.monotonic() - began < 5 and d._task is not None
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if d.renders and _points(d.loss_fig) == 10:
+                break
+        assert _points(d.loss_fig) == 10
+        run.emit_steps(10, 15)
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if _points(d.loss_fig) == 15:
+                break
+        assert _points(d.loss_fig) == 15
+        d.stop()
+        await asyncio.sleep(0)
+        assert not d.live
+
+    asyncio.run(main())
+    run.close()
+
+
+def test_export_html_is_offline_and_names_the_run(tmp_path):
+    from lowband.dashboard import Dashboard
+
+    rd = small_run(tmp_path / "run", name="my-streaming-run", steps=60)
+    d = Dashboard(rd.root)
+    out = d.export_html(tmp_path / "report.html")
+    text = out.read_text()
+    assert "my-streaming-run" in text
+    assert not re.search(r"<script[^>]*\bsrc\s*=\s*[\"']?(https?:)?//", text, re.I)
+    assert not re.search(r"<link[^>]*href\s*=\s*[\"']?(https?:)?//", text, re.I)
+    assert 'id="lowband-loss"' in text

@@ -1,0 +1,118 @@
+"""lowband.report: the offline HTML report and its command line."""
+
+import json
+import re
+
+import pytest
+
+from lowband.dashboard import figures as F
+from lowband.dashboard.model import RunModel
+from lowband.dashboard.synthetic import make_run
+from lowband.report import ReportError, main, write_report
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    a = make_run(root / "a", name="streaming-fp4", steps=100, fragments=2,
+                 spike={"replica": 0, "step": 70, "size": 1.5})
+    b = make_run(root / "b", name="diloco-fp32", algo="diloco", steps=80, fragments=1,
+                 finished=False)
+    return a.root, b.root
+
+
+def report_data(text: str) -> dict:
+    m = re.search(r'<script type="application/json" id="lowband-report-data">(.*?)</script>',
+                  text, re.S)
+    assert m, "the report's data block is missing"
+    return json.loads(m.group(1).replace("<\\/", "</"))
+
+
+def test_report_of_one_run_is_self_contained(runs, tmp_path):
+    out = write_report(runs[0], tmp_path / "one.html")
+    text = out.read_text(encoding="utf-8")
+    assert text.startswith("<!DOCTYPE html>")
+    assert "streaming-fp4" in text
+    # offline: plotly.js inline, nothing loaded from elsewhere
+    assert not re.search(r"<script[^>]*\bsrc\s*=", text, re.I)
+    assert not re.search(r"<link[^>]*\bhref\s*=\s*[\"']?(https?:)?//", text, re.I)
+    assert len(text) > 1_000_000 and "Plotly.newPlot" in text
+    for div in ("lowband-loss", "lowband-bandwidth", "lowband-timeline-0"):
+        assert f'id="{div}"' in text
+    data = report_data(text)
+    (run,) = data["runs"]
+    assert run["name"] == "streaming-fp4" and run["finished"]
+    assert run["stats"]["spikes"] == 1
+    assert run["config"]["algo"] == "streaming"
+
+
+def test_report_on_two_runs_overlays_and_compares(runs, tmp_path):
+    out = write_report(list(runs), tmp_path / "two.html", title="fp4 vs fp32")
+    text = out.read_text(encoding="utf-8")
+    data = report_data(text)
+    assert [r["name"] for r in data["runs"]] == ["streaming-fp4", "diloco-fp32"]
+    assert data["title"] == "fp4 vs fp32"
+    assert not data["runs"][1]["finished"]
+    assert "no summary.json yet" in data["runs"][1]["stats"]["status"]
+    assert 'id="lowband-timeline-1"' in text
+    assert 'class="ratio"' in text                # side-by-side numbers relative to the first
+    assert 'class="diff"' in text                 # config rows that differ are marked
+    # the overlay: both runs' curves in one loss figure (the report's builder)
+    models = [RunModel(r).load() for r in runs]
+    names = {t.name for t in F.loss_figure_static(models).data}
+    assert {"streaming-fp4 · replica 0", "diloco-fp32 · replica 1"} <= names
+    assert "streaming-fp4 (mean per link)" in {t.name for t in
+                                               F.make_figure(F.bandwidth_spec(models)).data}
+
+
+def test_loss_figure_buttons_switch_the_x_axis(runs):
+    fig = F.loss_figure_static([RunModel(runs[0]).load()])
+    buttons = fig.layout.updatemenus[0].buttons
+    assert [b.label for b in buttons] == ["step", "tokens", "wall time"]
+    xs = buttons[1].args[0]["x"]
+    assert len(xs) == len(fig.data)
+    assert xs[0][-1] == 100 * 4096 * 4            # tokens of the whole run at the last step
+
+
+def test_write_report_refuses_what_is_not_a_run(tmp_path, runs):
+    with pytest.raises(ReportError, match="not a lowband run directory"):
+        write_report([tmp_path], tmp_path / "x.html")
+    with pytest.raises(ReportError, match="does not exist"):
+        write_report([tmp_path / "missing"], tmp_path / "x.html")
+    with pytest.raises(ReportError, match="at least one"):
+        write_report([], tmp_path / "x.html")
+    with pytest.raises(ReportError, match="does not exist"):
+        write_report(runs[0], tmp_path / "no" / "such" / "x.html")
+
+
+def test_main_writes_a_report(runs, tmp_path, capsys):
+    out = tmp_path / "cli.html"
+    assert main([str(runs[0]), str(runs[1]), "-o", str(out)]) == 0
+    assert out.is_file() and "diloco-fp32" in out.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("argv", [
+    ["{tmp}", "-o", "{tmp}/r.html"],                 # a directory that is not a run
+    ["{tmp}/missing", "-o", "{tmp}/r.html"],         # one that does not exist
+    ["{run}", "-o", "{tmp}/missing/r.html"],         # an output folder that does not exist
+    [],                                              # no run at all
+])
+def test_main_bad_input_is_one_sentence_and_exit_2(argv, runs, tmp_path, capsys):
+    argv = [a.format(tmp=tmp_path, run=runs[0]) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip() and err.strip().splitlines()[-1].startswith(("lowband report:",))
+
+
+def test_report_data_is_strict_json_when_values_are_nan(runs, tmp_path):
+    import shutil
+
+    run = tmp_path / "nan-run"
+    shutil.copytree(runs[0], run)
+    summary = json.loads((run / "summary.json").read_text())
+    summary["final_val_loss"] = float("nan")
+    (run / "summary.json").write_text(json.dumps(summary))     # json writes NaN
+    text = write_report(run, tmp_path / "nan.html").read_text(encoding="utf-8")
+    block = re.search(r'id="lowband-report-data">(.*?)</script>', text, re.S).group(1)
+    json.loads(block, parse_constant=lambda c: pytest.fail(f"{c} in the report's JSON"))

@@ -1,0 +1,19 @@
+"""Live JupyterLab dashboard of lowband runs: `Dashboard(run_dir)` (see docs/dashboard.md).
+
+lowband.dashboard.model (event aggregation) and .figures (plotly builders shared with
+lowband.report) import without ipywidgets; Dashboard itself needs the `ui` extra.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Dashboard", "RunModel"]
+
+
+def __getattr__(name):
+    if name == "Dashboard":
+        from .widget import Dashboard
+        return Dashboard
+    if name == "RunModel":
+        from .model import RunModel
+        return RunModel
+    raise AttributeError(f"module 'lowband.dashboard' has no attribute {name!r}")

@@ -1,0 +1,142 @@
+"""Synthetic run directories: events as a streaming-DiLoCo trainer would write them, without
+training anything. For tests, docs and trying the dashboard or a report in seconds:
+
+    from lowband.dashboard.synthetic import make_run
+    make_run("runs/demo", steps=300)             # a finished run
+    run = SyntheticRun("runs/live"); run.emit_steps(0, 50)   # ... later: run.emit_steps(50, 80)
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from lowband.telemetry import EventWriter, RunDir, write_json_atomic
+
+
+class SyntheticRun:
+    """Writes a fake run step by step. Times are synthetic (from t_start, step_s apart), so the
+    same arguments always give the same files."""
+
+    def __init__(self, root, *, replicas: int = 2, shards: int = 2, steps: int = 200,
+                 fragments: int = 2, sync_every: int = 20, step_s: float = 0.1,
+                 link_bandwidth: float = 2e7, model_bytes: float = 8e6, eval_every: int = 50,
+                 spike: dict | None = None, anomaly_at: tuple | None = None,
+                 name: str | None = None, algo: str = "streaming", t_start: float = 1.7e9,
+                 noise: float = 0.02, seed: int = 0):
+        self.rd = RunDir(root).create()
+        self.R, self.S, self.steps, self.P, self.H = replicas, shards, steps, fragments, sync_every
+        self.step_s, self.bw, self.model_bytes = step_s, link_bandwidth, model_bytes
+        self.eval_every, self.spike, self.anomaly_at = eval_every, spike, anomaly_at
+        self.t_start, self.noise = t_start, noise
+        self.rng = random.Random(seed)
+        self.config = {"name": name or self.rd.root.name, "algo": algo, "replicas": replicas,
+                       "shards": shards, "steps": steps, "fragments": fragments,
+                       "sync_every": sync_every, "link_bandwidth": f"{link_bandwidth / 1e6:g}Mbit",
+                       "codec": "fp4"}
+        write_json_atomic(self.rd.config, self.config)
+        self.world = replicas * shards
+        self.writers = {r: EventWriter(self.rd, r, r // shards) for r in range(self.world)}
+        self.tokens_per_step = 4096
+        self.outer_wire = self.inner_wire = 0.0
+        self.compute = 0.0
+        self.peak_payload = 0.0
+        self.last_loss: list[float] = []
+        self.last_val = None
+        for w in self.writers.values():
+            w.emit("run", t=t_start, phase="start", world=self.world, config_hash="synthetic")
+        self.writers[0].emit("mystery", t=t_start, note="an unknown kind readers must skip")
+
+    def base_loss(self, step: int) -> float:
+        return 1.6 + 3.0 * math.exp(-step / 60)
+
+    def step_end(self, rank: int, step: int) -> float:
+        return self.t_start + (step + 1) * self.step_s + 0.002 * rank
+
+    def emit_steps(self, start: int, stop: int) -> None:
+        """Write the events of steps [start, stop) on every rank."""
+        for s in range(start, stop):
+            losses = []
+            for r, w in self.writers.items():
+                q = r // self.S
+                t = self.step_end(r, s)
+                loss = self.base_loss(s) + 0.03 * q + self.rng.gauss(0, self.noise)
+                if self.spike and self.spike.get("step") == s and self.spike.get("replica", q) == q:
+                    loss += self.spike.get("size", 1.5)
+                losses.append(loss)
+                compute = 0.8 * self.step_s
+                self.compute += compute
+                w.emit("step", t=t, step=s, loss=loss, lr=3e-4,
+                       tokens=(s + 1) * self.tokens_per_step, step_s=self.step_s,
+                       compute_s=compute, future_field="ignored")
+                inner = self.model_bytes / 8
+                self.inner_wire += inner
+                w.emit("comm", t=t, op="reduce_scatter", group="inner", tag="bucket0",
+                       payload_bytes=inner, wire_bytes=inner, codec="fp32",
+                       start=t - 0.3 * self.step_s, end=t - 0.15 * self.step_s)
+                for p in range(self.P):
+                    if s == 0 or (s - p * (self.H // self.P)) % self.H:
+                        continue
+                    payload = self.model_bytes / self.P / self.S
+                    wire = payload / 8 * 1.03          # fp4 plus per-block scales
+                    self.outer_wire += wire
+                    self.peak_payload = max(self.peak_payload, payload)
+                    end = t + wire * 8 / self.bw
+                    w.emit("comm", t=end, op="all_reduce", group="outer", tag=f"frag{p}",
+                           payload_bytes=payload, wire_bytes=wire, codec="fp4", start=t, end=end)
+                    anomaly = self.anomaly_at == (q, s, p)
+                    w.emit("sync", t=end, step=s, fragment=p,
+                           pseudo_grad_norm=0.5 + self.rng.random() * (5 if anomaly else 0.1),
+                           weight=1 / self.R, anomaly=anomaly, outer_lr=0.7)
+                if self.spike and self.spike.get("event") and self.spike.get("step") == s \
+                        and r == 0:
+                    w.emit("spike", t=t, step=s, loss=loss, z=9.0)
+            self.last_loss = losses
+            if self.eval_every and (s + 1) % self.eval_every == 0:
+                self.last_val = self.base_loss(s) + 0.05
+                self.writers[0].emit("eval", t=self.step_end(0, s) + 0.01, step=s,
+                                     val_loss=self.last_val)
+
+    def tear(self, rank: int = 0) -> bytes:
+        """Append half an event line to a rank's file, as a crash mid-write leaves it. Returns
+        the rest of the line (append it to complete the event)."""
+        line = (b'{"v":1,"t":%f,"rank":%d,"replica":%d,"kind":"eval","step":%d,'
+                b'"val_loss":9.5}\n' % (self.step_end(rank, self.steps), rank, rank // self.S,
+                                         self.steps))
+        cut = len(line) // 2
+        with open(self.rd.event_file(rank), "ab") as f:
+            f.write(line[:cut])
+        return line[cut:]
+
+    def finish(self) -> dict:
+        t_end = self.step_end(self.world - 1, self.steps - 1) + 0.05
+        for w in self.writers.values():
+            w.emit("run", t=t_end, phase="end", world=self.world, config_hash="synthetic")
+            w.close()
+        tokens = self.world * self.steps * self.tokens_per_step
+        wall = t_end - self.t_start
+        summary = {"algorithm": self.config["algo"], "replicas": self.R, "shards": self.S,
+                   "steps": self.steps, "tokens": tokens, "wall_s": wall,
+                   "tokens_per_s": tokens / wall, "compute_s": self.compute,
+                   "compute_utilization": self.compute / (wall * self.world),
+                   "outer_wire_bytes": self.outer_wire, "inner_wire_bytes": self.inner_wire,
+                   "peak_outer_payload_bytes": self.peak_payload,
+                   "final_loss": sum(self.last_loss) / max(len(self.last_loss), 1),
+                   "final_val_loss": self.last_val}
+        write_json_atomic(self.rd.summary, summary)
+        return summary
+
+    def close(self) -> None:
+        for w in self.writers.values():
+            w.close()
+
+
+def make_run(root, *, finished: bool = True, **kwargs) -> RunDir:
+    """A whole synthetic run in `root` (summary.json written when finished)."""
+    run = SyntheticRun(root, **kwargs)
+    run.emit_steps(0, run.steps)
+    if finished:
+        run.finish()
+    else:
+        run.close()
+    return run.rd
