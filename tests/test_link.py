@@ -23,9 +23,9 @@ def test_parse_units():
 
 def test_fifo_schedule():
     link = Link(8e6, latency_s=0.01)  # 1 MB/s
-    assert link.schedule(100.0, 1_000_000) == pytest.approx(101.01)
-    assert link.schedule(100.0, 1_000_000) == pytest.approx(102.01)  # queued behind the first
-    assert link.schedule(200.0, 500_000) == pytest.approx(200.51)  # idle link: no queue
+    assert link.schedule(100.0, 1_000_000) == pytest.approx((100.0, 101.01))
+    assert link.schedule(100.0, 1_000_000) == pytest.approx((101.0, 102.01))  # queued behind
+    assert link.schedule(200.0, 500_000) == pytest.approx((200.0, 200.51))  # idle link: no queue
 
 
 def _worker(rank, port, results):

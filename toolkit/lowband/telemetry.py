@@ -107,14 +107,14 @@ class EventTail:
 
     def __init__(self, run_dir: str | os.PathLike | RunDir):
         self.run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
-        self._offsets: dict[Path, int] = {}
+        self.offsets: dict[Path, int] = {}  # bytes of each file consumed so far
 
     def poll(self, kinds: tuple[str, ...] = KINDS) -> list[dict]:
         out: list[dict] = []
         if not self.run_dir.events.is_dir():
             return out
         for path in sorted(self.run_dir.events.glob("rank*.jsonl")):
-            offset = self._offsets.get(path, 0)
+            offset = self.offsets.get(path, 0)
             try:
                 with open(path, "rb") as f:
                     f.seek(offset)
@@ -124,7 +124,7 @@ class EventTail:
             end = chunk.rfind(b"\n")
             if end < 0:
                 continue
-            self._offsets[path] = offset + end + 1
+            self.offsets[path] = offset + end + 1
             for line in chunk[: end + 1].splitlines():
                 event = parse_event(line)
                 if event is not None and event["kind"] in kinds:

@@ -11,7 +11,8 @@ Wire bytes per rank, for a group of n ranks (ring algorithms, the bandwidth-opti
   all_gather       (n-1) x payload              (payload = this rank's input)
   reduce_scatter   (n-1)/n x the input          (payload = the input)
   broadcast        (n-1) x payload on the root, 0 elsewhere
-On the outer link an emulated `Link` (link.py) may delay completion: `end` then includes it.
+On the outer link an emulated `Link` (link.py) may delay completion: `end` then includes it, and
+the event also carries `begin`, when the link started transmitting (after the FIFO queue).
 A group spanning several replicas crosses the slow outer link; for a world-wide ring in rank
 order, rank r's bytes go to rank r+1, so they cross the outer link exactly when r+1 lies in
 another replica, and are recorded as `outer`, else `inner`.
@@ -112,7 +113,7 @@ class Comm:
                   "start": time.time()}
         not_before = 0.0
         if self.link is not None and record["group"] == "outer" and record["wire_bytes"]:
-            not_before = self.link.schedule(record["start"], record["wire_bytes"])
+            record["begin"], not_before = self.link.schedule(record["start"], record["wire_bytes"])
         work = launch(pg) if n > 1 else None
         return Transfer(self, work, result, record, not_before)
 

@@ -24,9 +24,9 @@ class Link:
         self._free_at = 0.0
         self._lock = threading.Lock()
 
-    def schedule(self, start: float, wire_bytes: int) -> float:
-        """Put a transfer on the link; returns the time it arrives."""
+    def schedule(self, start: float, wire_bytes: int) -> tuple[float, float]:
+        """Put a transfer on the link; returns (when it begins to transmit, when it arrives)."""
         with self._lock:
             begin = max(start, self._free_at)
             self._free_at = begin + 8 * wire_bytes / self.bandwidth
-            return self._free_at + self.latency
+            return begin, self._free_at + self.latency

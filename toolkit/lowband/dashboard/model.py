@@ -297,7 +297,7 @@ class RunModel:
     @property
     def offsets(self) -> dict[Path, int]:
         """Bytes read so far from each event file (what the next poll starts from)."""
-        return dict(self._tail._offsets) if self._tail else {}
+        return dict(self._tail.offsets) if self._tail else {}
 
     def poll(self) -> int:
         """Fold in the events appended since the last poll; returns how many were new."""
