@@ -5,9 +5,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from lowband.local import free_port
+from lowband.telemetry import read_events
 
 USER_SCRIPT = textwrap.dedent('''
     import sys
@@ -27,7 +29,9 @@ USER_SCRIPT = textwrap.dedent('''
                 x = x + layer(x)
             return self.out(x)
 
-    cfg = Config(replicas=2, steps=6, seq_len=16, batch_size=4, run_dir=sys.argv[1], progress=False)
+    extra = dict(fragments=3, sync_every=3, overlap=0) if sys.argv[2] == "streaming" else {}
+    cfg = Config(algo=sys.argv[2], replicas=2, steps=6, seq_len=16, batch_size=4,
+                 run_dir=sys.argv[1], progress=False, **extra)
     summary = train(cfg, model=Mine())
     if summary is not None:
         print("FINAL", summary["final_loss"])
@@ -50,10 +54,14 @@ def test_cli_under_torchrun(tmp_path):
     assert summary["replicas"] == 2 and summary["steps"] == 4
 
 
-def test_user_module_under_torchrun(tmp_path):
+@pytest.mark.parametrize("algo", ["ddp", "streaming"])
+def test_user_module_under_torchrun(tmp_path, algo):
     (tmp_path / "mine.py").write_text(USER_SCRIPT)
-    proc = torchrun("mine.py", tmp_path / "r", cwd=tmp_path)
+    proc = torchrun("mine.py", tmp_path / "r", algo, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "FINAL" in proc.stdout
     state = torch.load(tmp_path / "r" / "model.pt", weights_only=True)
     assert "layers.2.0.weight" in state
+    if algo == "streaming":  # one fragment per block of the user's ModuleList
+        syncs = [e for e in read_events(tmp_path / "r", ("sync",)) if e["rank"] == 0]
+        assert [e["fragment"] for e in syncs] == [0, 1, 2, 0, 1, 2]

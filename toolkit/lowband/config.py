@@ -74,6 +74,8 @@ class Config:
     codec: str = _f(None, "outer exchange codec: fp32, bf16, int8, fp4-e3m0, fp4-e2m1 "
                     "(diloco fp32, streaming fp4-e3m0)", kind=str)
     codec_block: int = _f(64, "values per quantization block (one bf16 scale each)")
+    error_feedback: bool = _f(True, "add what quantization dropped to the fragment's next "
+                              "pseudo-gradient")
     outer_lr: float = _f(0.7, "outer SGD learning rate")
     outer_momentum: float = _f(0.9, "outer SGD Nesterov momentum")
     outer_state_device: str = _f("cpu", "where the outer parameters and momentum live: cpu or "

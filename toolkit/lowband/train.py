@@ -130,7 +130,7 @@ def _train(cfg, topo, run, events, model, blocks):
 
     bar = _progress(cfg, topo.rank)
     per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
-    my_tokens, compute_s, last_loss, val_loss = 0, 0.0, float("nan"), float("nan")
+    my_tokens, compute_s, eval_s, last_loss, val_loss = 0, 0.0, 0.0, float("nan"), float("nan")
     model.train()
     t_start = time.time()
     for step in range(cfg.steps):
@@ -159,17 +159,18 @@ def _train(cfg, topo, run, events, model, blocks):
         my_tokens += per_step
         events.emit("step", step=step + 1, loss=last_loss, lr=lr, tokens=my_tokens,
                     step_s=step_s, compute_s=step_compute)
-        if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps:
-            with algo.eval_weights(cfg.eval_params):
-                val_loss = evaluate(model, batches, cfg, device)
-            events.emit("eval", step=step + 1, val_loss=val_loss)
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            t_eval = time.time()
+            val_loss = _eval(algo, model, batches, cfg, events, step + 1)
+            eval_s += time.time() - t_eval
         if bar is not None:
             bar.set_postfix(loss=f"{last_loss:.3f}",
                             tok_s=f"{my_tokens * topo.world / (time.time() - t_start):.0f}")
             bar.update(1)
-    algo.finish()
+    algo.finish()  # exchanges still in flight land before the final evaluation
+    wall_s = time.time() - t_start - eval_s  # training time: evaluations are left out
+    val_loss = _eval(algo, model, batches, cfg, events, cfg.steps)
     outer = algo.outer_params()
-    wall_s = time.time() - t_start
     if bar is not None:
         bar.close()
     events.emit("run", phase="end", world=topo.world, config_hash=cfg.hash())
@@ -189,6 +190,13 @@ def _train(cfg, topo, run, events, model, blocks):
         write_json_atomic(run.summary, summary)
     dist.barrier()
     return summary
+
+
+def _eval(algo, model, batches, cfg, events, step) -> float:
+    with algo.eval_weights(cfg.eval_params):
+        val_loss = evaluate(model, batches, cfg, next(model.parameters()).device)
+    events.emit("eval", step=step, val_loss=val_loss)
+    return val_loss
 
 
 def _broadcast_init(model: nn.Module, comm: Comm) -> None:

@@ -16,6 +16,10 @@ inner group by ddp's buckets) and the outer work is split: shard k of the replic
 of each fragment's flat vector, keeps the outer parameters and momentum of that slice only,
 averages it over the outer group (the ranks holding slice k in the other replicas), and the
 merged slices are all-gathered over the inner group.
+
+Error feedback (--error-feedback, on by default; nothing to do for fp32): what quantization
+drops from a replica's pseudo-gradient is kept and added to that fragment's next one, so the
+rounding errors do not accumulate as bias in the outer momentum.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class Fragment:
         self.hi = min(self.lo + self.chunk, self.numel)
         self.outer = self.local_slice().to(device)  # theta_outer, this rank's slice
         self.momentum = torch.zeros_like(self.outer)
+        self.residual = None  # error feedback: what quantization left out of the last send
         self.pending = None  # (apply after step, start step, Average in flight)
 
     def local_slice(self) -> torch.Tensor:
@@ -93,11 +98,15 @@ class Streaming(Algorithm):
             self._start(self.fragments[p], s)
 
     def _start(self, f: Fragment, s: int) -> None:
+        c = self.config
         delta = f.outer.to(self.topo.device) - f.local_slice()
-        avg = self.comm.average(delta, "outer", self.config.codec, self.config.codec_block,
-                                tag=f"frag{f.index}")
-        f.pending = (s + self.config.overlap, s, avg)
-        if self.config.overlap == 0:
+        if f.residual is not None:
+            delta += f.residual
+        avg = self.comm.average(delta, "outer", c.codec, c.codec_block, tag=f"frag{f.index}")
+        if c.error_feedback and c.codec != "fp32":
+            f.residual = delta - avg.sent
+        f.pending = (s + c.overlap, s, avg)
+        if c.overlap == 0:
             self._apply(f)
 
     @torch.no_grad()

@@ -176,16 +176,18 @@ class Comm:
         """
         n = dist.get_world_size(self.topo.group(group))
         if codec == "fp32":
-            return Average(self.all_reduce(x.clone(), group, tag, codec), n, None)
+            return Average(self.all_reduce(x.clone(), group, tag, codec), n, None, x)
         payload = encode(x, codec, block)
-        return Average(self.all_gather(payload, group, tag, codec), n, (x.numel(), codec, block))
+        sent = decode(payload, x.numel(), codec, block)
+        return Average(self.all_gather(payload, group, tag, codec), n, (x.numel(), codec, block), sent)
 
 
 class Average:
     """A mean over a group in flight; wait() returns it as a flat fp32 tensor."""
 
-    def __init__(self, transfer: Transfer, n: int, decoding):
+    def __init__(self, transfer: Transfer, n: int, decoding, sent: torch.Tensor):
         self.transfer, self.n, self.decoding = transfer, n, decoding
+        self.sent = sent  # this rank's contribution as the others will decode it
 
     def done(self) -> bool:
         return self.transfer.done()
