@@ -71,6 +71,9 @@ def init(replicas: int, shards: int, device: str = "auto", timeout_s: float = 30
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
                                 device_id=dev if dev.type == "cuda" else None)
     mesh = init_device_mesh(dev.type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
-    return Topology(rank=dist.get_rank(), world=world, replicas=replicas, shards=shards,
+    topo = Topology(rank=dist.get_rank(), world=world, replicas=replicas, shards=shards,
                     device=dev, mesh=mesh, inner=mesh.get_group("shard"),
                     outer=mesh.get_group("replicate"))
+    for group in (topo.inner, topo.outer, None):  # connect now, not inside the first transfer
+        dist.barrier(group=group)
+    return topo

@@ -132,6 +132,7 @@ def _train(cfg, topo, run, events, model, blocks):
     per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
     my_tokens, compute_s, eval_s, last_loss, val_loss = 0, 0.0, 0.0, float("nan"), float("nan")
     model.train()
+    dist.barrier()  # every rank starts the clock together: set-up skew is not link time
     t_start = time.time()
     for step in range(cfg.steps):
         t0 = time.perf_counter()
