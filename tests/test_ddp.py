@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lowband.config import Config
 from lowband.data import Batches, load_tokens
 from lowband.model import GPT, gpt_config, num_params
 from lowband.telemetry import read_events

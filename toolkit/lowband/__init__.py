@@ -3,4 +3,12 @@
 from lowband.config import Config, ConfigError
 
 __version__ = "0.1.0"
-__all__ = ["Config", "ConfigError", "__version__"]
+__all__ = ["Config", "ConfigError", "__version__", "launch"]
+
+
+def __getattr__(name):  # lowband.launch(...) without importing TorchX at `import lowband`
+    if name == "launch":  # the module lowband.launch, callable as its launch() function
+        import importlib
+
+        return importlib.import_module("lowband.launch")
+    raise AttributeError(f"module 'lowband' has no attribute '{name}'")

@@ -12,17 +12,12 @@ import os
 import sys
 import time
 
-from lowband.config import Config, ConfigError, fields
+from lowband.config import ArgParser, Config, ConfigError, fields
 from lowband.units import fmt_si
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one sentence, no usage wall
-        raise ConfigError(f"{message} (see `{self.prog} --help`).")
-
-
 def train_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="lowband train", description="Train a language model across ranks and "
+    p = ArgParser(prog="lowband train", description="Train a language model across ranks and "
                 "replicas. With no arguments: the main job (a multi-replica run on the built-in "
                 "corpus). Flags override --config FILE.toml.", argument_default=argparse.SUPPRESS)
     p.add_argument("--config", help="a TOML file whose keys are these options' names")
@@ -112,13 +107,14 @@ def _subcommand(module: str):
 
 COMMANDS["plan"] = _subcommand("lowband.plan")
 COMMANDS["report"] = _subcommand("lowband.report")
+COMMANDS["launch"] = _subcommand("lowband.launch")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
         if argv and argv[0] in ("-h", "--help"):
-            print("usage: lowband {train,plan,report} ...  (lowband COMMAND --help for each)")
+            print(f"usage: lowband {{{','.join(COMMANDS)}}} ...  (lowband COMMAND --help for each)")
             return 0
         if argv and not argv[0].startswith("-"):
             print(f"lowband: error: unknown command '{argv[0]}': use one of "

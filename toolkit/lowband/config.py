@@ -6,6 +6,7 @@ Every field is a `lowband train` flag (`--batch-size` for `batch_size`) and a ke
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -16,6 +17,14 @@ from pathlib import Path
 
 class ConfigError(ValueError):
     """Input a user can fix; its message is one sentence naming the fix."""
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse for lowband's commands: a bad flag raises ConfigError with one sentence, no usage
+    block; each command prints it and exits with status 2."""
+
+    def error(self, message):
+        raise ConfigError(f"{message} (see `{self.prog} --help`).")
 
 
 def _f(default, help: str, choices=None, kind=None):

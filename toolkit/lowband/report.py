@@ -13,7 +13,6 @@ numbers as JSON in <script type="application/json" id="lowband-report-data">.
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import html
 import json
@@ -22,6 +21,7 @@ import os
 import sys
 from pathlib import Path
 
+from lowband.config import ArgParser, ConfigError
 from lowband.dashboard import figures as F
 from lowband.dashboard.model import RunModel, is_run_dir
 
@@ -276,7 +276,7 @@ def write_report(run_dirs, path, *, title: str | None = None, window_s: float | 
 
 def main(argv: list[str] | None = None) -> int:
     """`lowband report RUN_DIR [RUN_DIR ...] -o out.html`"""
-    parser = argparse.ArgumentParser(
+    parser = ArgParser(
         prog="lowband report",
         description="Write an offline HTML report (figures, summaries, configs) of one or more "
                     "runs; several runs are overlaid for comparison.")
@@ -288,8 +288,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="show the last SECONDS of each timeline at first (default: all)")
     try:
         args = parser.parse_args(argv)
-    except SystemExit as e:       # argparse printed its usage line already
-        return int(e.code or 0) if not isinstance(e.code, str) else 2
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    except ConfigError as e:
+        print(f"lowband report: {e}", file=sys.stderr)
+        return 2
     try:
         path = write_report(args.run_dirs, args.output, title=args.title, window_s=args.window)
     except ReportError as e:

@@ -7,8 +7,9 @@ import json
 import os
 import sys
 
+from lowband.config import ArgParser
 from lowband.plan.api import plan
-from lowband.plan.inputs import (BLOCK_SIZE, CODECS, MODELS, SCALE_BYTES, PlanError,
+from lowband.plan.inputs import (BLOCK_SIZE, CODECS, MODELS, SCALE_BYTES,
                                  fmt_bandwidth, fmt_bytes, fmt_count, fmt_seconds)
 
 EXAMPLE = ("lowband plan --params 1e9 --layers 24 --step-time 0.1 --replicas 2 --sync-every 100 "
@@ -38,14 +39,9 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one sentence instead of a usage block
-        raise PlanError(f"{message}; see `lowband plan --help`.")
-
-
 def _parser() -> argparse.ArgumentParser:
     # every value is read as text and validated by make_run, so that errors read the same
-    p = _Parser(prog="lowband plan", epilog=f"example: {EXAMPLE}",
+    p = ArgParser(prog="lowband plan", epilog=f"example: {EXAMPLE}",
                 description="How much bandwidth does a run need? Simulates the schedule of ddp, "
                 "diloco, streaming and acco on one slow link (docs/plan.md).")
     add = p.add_argument

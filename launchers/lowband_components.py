@@ -1,0 +1,129 @@
+"""TorchX components for lowband.
+
+    torchx run launchers/lowband_components.py:train --replicas 2 -- --model nano --steps 20
+    torchx run lowband.train --replicas 4 --shards 2 -- --algo streaming    # registered name
+    torchx run -s slurm lowband.train --replicas 4 --gpu 8 --shards 8 --run_dir /shared/runs/a
+
+`train` builds on `torchx.components.dist.ddp`: one torchrun agent per node, c10d rendezvous on
+port `rdzv_port` of the first node (its address comes from the scheduler's rank-0 host variable),
+`nproc_per_node` worker processes per node, each running `lowband train` as one rank.
+
+Replicas to nodes: global rank r is shard r % S of replica r // S, and torchrun numbers ranks node
+by node, so node n holds ranks n*P .. n*P+P-1 (P = nproc_per_node). By default each node holds
+exactly one replica group (nnodes = replicas, nproc_per_node = shards): the slow link lowband
+economises on is the one between nodes, the fast inner link stays inside a node.
+`replicas_per_node` packs k replica groups on each node (nnodes = replicas / k, nproc_per_node =
+k * shards); `nnodes` and `nproc_per_node` set the layout outright. Either way
+nnodes x nproc_per_node must equal replicas x shards.
+
+(Annotations use typing.List/Dict/Optional: TorchX 0.7's component linter wants them.)
+"""
+
+from typing import Dict, List, Optional, Tuple
+
+import torchx.specs as specs
+from torchx.components import dist
+from torchx.specs import macros
+
+# the node agent: torchrun behind lowband's rendezvous check (lowband.launch, "torchrun" mode)
+AGENT = "python3 -m lowband.launch torchrun"
+
+
+def train(
+    *flags: str,
+    algo: Optional[str] = None,
+    replicas: int = 2,
+    shards: int = 1,
+    replicas_per_node: int = 1,
+    nnodes: int = 0,
+    nproc_per_node: int = 0,
+    run_dir: Optional[str] = None,
+    config: Optional[str] = None,
+    name: str = "lowband",
+    image: str = "lowband:latest",
+    h: Optional[str] = None,
+    cpu: int = 2,
+    gpu: int = 0,
+    memMB: int = 4096,
+    env: Optional[Dict[str, str]] = None,
+    mounts: Optional[List[str]] = None,
+    rdzv_port: int = 29500,
+    rdzv_timeout: int = 300,
+    max_retries: int = 0,
+    progress: bool = False,
+    debug: bool = False,
+) -> specs.AppDef:
+    """Train a language model with `lowband train` across nodes (one torchrun agent per node).
+
+    Args:
+        flags: more `lowband train` flags, passed through as given (after `--` on the command
+            line, e.g. `-- --model nano --steps 20 --sync-every 4`)
+        algo: training algorithm (ddp, diloco, streaming); lowband's default when not given
+        replicas: R, replica groups joined by the slow outer link
+        shards: S, ranks inside each replica group joined by the fast inner link
+        replicas_per_node: replica groups on each node when nnodes/nproc_per_node are not given
+        nnodes: nodes (0: replicas / replicas_per_node, or derived from nproc_per_node)
+        nproc_per_node: worker processes on each node (0: replicas_per_node x shards, or derived)
+        run_dir: run directory, on a filesystem every node shares (default: runs/<app id>)
+        config: a TOML file of `lowband train` options, as seen from the nodes
+        name: job name
+        image: container image with lowband installed (Kubernetes, Docker; ignored by local_cwd
+            and slurm)
+        h: a registered named resource (takes precedence over cpu, gpu, memMB)
+        cpu: CPUs per node
+        gpu: GPUs per node
+        memMB: memory per node in MB
+        env: environment variables for the workers (e.g. NCCL_DEBUG=INFO,GLOO_SOCKET_IFNAME=eth0)
+        mounts: mounts for the nodes' containers (e.g. type=bind,src=/shared,dst=/shared)
+        rdzv_port: port of the rendezvous store on the first node
+        rdzv_timeout: seconds a node waits to reach the rendezvous and for every node to join it
+            before it fails with a clear message
+        max_retries: scheduler retries of the whole job
+        progress: show a progress bar on rank 0 (off for batch logs)
+        debug: turn on torch's distributed debug variables
+    """
+    n, p = node_layout(replicas, shards, replicas_per_node, nnodes, nproc_per_node)
+    args = ["train", "--replicas", str(replicas), "--shards", str(shards),
+            "--run-dir", run_dir or f"runs/{macros.app_id}"]
+    if algo:
+        args += ["--algo", algo]
+    if config:
+        args += ["--config", config]
+    if not progress:
+        args += ["--no-progress"]
+    app = dist.ddp(
+        *args, *flags, m="lowband.cli", name=name, image=image, h=h, cpu=cpu, gpu=gpu,
+        memMB=memMB, j=f"{n}x{p}", env=dict(env or {}), max_retries=max_retries,
+        rdzv_port=rdzv_port, mounts=mounts, debug=debug)
+    role = app.roles[0]
+    role.name = "node"
+    timeouts = f"join_timeout={rdzv_timeout},read_timeout={min(rdzv_timeout, 60)}"
+    assert role.args[1].startswith("torchrun "), role.args
+    role.args[1] = f"{AGENT} --rdzv_conf {timeouts} " + role.args[1][len("torchrun "):]
+    return app
+
+
+def node_layout(replicas: int, shards: int, replicas_per_node: int, nnodes: int,
+                nproc_per_node: int) -> Tuple[int, int]:
+    """(nnodes, nproc_per_node) for R replicas x S shards; ValueError (one sentence) if none."""
+    world = replicas * shards
+    if replicas <= 0 or shards <= 0:
+        raise ValueError(f"replicas and shards must be positive, got {replicas} and {shards}.")
+    if nnodes < 0 or nproc_per_node < 0 or replicas_per_node <= 0:
+        raise ValueError("nnodes and nproc_per_node must be 0 (derive) or positive, and "
+                         "replicas_per_node positive.")
+    if not nnodes and not nproc_per_node:
+        if replicas % replicas_per_node:
+            raise ValueError(f"replicas_per_node {replicas_per_node} does not divide replicas "
+                             f"{replicas}: pick a divisor, or give nnodes and nproc_per_node.")
+        nnodes, nproc_per_node = replicas // replicas_per_node, replicas_per_node * shards
+    elif not nproc_per_node:
+        nproc_per_node = max(world // nnodes, 1)
+    elif not nnodes:
+        nnodes = max(world // nproc_per_node, 1)
+    if nnodes * nproc_per_node != world:
+        raise ValueError(
+            f"replicas {replicas} x shards {shards} = {world} ranks, but nnodes {nnodes} x "
+            f"nproc_per_node {nproc_per_node} = {nnodes * nproc_per_node} processes: make them "
+            "equal (by default nnodes = replicas and nproc_per_node = shards).")
+    return nnodes, nproc_per_node
