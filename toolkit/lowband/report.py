@@ -207,6 +207,9 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
         f"; the peak is the highest bin, so it depends on the bin width.</p>"
         f"{_figure_html(bandwidth, 'lowband-bandwidth', 340)}</section>",
     ]
+    plan = _plan_section([m.run_dir for m in models if m.finished])
+    if plan:
+        parts.append(plan)
     tl_parts = []
     for i, m in enumerate(models):
         spec = F.timeline_spec(m, window_s, max_spans=max_spans, follow=window_s is not None)
@@ -234,6 +237,23 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
         "</p></header><main>" + "".join(parts) + "</main>"
         f'<script type="application/json" id="lowband-report-data">{data_json}</script>'
         "</body></html>\n")
+
+
+def _plan_section(run_dirs) -> str:
+    """lowband plan's utilization-against-bandwidth curves with the runs on an emulated link as
+    measured points; empty when no run had an emulated link or the plan cannot read a run."""
+    from lowband.plan import PlanError, measured_figure
+
+    try:
+        fig = measured_figure(run_dirs)
+    except (PlanError, KeyError, ValueError):
+        return ""
+    if fig is None:
+        return ""
+    return ('<section id="plan-section"><h2>Compute utilization against bandwidth</h2>'
+            '<p class="meta">Curves: lowband plan for the first run\'s model and measured compute '
+            "time per step; diamonds: the runs on an emulated link, as measured.</p>"
+            f"{_figure_html(fig, 'lowband-plan', 420)}</section>")
 
 
 def _clean(o):

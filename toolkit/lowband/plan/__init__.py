@@ -15,13 +15,13 @@ the replay), api.py (simulate, required_bandwidth, plan, plan_config, figure), c
 """
 
 from lowband.plan.api import SimResult, figure, plan, plan_config, required_bandwidth, simulate
-from lowband.plan.check import check_run
+from lowband.plan.check import check_run, measured_figure
 from lowband.plan.cli import main, table
 from lowband.plan.inputs import (ALGORITHMS, BLOCK_SIZE, CODECS, GRAD_DTYPES, MODELS,
                                  SCALE_BYTES, PlanError, Run, bytes_per_value, exchange_wire_bytes,
                                  make_run, parse_bandwidth, ring_wire_bytes)
 
 __all__ = ["ALGORITHMS", "BLOCK_SIZE", "CODECS", "GRAD_DTYPES", "MODELS", "SCALE_BYTES",
-           "PlanError", "Run", "SimResult", "bytes_per_value", "check_run", "exchange_wire_bytes", "figure",
+           "PlanError", "Run", "SimResult", "bytes_per_value", "check_run", "measured_figure", "exchange_wire_bytes", "figure",
            "main", "make_run", "parse_bandwidth", "plan", "plan_config", "required_bandwidth",
            "ring_wire_bytes", "simulate", "table"]

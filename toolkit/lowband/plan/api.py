@@ -128,9 +128,9 @@ def plan(target_cu: float = 0.9, algorithms=ALGORITHMS, **params) -> dict:
     return out
 
 
-def plan_config(cfg: Mapping, target_cu: float = 0.9, **overrides) -> dict:
-    """The plan of one run described by a lowband config-like dict, e.g. Config.to_dict() plus
-    the measured step_time, to set a measured run beside its prediction.
+def config_inputs(cfg: Mapping, **overrides) -> tuple[str, dict]:
+    """(algorithm, make_run's keyword arguments) of a lowband config-like dict, e.g.
+    Config.to_dict() plus the measured step_time.
 
     Keys read: algorithm (or algo), params or model, layers (or n_layer; 0 keeps the preset),
     step_time, replicas, sync_every, fragments, overlap, codec, block_size (or codec_block),
@@ -163,6 +163,13 @@ def plan_config(cfg: Mapping, target_cu: float = 0.9, **overrides) -> dict:
             kw[name] = value
     if algorithm == "ddp":
         kw.setdefault("grad_dtype", "fp32")
+    return algorithm, kw
+
+
+def plan_config(cfg: Mapping, target_cu: float = 0.9, **overrides) -> dict:
+    """The plan of one run described by a lowband config-like dict (see config_inputs), to set a
+    measured run beside its prediction."""
+    algorithm, kw = config_inputs(cfg, **overrides)
     result = plan(target_cu, algorithms=(algorithm,), run=make_run(**kw))
     return {"inputs": result["inputs"], "target_cu": result["target_cu"], "algorithm": algorithm,
             **result["algorithms"][algorithm]}
