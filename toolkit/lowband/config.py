@@ -93,6 +93,10 @@ class Config:
                           ("local", "outer"))
     link_bandwidth: str = _f("", "emulate the outer link's bandwidth, e.g. 100Mbit (empty: none)")
     link_latency: str = _f("0ms", "emulated outer link latency, e.g. 20ms")
+    # fault injection (lowband/faults.py)
+    straggler: str = _f("", "REPLICA:FACTOR: that replica computes FACTOR x slower")
+    corrupt: str = _f("", "REPLICA:STEP[:SCALE]: noise of SCALE x RMS added to that replica's "
+                      "parameters after STEP")
     # evaluation, output, reproducibility
     eval_every: int = _f(50, "evaluate on the validation split every N steps (0: only at the end)")
     eval_batches: int = _f(4, "validation micro-batches per evaluation")
@@ -136,6 +140,10 @@ class Config:
             if choices and value is not None and value not in choices:
                 raise ConfigError(f"--{_flag(f.name)} '{value}' is not one of {', '.join(choices)}.")
         self._validate_outer()
+        from lowband.faults import parse_corrupt, parse_straggler
+
+        parse_straggler(self.straggler, self.replicas)
+        parse_corrupt(self.corrupt, self.replicas, self.steps)
         if self.data != "builtin" and not Path(self.data).exists():
             raise ConfigError(f"data path '{self.data}' does not exist: give an existing text file, "
                               "directory or .bin token file, or 'builtin'.")

@@ -12,6 +12,7 @@ Every event carries v (schema version), t (unix seconds), rank, replica and kind
   eval  step, val_loss
   spike step, loss, z
   run   phase (start/end), world, config_hash
+  fault step, what (e.g. corrupt), scale       (injected faults, lowband/faults.py)
 Readers skip a torn last line, damaged lines, unknown fields and unknown kinds.
 """
 
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 
 SCHEMA_VERSION = 1
-KINDS = ("step", "comm", "sync", "eval", "spike", "run")
+KINDS = ("step", "comm", "sync", "eval", "spike", "run", "fault")
 
 
 class RunDir:

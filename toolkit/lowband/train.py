@@ -22,6 +22,7 @@ from lowband.algorithms import ALGORITHMS
 from lowband.comm import Comm, Link, parse_bandwidth, parse_duration
 from lowband.config import Config, ConfigError
 from lowband.data import Batches, load_tokens, vocab_needed
+from lowband.faults import Faults
 from lowband.model import GPT, find_blocks, gpt_config, lm_loss, num_params
 from lowband.params import flatten, write_flat
 from lowband.telemetry import EventWriter, RunDir, write_json_atomic
@@ -129,36 +130,26 @@ def _train(cfg, topo, run, events, model, blocks):
     events.emit("run", phase="start", world=topo.world, config_hash=cfg.hash())
 
     bar = _progress(cfg, topo.rank)
-    per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+    per_micro = cfg.batch_size * cfg.seq_len
+    faults = Faults(cfg, topo.replica, cfg.seed)
     my_tokens, compute_s, eval_s, last_loss, val_loss = 0, 0.0, 0.0, float("nan"), float("nan")
     model.train()
     dist.barrier()  # every rank starts the clock together: set-up skew is not link time
     t_start = time.time()
     for step in range(cfg.steps):
         t0 = time.perf_counter()
-        lr = lr_at(cfg, step)
-        for g in optimizer.param_groups:
-            g["lr"] = lr
-        algo.before_forward(step)
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(cfg.grad_accum):
-            x, y = batches.train(step, micro)
-            loss = lm_loss(model, x.to(device), y.to(device)) / cfg.grad_accum
-            algo.before_backward(step, micro, micro == cfg.grad_accum - 1)
-            loss.backward()
-            loss_sum += loss.detach()
-        algo.after_backward(step)
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        algo.after_step(step)
-        last_loss = loss_sum.item()
+        if algo.owns_step:  # e.g. acco: micro-batches accumulate while its round is in flight
+            last_loss, micro_batches = algo.train_step(step, batches, lr_at(cfg, step))
+        else:
+            last_loss, micro_batches = standard_step(algo, model, optimizer, batches, cfg, step)
+        if faults.after_step(step + 1, model):
+            events.emit("fault", step=step + 1, what="corrupt", scale=faults.corrupt[2])
+        faults.slow_down(time.perf_counter() - t0 - comm.wait_s)
         step_s = time.perf_counter() - t0
         step_compute = max(step_s - comm.take_wait_s(), 0.0)
         compute_s += step_compute
-        my_tokens += per_step
-        events.emit("step", step=step + 1, loss=last_loss, lr=lr, tokens=my_tokens,
+        my_tokens += micro_batches * per_micro
+        events.emit("step", step=step + 1, loss=last_loss, lr=lr_at(cfg, step), tokens=my_tokens,
                     step_s=step_s, compute_s=step_compute)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
             t_eval = time.time()
@@ -191,6 +182,30 @@ def _train(cfg, topo, run, events, model, blocks):
         write_json_atomic(run.summary, summary)
     dist.barrier()
     return summary
+
+
+def standard_step(algo, model, optimizer, batches: Batches, cfg: Config, step: int) -> tuple[float, int]:
+    """One inner step with the algorithm's hooks (algorithms/base.py lists them in order).
+    Returns this rank's loss (mean over its micro-batches) and the micro-batches it used."""
+    lr = lr_at(cfg, step)
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+    device = next(model.parameters()).device
+    algo.before_forward(step)
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(cfg.grad_accum):
+        x, y = batches.train(step, micro)
+        loss = lm_loss(model, x.to(device), y.to(device)) / cfg.grad_accum
+        algo.before_backward(step, micro, micro == cfg.grad_accum - 1)
+        loss.backward()
+        loss_sum += loss.detach()
+    algo.after_backward(step)
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    algo.after_step(step)
+    return loss_sum.item(), cfg.grad_accum
 
 
 def _eval(algo, model, batches, cfg, events, step) -> float:

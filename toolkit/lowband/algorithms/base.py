@@ -24,6 +24,11 @@ from lowband.topology import Topology
 
 class Algorithm:
     name = "base"
+    # An algorithm whose step is not the standard sequence above (acco: micro-batches keep
+    # accumulating while its communication round is in flight) sets owns_step and implements
+    # train_step(step, batches, lr) -> (loss, micro-batches used); the trainer then calls it
+    # in place of train.standard_step.
+    owns_step = False
 
     def setup(self, model: nn.Module, blocks: nn.ModuleList,
               make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],

@@ -1,0 +1,33 @@
+"""Fault injectors: a straggler replica and a corrupted one, with any algorithm."""
+
+import statistics
+
+import pytest
+
+from conftest import lowband
+from lowband.telemetry import read_events
+
+
+def test_straggler_and_corruption(train_run):
+    run = train_run("--algo", "diloco", "--model", "nano", "--steps", 12, "--sync-every", 4,
+                    "--straggler", "1:3", "--corrupt", "1:6:5", "--eval-every", 0)
+    events = read_events(run)
+    steps = {r: [e for e in events if e["kind"] == "step" and e["rank"] == r] for r in (0, 1)}
+    slow = statistics.fmean(e["compute_s"] for e in steps[1])
+    fast = statistics.fmean(e["compute_s"] for e in steps[0])
+    assert slow >= 2 * fast
+    faults = [e for e in events if e["kind"] == "fault"]
+    assert [(e["rank"], e["step"], e["what"]) for e in faults] == [(1, 6, "corrupt")]
+    loss = {e["step"]: e["loss"] for e in steps[1]}
+    assert loss[7] > 1.5 * loss[6]  # the corrupted replica's loss jumps
+    ref = {e["step"]: e["loss"] for e in steps[0]}
+    assert ref[7] < 1.2 * ref[6]  # the other does not
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--straggler", "1", "REPLICA:FACTOR"), ("--straggler", "5:2", "replica must be in 0..1"),
+    ("--straggler", "1:0.5", "factor at least 1"), ("--corrupt", "1:x", "REPLICA:STEP"),
+    ("--corrupt", "0:999", "the step in 1..200")])
+def test_bad_fault_flags(tmp_path, flag, value, message):
+    proc = lowband("train", flag, value, cwd=tmp_path)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,70 @@
+"""Fault injectors that work with every algorithm, for experiments, tests and benchmarks.
+
+--straggler REPLICA:FACTOR   the ranks of REPLICA compute FACTOR x slower: after each step they
+                             sleep (FACTOR - 1) x the step's compute time (counted as compute)
+--corrupt REPLICA:STEP[:SCALE]  after inner step STEP, Gaussian noise of SCALE (default 1) x each
+                             tensor's RMS is added to REPLICA's parameters: a bad update that
+                             gradient clipping cannot undo, so the loss spikes
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from lowband.config import ConfigError
+
+
+def _parse(text: str, flag: str, form: str, kinds: tuple, required: int) -> tuple:
+    parts = text.split(":")
+    try:
+        if not required <= len(parts) <= len(kinds):
+            raise ValueError
+        return tuple(kind(p) for kind, p in zip(kinds, parts))
+    except ValueError:
+        raise ConfigError(f"cannot read {flag} '{text}': write it as {form}.") from None
+
+
+def parse_straggler(text: str, replicas: int) -> tuple[int, float] | None:
+    if not text:
+        return None
+    replica, factor = _parse(text, "--straggler", "REPLICA:FACTOR, e.g. 1:4", (int, float), 2)
+    if not 0 <= replica < replicas or not factor >= 1:
+        raise ConfigError(f"--straggler {text}: the replica must be in 0..{replicas - 1} and the "
+                          "factor at least 1.")
+    return replica, factor
+
+
+def parse_corrupt(text: str, replicas: int, steps: int) -> tuple[int, int, float] | None:
+    if not text:
+        return None
+    values = _parse(text, "--corrupt", "REPLICA:STEP[:SCALE], e.g. 1:50:2", (int, int, float), 2)
+    replica, step, scale = (*values, 1.0)[:3]
+    if not 0 <= replica < replicas or not 1 <= step <= steps or not scale > 0:
+        raise ConfigError(f"--corrupt {text}: the replica must be in 0..{replicas - 1}, the step "
+                          f"in 1..{steps} and the scale positive.")
+    return replica, step, scale
+
+
+class Faults:
+    def __init__(self, cfg, replica: int, seed: int):
+        self.straggler = parse_straggler(cfg.straggler, cfg.replicas)
+        self.corrupt = parse_corrupt(cfg.corrupt, cfg.replicas, cfg.steps)
+        self.replica, self.seed = replica, seed
+
+    def slow_down(self, compute_s: float) -> None:
+        """Make this rank's step slower if its replica is the straggler."""
+        if self.straggler and self.straggler[0] == self.replica:
+            time.sleep((self.straggler[1] - 1) * compute_s)
+
+    @torch.no_grad()
+    def after_step(self, step: int, model: torch.nn.Module) -> bool:
+        """Corrupt this replica's parameters after inner step `step` (1-based) if asked."""
+        if not self.corrupt or self.corrupt[:2] != (self.replica, step):
+            return False
+        g = torch.Generator().manual_seed(self.seed + step)
+        for p in model.parameters():
+            noise = torch.randn(p.shape, generator=g).to(p.device, p.dtype)
+            p.add_(noise * self.corrupt[2] * p.float().pow(2).mean().sqrt().to(p.dtype))
+        return True
