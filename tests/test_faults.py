@@ -31,3 +31,23 @@ def test_straggler_and_corruption(train_run):
 def test_bad_fault_flags(tmp_path, flag, value, message):
     proc = lowband("train", flag, value, cwd=tmp_path)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_non_finite_pseudo_gradient_never_reaches_outer_parameters(train_run):
+    import torch
+
+    run = train_run("--algo", "diloco", "--model", "nano", "--steps", 8, "--sync-every", 4,
+                    "--corrupt", "1:3:1e45", "--eval-every", 0, "--codec", "fp4-e3m0")
+    skips = [e for e in read_events(run, ("skip",))]
+    assert {(e["rank"], e["what"]) for e in skips} >= {(0, "pseudo-gradient"), (1, "pseudo-gradient")}
+    outer = torch.load(run.root / "outer.pt", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in outer.values())
+    local = torch.load(run.root / "model.pt", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in local.values())
+
+
+def test_too_many_skips_stop_the_run(tmp_path):
+    proc = lowband("train", "--model", "nano", "--steps", 50, "--lr", "1e30", "--warmup-steps", 0,
+                   "--max-skips", 3, "--no-progress", cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr
+    assert "4 updates in a row held NaN or inf" in proc.stderr and "Traceback" not in proc.stderr

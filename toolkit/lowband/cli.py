@@ -21,6 +21,8 @@ def train_parser() -> argparse.ArgumentParser:
                 "replicas. With no arguments: the main job (a multi-replica run on the built-in "
                 "corpus). Flags override --config FILE.toml.", argument_default=argparse.SUPPRESS)
     p.add_argument("--config", help="a TOML file whose keys are these options' names")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest "
+                   "checkpoint with its own config (only --steps and --progress may change)")
     for f in fields():
         flag = "--" + f.name.replace("_", "-")
         default = "per algorithm" if f.default is None else repr(f.default)
@@ -32,13 +34,33 @@ def train_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_train(argv: list[str]) -> Config:
+RESUME_MAY_CHANGE = {"steps", "progress", "run_dir", "stop_after"}
+
+
+def parse_train(argv: list[str]) -> tuple[Config, bool]:
+    """The config of `lowband train ARGV`, and whether it resumes a run."""
     args = vars(train_parser().parse_args(argv))
-    path = args.pop("config", None)
-    cfg = Config.from_toml(path) if path else Config()
+    path, resume = args.pop("config", None), args.pop("resume", None)
+    if resume:
+        other = sorted(set(args) - RESUME_MAY_CHANGE) + (["config"] if path else [])
+        if other:
+            raise ConfigError(f"--resume takes the run's own config, so --{other[0].replace('_', '-')} "
+                              "cannot be given with it: only --steps may change.")
+        from lowband.telemetry import RunDir
+
+        saved = RunDir(resume).read_json(RunDir(resume).config)
+        if saved is None:
+            raise ConfigError(f"'{resume}' is not a lowband run directory (no config.json): give "
+                              "the directory of the run to resume.")
+        saved.pop("meta", None)
+        cfg = Config.from_dict(saved, source=f"{resume}/config.json")
+        cfg.stop_after = cfg.crash_checkpoint = 0  # one-shot: done before, not again
+        args["run_dir"] = resume
+    else:
+        cfg = Config.from_toml(path) if path else Config()
     for name, value in args.items():
         setattr(cfg, name, value)
-    return cfg.validate()
+    return cfg.validate(), bool(resume)
 
 
 def is_worker() -> bool:
@@ -46,11 +68,15 @@ def is_worker() -> bool:
 
 
 def cmd_train(argv: list[str]) -> int:
-    cfg = parse_train(argv)
+    cfg, resume = parse_train(argv)
     if is_worker():
-        from lowband.train import train
+        from lowband.train import TrainingStopped, train
 
-        train(cfg)
+        try:
+            train(cfg, resume=resume)
+        except TrainingStopped as e:
+            print(f"lowband: {e}", file=sys.stderr)
+            return 3
         return 0
     return launch_local(cfg, argv)
 

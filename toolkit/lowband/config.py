@@ -93,10 +93,18 @@ class Config:
                           ("local", "outer"))
     link_bandwidth: str = _f("", "emulate the outer link's bandwidth, e.g. 100Mbit (empty: none)")
     link_latency: str = _f("0ms", "emulated outer link latency, e.g. 20ms")
+    # checkpoints and faults
+    checkpoint_every: int = _f(0, "write a checkpoint every N steps and at the end (0: never)")
+    keep_checkpoints: int = _f(3, "how many of the newest checkpoints to keep")
+    stop_after: int = _f(0, "stop after this many steps as if interrupted (0: run to --steps); "
+                         "the schedule still spans --steps, so --resume continues it")
+    max_skips: int = _f(10, "stop after this many updates in a row skipped for NaN or inf")
     # fault injection (lowband/faults.py)
     straggler: str = _f("", "REPLICA:FACTOR: that replica computes FACTOR x slower")
     corrupt: str = _f("", "REPLICA:STEP[:SCALE]: noise of SCALE x RMS added to that replica's "
                       "parameters after STEP")
+    crash_checkpoint: int = _f(0, "die between writing and renaming the checkpoint of this step "
+                               "(to test that the previous one survives)")
     # evaluation, output, reproducibility
     eval_every: int = _f(50, "evaluate on the validation split every N steps (0: only at the end)")
     eval_batches: int = _f(4, "validation micro-batches per evaluation")
@@ -118,10 +126,11 @@ class Config:
         if self.model not in PRESETS:
             raise ConfigError(f"unknown model '{self.model}': use one of {', '.join(PRESETS)}.")
         for name in ("replicas", "shards", "seq_len", "batch_size", "grad_accum", "steps",
-                     "eval_batches"):
+                     "eval_batches", "keep_checkpoints"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}.")
-        for name in ("n_layer", "n_head", "d_model", "vocab_size", "warmup_steps", "eval_every"):
+        for name in ("n_layer", "n_head", "d_model", "vocab_size", "warmup_steps", "eval_every",
+                     "checkpoint_every", "max_skips", "crash_checkpoint", "stop_after"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{_flag(name)} must be zero or positive, got {getattr(self, name)}.")
         for name in ("lr", "bucket_mb"):
@@ -210,6 +219,8 @@ class Config:
             expected = FIELD_TYPES[name]
             if expected is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
+            if value is None and getattr(cfg, name) is None:  # left to the algorithm's default
+                continue
             if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
                 raise ConfigError(f"'{key}' in {source} must be of type {expected.__name__}, "
                                   f"got {value!r}.")

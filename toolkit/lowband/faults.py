@@ -5,6 +5,8 @@
 --corrupt REPLICA:STEP[:SCALE]  after inner step STEP, Gaussian noise of SCALE (default 1) x each
                              tensor's RMS is added to REPLICA's parameters: a bad update that
                              gradient clipping cannot undo, so the loss spikes
+--crash-checkpoint STEP      every rank dies between writing the checkpoint of STEP and making
+                             it current (checkpoint.py), as a crash mid-write would
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lowband.config import ConfigError
 
@@ -51,6 +54,7 @@ class Faults:
     def __init__(self, cfg, replica: int, seed: int):
         self.straggler = parse_straggler(cfg.straggler, cfg.replicas)
         self.corrupt = parse_corrupt(cfg.corrupt, cfg.replicas, cfg.steps)
+        self.crash_checkpoint = cfg.crash_checkpoint
         self.replica, self.seed = replica, seed
 
     def slow_down(self, compute_s: float) -> None:
@@ -66,5 +70,7 @@ class Faults:
         g = torch.Generator().manual_seed(self.seed + step)
         for p in model.parameters():
             noise = torch.randn(p.shape, generator=g).to(p.device, p.dtype)
+            if isinstance(p, DTensor):  # sharded (edit, aedit): this rank's piece of the same noise
+                noise = distribute_tensor(noise, p.device_mesh, p.placements, src_data_rank=None)
             p.add_(noise * self.corrupt[2] * p.float().pow(2).mean().sqrt().to(p.dtype))
         return True

@@ -13,6 +13,9 @@ Every event carries v (schema version), t (unix seconds), rank, replica and kind
   spike step, loss, z
   run   phase (start/end), world, config_hash
   fault step, what (e.g. corrupt), scale       (injected faults, lowband/faults.py)
+  skip  step, what (gradient/pseudo-gradient), fragment: an update skipped for NaN or inf
+  checkpoint step, path
+  shard state_bytes, unsharded_state_bytes, master_bytes, ...  (zero1/acco, once at set-up)
 Readers skip a torn last line, damaged lines, unknown fields and unknown kinds.
 """
 
@@ -25,7 +28,8 @@ import time
 from pathlib import Path
 
 SCHEMA_VERSION = 1
-KINDS = ("step", "comm", "sync", "eval", "spike", "run", "fault")
+KINDS = ("step", "comm", "sync", "eval", "spike", "run", "fault", "skip", "checkpoint",
+         "shard")
 
 
 class RunDir:

@@ -8,8 +8,10 @@ MASTER_ADDR, MASTER_PORT in the environment). `train(config)` builds lowband's G
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
+from dataclasses import dataclass
 import sys
 import time
 
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from lowband import checkpoint
 from lowband import topology as topo_mod
 from lowband.algorithms import ALGORITHMS
 from lowband.comm import Comm, Link, parse_bandwidth, parse_duration
@@ -90,20 +93,31 @@ def evaluate(model, batches: Batches, cfg: Config, device) -> float:
     return total / cfg.eval_batches
 
 
-def train(cfg: Config, model: nn.Module | None = None, blocks: nn.ModuleList | None = None) -> dict | None:
-    """Train on this process's rank. Returns the summary on rank 0, None elsewhere."""
+def train(cfg: Config, model: nn.Module | None = None, blocks: nn.ModuleList | None = None,
+          resume: bool = False) -> dict | None:
+    """Train on this process's rank. Returns the summary on rank 0, None elsewhere.
+    resume: continue cfg.run_dir from its latest checkpoint (events continue in its files)."""
     cfg.validate()
     _set_threads()
     topo = topo_mod.init(cfg.replicas, cfg.shards, cfg.device)
     run = _resolve_run_dir(cfg, topo.rank)
+    resume_from = None
+    if resume:
+        path = checkpoint.latest(run)
+        if path is None:
+            raise ConfigError(f"{run.root} has no checkpoint to resume from: train with "
+                              "--checkpoint-every N to write them.")
+        resume_from = (path, checkpoint.read_rank_state(path, topo.rank))
+        with open(run.event_file(topo.rank), "r+b") as f:  # drop events after the checkpoint
+            f.truncate(resume_from[1]["events_offset"])
     events = EventWriter(run, topo.rank, topo.replica)
     try:
-        return _train(cfg, topo, run, events, model, blocks)
+        return _train(cfg, topo, run, events, model, blocks, resume_from)
     finally:
         events.close()
 
 
-def _train(cfg, topo, run, events, model, blocks):
+def _train(cfg, topo, run, events, model, blocks, resume_from):
     device = topo.device
     tokens = load_tokens(cfg.data)
     batches = Batches(tokens, rank=topo.rank, world=topo.world, seq_len=cfg.seq_len,
@@ -129,43 +143,62 @@ def _train(cfg, topo, run, events, model, blocks):
             "device": device.type, "backend": dist.get_backend()}})
     events.emit("run", phase="start", world=topo.world, config_hash=cfg.hash())
 
-    bar = _progress(cfg, topo.rank)
-    per_micro = cfg.batch_size * cfg.seq_len
     faults = Faults(cfg, topo.replica, cfg.seed)
-    my_tokens, compute_s, eval_s, last_loss, val_loss = 0, 0.0, 0.0, float("nan"), float("nan")
+    done = Progress()
+    if resume_from is not None:
+        checkpoint.load(resume_from[0], model, optimizer, algo, topo.replica, resume_from[1])
+        done = Progress(**resume_from[1]["progress"])
+        comm.totals.restore(resume_from[1]["comm"])
+        torch.set_rng_state(resume_from[1]["rng"])
+    events.emit("run", phase="start" if resume_from is None else "resume", world=topo.world,
+                config_hash=cfg.hash(), step=done.step)
+
+    bar = _progress(cfg, topo.rank, done.step)
     model.train()
     dist.barrier()  # every rank starts the clock together: set-up skew is not link time
-    t_start = time.time()
-    for step in range(cfg.steps):
+    t_start, paused_s = time.time(), 0.0  # paused: evaluations and checkpoints
+    for step in itertools.count(done.step):
+        if algo.should_stop(step):  # after --steps by default; aedit decides itself
+            break
         t0 = time.perf_counter()
         if algo.owns_step:  # e.g. acco: micro-batches accumulate while its round is in flight
-            last_loss, micro_batches = algo.train_step(step, batches, lr_at(cfg, step))
+            loss, micro_batches = algo.train_step(step, batches, lr_at(cfg, step))
         else:
-            last_loss, micro_batches = standard_step(algo, model, optimizer, batches, cfg, step)
+            loss, micro_batches = standard_step(algo, model, optimizer, batches, cfg, step, events)
+        if algo.skips > cfg.max_skips:
+            raise TrainingStopped(f"{algo.skips} updates in a row held NaN or inf (the last at "
+                                  f"step {step + 1}), so training stopped: lower --lr, check the "
+                                  "data, or resume from the last checkpoint.")
         if faults.after_step(step + 1, model):
             events.emit("fault", step=step + 1, what="corrupt", scale=faults.corrupt[2])
         faults.slow_down(time.perf_counter() - t0 - comm.wait_s)
         step_s = time.perf_counter() - t0
         step_compute = max(step_s - comm.take_wait_s(), 0.0)
-        compute_s += step_compute
-        my_tokens += micro_batches * per_micro
-        events.emit("step", step=step + 1, loss=last_loss, lr=lr_at(cfg, step), tokens=my_tokens,
+        done.advance(loss, micro_batches * cfg.batch_size * cfg.seq_len, step_compute)
+        events.emit("step", step=step + 1, loss=loss, lr=lr_at(cfg, step), tokens=done.tokens,
                     step_s=step_s, compute_s=step_compute)
+        t_pause = time.time()
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-            t_eval = time.time()
-            val_loss = _eval(algo, model, batches, cfg, events, step + 1)
-            eval_s += time.time() - t_eval
+            done.val_loss = _eval(algo, model, batches, cfg, events, step + 1)
+        last = step + 1 == cfg.steps or step + 1 == cfg.stop_after
+        if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or last):
+            elapsed = done.wall_s + time.time() - t_start - paused_s
+            _checkpoint(run, events, model, optimizer, algo, topo, comm, cfg, done, elapsed, faults)
+        paused_s += time.time() - t_pause
         if bar is not None:
-            bar.set_postfix(loss=f"{last_loss:.3f}",
-                            tok_s=f"{my_tokens * topo.world / (time.time() - t_start):.0f}")
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{done.tokens * topo.world / max(done.wall_s + time.time() - t_start - paused_s, 1e-9):.0f}")
             bar.update(1)
+        if step + 1 == cfg.stop_after:
+            break
     algo.finish()  # exchanges still in flight land before the final evaluation
-    wall_s = time.time() - t_start - eval_s  # training time: evaluations are left out
-    val_loss = _eval(algo, model, batches, cfg, events, cfg.steps)
+    done.wall_s += time.time() - t_start - paused_s  # training time only
+    done.val_loss = _eval(algo, model, batches, cfg, events, done.step)
     outer = algo.outer_params()
     if bar is not None:
         bar.close()
     events.emit("run", phase="end", world=topo.world, config_hash=cfg.hash())
+    my_tokens, wall_s, compute_s = done.tokens, done.wall_s, done.compute_s
+    last_loss, val_loss = done.loss, done.val_loss
 
     mine = {"tokens": my_tokens, "wall_s": wall_s, "compute_s": compute_s, "loss": last_loss,
             "val_loss": val_loss, "replica": topo.replica, "shard": topo.shard,
@@ -173,8 +206,9 @@ def _train(cfg, topo, run, events, model, blocks):
             "peak_outer": comm.totals.peak_outer_payload}
     everyone = [None] * topo.world
     dist.all_gather_object(everyone, mine)
+    weights = _full_weights(model, topo.rank)
     if topo.rank == 0:
-        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, run.root / "model.pt")
+        torch.save(weights, run.root / "model.pt")
         if outer is not None:
             torch.save({k: v.cpu() for k, v in outer.items()}, run.root / "outer.pt")
     summary = summarize(cfg, everyone) if topo.rank == 0 else None
@@ -184,7 +218,8 @@ def _train(cfg, topo, run, events, model, blocks):
     return summary
 
 
-def standard_step(algo, model, optimizer, batches: Batches, cfg: Config, step: int) -> tuple[float, int]:
+def standard_step(algo, model, optimizer, batches: Batches, cfg: Config, step: int,
+                  events: EventWriter | None = None) -> tuple[float, int]:
     """One inner step with the algorithm's hooks (algorithms/base.py lists them in order).
     Returns this rank's loss (mean over its micro-batches) and the micro-batches it used."""
     lr = lr_at(cfg, step)
@@ -200,12 +235,60 @@ def standard_step(algo, model, optimizer, batches: Batches, cfg: Config, step: i
         loss.backward()
         loss_sum += loss.detach()
     algo.after_backward(step)
-    if cfg.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    optimizer.step()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+    if torch.isfinite(norm):
+        optimizer.step()
+        algo.skips = 0
+    else:  # NaN or inf in the loss or a gradient: this update is skipped, the weights stay
+        algo.skips += 1
+        if events is not None:
+            events.emit("skip", step=step + 1, what="gradient")
     optimizer.zero_grad(set_to_none=True)
     algo.after_step(step)
     return loss_sum.item(), cfg.grad_accum
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on; the message is one sentence naming what to do."""
+
+
+@dataclass
+class Progress:
+    """What this rank has done so far; saved in checkpoints so totals span a resumed run."""
+    step: int = 0
+    tokens: int = 0
+    compute_s: float = 0.0
+    wall_s: float = 0.0
+    loss: float = float("nan")
+    val_loss: float = float("nan")
+
+    def advance(self, loss: float, tokens: int, compute_s: float) -> None:
+        self.step, self.loss = self.step + 1, loss
+        self.tokens += tokens
+        self.compute_s += compute_s
+
+
+def _checkpoint(run, events, model, optimizer, algo, topo, comm, cfg, done, elapsed, faults):
+    progress = {**done.__dict__, "wall_s": elapsed}
+    extra = {"progress": progress, "comm": comm.totals.state(), "rng": torch.get_rng_state(),
+             "events_offset": run.event_file(topo.rank).stat().st_size}
+    path = checkpoint.save(run, done.step, model, optimizer, algo, topo.replica, extra,
+                           cfg.keep_checkpoints, crash_before_rename=faults.crash_checkpoint == done.step)
+    events.emit("checkpoint", step=done.step, path=str(path))
+
+
+def _full_weights(model: nn.Module, rank: int) -> dict | None:
+    """The model's weights as whole CPU tensors on rank 0 (None elsewhere). Every rank takes
+    part: a sharded (FSDP2, DTensor) parameter is gathered over its replica's group."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for k, v in model.state_dict().items():
+        if isinstance(v, DTensor):
+            v = v.full_tensor()
+        if rank == 0:
+            out[k] = v.detach().cpu()
+    return out if rank == 0 else None
 
 
 def _eval(algo, model, batches, cfg, events, step) -> float:
@@ -244,10 +327,10 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
     }
 
 
-def _progress(cfg: Config, rank: int):
+def _progress(cfg: Config, rank: int, initial: int = 0):
     if rank != 0 or not cfg.progress:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=cfg.steps, desc=f"{cfg.algo} R={cfg.replicas} S={cfg.shards}",
+    return tqdm(total=cfg.steps, initial=initial, desc=f"{cfg.algo} R={cfg.replicas} S={cfg.shards}",
                 file=sys.stderr, mininterval=0.5, dynamic_ncols=True)

@@ -29,6 +29,7 @@ class Algorithm:
     # train_step(step, batches, lr) -> (loss, micro-batches used); the trainer then calls it
     # in place of train.standard_step.
     owns_step = False
+    skips = 0  # consecutive updates skipped for NaN or inf; the trainer stops past --max-skips
 
     def setup(self, model: nn.Module, blocks: nn.ModuleList,
               make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
@@ -49,6 +50,11 @@ class Algorithm:
 
     def after_step(self, step: int) -> None:
         pass
+
+    def should_stop(self, step: int) -> bool:
+        """Consulted by the trainer before each step (`step` steps done): True ends the loop.
+        A run is --steps long; aedit, whose replicas run different numbers of steps, decides."""
+        return step >= self.config.steps
 
     def finish(self) -> None:
         pass

@@ -52,6 +52,16 @@ class Fragment:
         return flatten(self.params)[self.lo: self.hi]
 
 
+class Landed:
+    """An average that has already arrived (restored from a checkpoint, or drained for one)."""
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+    def wait(self) -> torch.Tensor:
+        return self.value.clone()
+
+
 class Streaming(Algorithm):
     name = "streaming"
 
@@ -115,14 +125,50 @@ class Streaming(Algorithm):
         _, started, avg = f.pending
         f.pending = None
         delta = avg.wait().to(f.outer.device)
+        norm = self._norm(delta)
+        if not math.isfinite(norm):  # some replica's pseudo-gradient held NaN or inf
+            self._skip(f, started)
+            return
+        self.skips = 0
         f.momentum.mul_(c.outer_momentum).add_(delta)
         f.outer.sub_(c.outer_lr * (delta + c.outer_momentum * f.momentum))
         merged = c.alpha * f.local_slice().to(f.outer.device) + (1 - c.alpha) * f.outer
         write_flat(f.params, self._gather(f, merged.to(self.topo.device)))
         if self.comm.events is not None:
             self.comm.events.emit("sync", step=started, fragment=f.index, applied_step=started + c.overlap,
-                                  pseudo_grad_norm=self._norm(delta), weight=1 / self.topo.replicas,
+                                  pseudo_grad_norm=norm, weight=1 / self.topo.replicas,
                                   anomaly=False, outer_lr=c.outer_lr)
+
+    def _skip(self, f: Fragment, started: int) -> None:
+        """Every replica sees the same non-finite average, so all skip this outer update alike:
+        the outer parameters and momentum stay, and every replica's fragment restarts from them."""
+        self.skips += 1
+        f.residual = None
+        write_flat(f.params, self._gather(f, f.outer.to(self.topo.device)))
+        if self.comm.events is not None:
+            self.comm.events.emit("skip", step=started, what="pseudo-gradient", fragment=f.index)
+
+    def state_dict(self) -> dict:
+        """This rank's outer state; an exchange in flight is waited for and kept as landed."""
+        frags = []
+        for f in self.fragments:
+            pending = None
+            if f.pending is not None:
+                apply_at, started, avg = f.pending
+                f.pending = (apply_at, started, Landed(avg.wait()))
+                pending = [apply_at, started, f.pending[2].value]
+            frags.append({"outer": f.outer, "momentum": f.momentum, "residual": f.residual,
+                          "pending": pending})
+        return {"fragments": frags, "skips": self.skips}
+
+    def load_state_dict(self, state: dict) -> None:
+        for f, st in zip(self.fragments, state["fragments"]):
+            f.outer.copy_(st["outer"])
+            f.momentum.copy_(st["momentum"])
+            f.residual = st["residual"]
+            p = st["pending"]
+            f.pending = None if p is None else (p[0], p[1], Landed(p[2]))
+        self.skips = state["skips"]
 
     def _gather(self, f: Fragment, piece: torch.Tensor) -> torch.Tensor:
         """The whole fragment from every shard's slice (over the fast inner link)."""

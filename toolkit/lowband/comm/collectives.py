@@ -54,6 +54,14 @@ class Totals:
     peak_outer_payload: int = 0
     transfers: int = 0
 
+    def state(self) -> dict:
+        return {"wire_bytes": dict(self.wire_bytes), "payload_bytes": dict(self.payload_bytes),
+                "peak_outer_payload": self.peak_outer_payload, "transfers": self.transfers}
+
+    def restore(self, state: dict) -> None:
+        self.wire_bytes, self.payload_bytes = dict(state["wire_bytes"]), dict(state["payload_bytes"])
+        self.peak_outer_payload, self.transfers = state["peak_outer_payload"], state["transfers"]
+
 
 class Transfer:
     """A collective in flight. `wait()` blocks until it is done and returns its result tensor."""
@@ -65,7 +73,16 @@ class Transfer:
         if work is None:
             self._finish(None)
         else:
-            work.get_future().then(self._finish)
+            try:
+                future = work.get_future()
+            except RuntimeError:  # gloo's reduce-scatter has no future: a watcher stands in
+                threading.Thread(target=self._watch, daemon=True).start()
+            else:
+                future.then(self._finish)
+
+    def _watch(self) -> None:
+        self.work.wait()
+        self._finish(None)
 
     def _finish(self, _future) -> None:
         self.record["end"] = max(time.time(), self.not_before)
@@ -152,7 +169,9 @@ class Comm:
         nbytes = tensor.numel() * tensor.element_size()
 
         def launch(pg):
-            return dist.reduce_scatter_tensor(output, tensor, group=pg, async_op=True)
+            # reduce_scatter_single is torch >= 2.13's name (reduce_scatter_tensor warns there)
+            rs = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+            return rs(output, tensor, group=pg, async_op=True)
 
         if dist.get_world_size(self.topo.group(group)) == 1:
             output.copy_(tensor)
@@ -172,12 +191,18 @@ class Comm:
 
         fp32 is a plain all-reduce. Every other codec all-gathers the encoded payloads (the
         bytes that travel are the packed codes and scales) and each rank decodes and sums them
-        in fp32, its own payload included, so every rank ends with the same average.
+        in fp32, its own payload included, so every rank ends with the same average. A
+        non-finite `x` cannot be encoded; it is sent as a payload that decodes to NaN, so that
+        every rank sees the same non-finite average and can skip the update alike.
         """
         n = dist.get_world_size(self.topo.group(group))
         if codec == "fp32":
             return Average(self.all_reduce(x.clone(), group, tag, codec), n, None, x)
-        payload = encode(x, codec, block)
+        if torch.isfinite(x).all():
+            payload = encode(x, codec, block)
+        else:  # a NaN scale in the first block: every rank's average comes out non-finite
+            payload = encode(torch.zeros_like(x), codec, block)
+            payload[:2] = torch.tensor([float("nan")], dtype=torch.bfloat16).view(torch.uint8)
         sent = decode(payload, x.numel(), codec, block)
         return Average(self.all_gather(payload, group, tag, codec), n, (x.numel(), codec, block), sent)
 

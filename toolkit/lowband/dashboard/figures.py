@@ -407,6 +407,8 @@ def update_figure(fig, spec: Spec, layout: bool = True) -> None:
             fig.add_traces([_arrays(t) for t in traces])
         if layout:
             fig.layout.update(lay)
+            # update() merges lists element by element: an empty list would keep old notes
+            fig.layout.annotations = lay.get("annotations", ())
 
 
 # -- summary ----------------------------------------------------------------------------------
