@@ -10,11 +10,12 @@ runs/<name>/checkpoints/step-00000040/
 A checkpoint is written into step-XXXXXXXX.tmp and made current by one rename on rank 0, so a
 crash mid-write leaves the previous checkpoint as the latest loadable one; a leftover .tmp is
 ignored and cleared by the next save. The last `keep` checkpoints are kept. Everything is
-loaded with weights_only=True.
+loaded with weights_only=True (DCP's own non-tensor items too, see _WeightsOnlyPlanner).
 """
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 from pathlib import Path
@@ -22,10 +23,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from lowband.config import ConfigError
 from lowband.telemetry import RunDir
+
+
+class _WeightsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's default planner unpickles the non-tensor items (optimizer hyper-parameters) with
+    weights_only=False; these bytes must first load with weights_only=True."""
+
+    def load_bytes(self, read_item, value):
+        data = value.read()
+        torch.load(io.BytesIO(data), weights_only=True)  # refuses anything but plain data
+        super().load_bytes(read_item, io.BytesIO(data))
 
 
 def latest(run: RunDir) -> Path | None:
@@ -82,7 +94,7 @@ def load(path: Path, model, optimizer, algo, replica: int, rank_state: dict) -> 
     """Collective: fill the model, optimizer and algorithm from a checkpoint."""
     state = _model_state(model, optimizer, replica)
     try:
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, checkpoint_id=path, planner=_WeightsOnlyPlanner())
     except Exception as e:
         raise ConfigError(f"checkpoint {path} cannot be loaded ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:200]}): remove it to resume from the one "
