@@ -41,132 +41,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from lowband.testbed import TestHosts
+
 HEADER_BYTES = 66  # Ethernet 14 + IPv4 20 + TCP 20 + timestamp option 12, per (GSO) packet
 
 
-def missing_requirements() -> str | None:
-    """Why the hosts cannot be made here, or None."""
-    if os.name != "posix" or os.geteuid() != 0:
-        return "needs root (network namespaces)"
-    for tool in ("ip", "tc", "unshare"):
-        if not shutil.which(tool):
-            return f"needs `{tool}`"
-    return None
-
-
-def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if check and proc.returncode != 0:
-        why = proc.stderr.strip() or proc.stdout.strip()
-        raise RuntimeError(f"`{' '.join(cmd)}` failed: {why}")
-    return proc
-
-
-class TestHosts:
-    """Hosts lbx-h0 and lbx-h1 (network + UTS namespaces) joined by a shaped veth pair.
-
-    `with TestHosts() as hosts:` creates them (after removing leftovers of a crashed run) and
-    always removes them, the processes started in them included.
-    """
-
-    def __init__(self, prefix: str = "lbx", subnet: str = "10.213.9", rate: str = "100mbit"):
-        self.names = [f"{prefix}-h0", f"{prefix}-h1"]
-        self.devs = [f"{prefix}-v0", f"{prefix}-v1"]
-        self.ips = [f"{subnet}.1", f"{subnet}.2"]
-        self.rate = rate
-        self.procs: list[subprocess.Popen] = []
-
-    # -- life cycle --------------------------------------------------------------------------
-
-    def __enter__(self) -> "TestHosts":
-        self.up()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.down()
-
-    def up(self) -> None:
-        self.down()  # leftovers of a crashed run
-        try:
-            a, b = self.names
-            for ns in self.names:
-                _run("ip", "netns", "add", ns)
-            _run("ip", "link", "add", self.devs[0], "type", "veth", "peer", "name", self.devs[1])
-            # IPv4-mapped too: torch's TCPStore names its peers by reverse look-up of those
-            hosts = "127.0.0.1 localhost\n::1 localhost\n" + "".join(
-                f"{ip} {name}\n::ffff:{ip} {name}\n" for ip, name in zip(self.ips, self.names))
-            for ns, dev, ip in zip(self.names, self.devs, self.ips):
-                _run("ip", "link", "set", dev, "netns", ns)
-                _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
-                _run("ip", "-n", ns, "link", "set", "lo", "up")
-                _run("ip", "-n", ns, "link", "set", dev, "up")
-                _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
-                     "burst", "128kb", "latency", "100ms")
-                etc = Path("/etc/netns") / ns
-                etc.mkdir(parents=True, exist_ok=True)
-                (etc / "hosts").write_text(hosts)
-        except Exception:
-            self.down()
-            raise
-
-    def down(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
-        self.procs.clear()
-        for ns in self.names:
-            if ns in self.leftovers():
-                # processes of a crashed run still in the namespace: ours, by its name
-                pids = _run("ip", "netns", "pids", ns, check=False).stdout.split()
-                for pid in pids:
-                    try:
-                        os.kill(int(pid), signal.SIGKILL)
-                    except (ProcessLookupError, ValueError):
-                        pass
-                _run("ip", "netns", "del", ns, check=False)
-            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
-        try:
-            Path("/etc/netns").rmdir()  # only if empty: other namespaces' files stay
-        except OSError:
-            pass
-        if self.devs[0] in _run("ip", "-o", "link", "show", check=False).stdout:
-            _run("ip", "link", "del", self.devs[0], check=False)
-
-    def leftovers(self) -> list[str]:
-        listed = _run("ip", "netns", "list", check=False).stdout.split()
-        return [ns for ns in self.names if ns in listed]
-
-    # -- use ---------------------------------------------------------------------------------
-
-    def prefix(self, i: int) -> list[str]:
-        """Run a command on host i: its network namespace, its own hostname."""
-        return ["ip", "netns", "exec", self.names[i], "unshare", "--uts", "sh", "-c",
-                'hostname "$0" && exec "$@"', self.names[i]]
-
-    def popen(self, i: int, cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
-        out = open(log, "wb")
-        p = subprocess.Popen([*self.prefix(i), *cmd], env=env, stdout=out,
-                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True)
-        out.close()
-        self.procs.append(p)
-        return p
-
-    def counters(self) -> dict:
-        """tx/rx bytes and packets of each veth end, read inside its namespace."""
-        out = {}
-        for i, (ns, dev) in enumerate(zip(self.names, self.devs)):
-            base = f"/sys/class/net/{dev}/statistics"
-            text = _run("ip", "netns", "exec", ns, "sh", "-c",
-                        f"cat {base}/tx_bytes {base}/tx_packets {base}/rx_bytes "
-                        f"{base}/rx_packets").stdout.split()
-            out[dev] = dict(zip(("tx_bytes", "tx_packets", "rx_bytes", "rx_packets"),
-                                map(int, text)))
-        return out
+def make_hosts(rate: str = "100mbit") -> TestHosts:
+    """Hosts lbx-h0 and lbx-h1 (veth lbx-v0 10.213.9.1 <-> lbx-v1 10.213.9.2), each with its own
+    hostname and an /etc/hosts naming both."""
+    return TestHosts("lbx", "10.213.9", rate, "128kb", "100ms", hostnames=True)
 
 
 def node_commands(flags: list[str], run_dir: str, port: int, rdzv_timeout: int = 60,
@@ -259,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the run directories")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
-    why = missing_requirements()
+    why = make_hosts().unavailable()
     if why:
         print(f"multinode benchmark skipped: it {why}.")
         return 0
@@ -268,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="lbx-multinode-"))
     results = {}
     try:
-        with TestHosts(rate=args.rate) as hosts:
+        with make_hosts(args.rate) as hosts:
             base = run_job(hosts, flags + ["--steps", "1"], tmp / "baseline", args.port)
             train = run_job(hosts, flags + ["--steps", str(args.steps)], tmp / "train",
                             args.port + 1)

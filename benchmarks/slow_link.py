@@ -36,129 +36,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from lowband.testbed import TestHosts
+
 ALGOS = ("ddp", "diloco", "streaming")
 LINKS = ("emulated", "real")
-
-
-# ---------------------------------------------------------------------------------------------
-# the real link: two network namespaces joined by a veth pair, shaped by tbf on both ends
-# ---------------------------------------------------------------------------------------------
-
-class NetnsLink:
-    """Two namespaces lb-ns0/lb-ns1 joined by veth lb-v0 <-> lb-v1 (10.213.7.1 and .2/24), each
-    end's egress shaped to `rate` by tbf. `with NetnsLink(): ...` creates it (removing leftovers
-    of a crashed run first) and always removes it; `leftovers()` lists what still exists."""
-
-    def __init__(self, rate: str = "100mbit", burst: str = "64kb", latency: str = "50ms",
-                 prefix: str = "lb", subnet: str = "10.213.7"):
-        self.rate, self.burst, self.latency = rate, burst, latency
-        self.ns = [f"{prefix}-ns0", f"{prefix}-ns1"]
-        self.dev = [f"{prefix}-v0", f"{prefix}-v1"]
-        self.addr = [f"{subnet}.1", f"{subnet}.2"]
-
-    @staticmethod
-    def unavailable() -> str | None:
-        """Why a real link cannot be made here, or None when it can (root, ip and tc)."""
-        if os.name != "posix" or os.geteuid() != 0:
-            return "not running as root"
-        missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
-        if missing:
-            return f"{' and '.join(missing)} not found"
-        return None
-
-    @staticmethod
-    def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-        proc = subprocess.run(list(args), capture_output=True, text=True, check=False)
-        if check and proc.returncode != 0:
-            raise RuntimeError(f"`{shlex.join(args)}` failed: {proc.stderr.strip()}")
-        return proc
-
-    def exec_prefix(self, i: int) -> list[str]:
-        return ["ip", "netns", "exec", self.ns[i]]
-
-    def leftovers(self) -> list[str]:
-        """Namespaces and links of ours that exist now (in the root namespace)."""
-        names = self._ip("ip", "netns", "list", check=False).stdout.split()
-        left = [n for n in self.ns if n in names]
-        for d in self.dev:
-            if self._ip("ip", "link", "show", "dev", d, check=False).returncode == 0:
-                left.append(d)
-        return left
-
-    def teardown(self) -> None:
-        """Remove both namespaces (which removes the veth pair inside) and any stray veth end."""
-        names = self._ip("ip", "netns", "list", check=False).stdout.split()
-        for n in self.ns:
-            if n in names:
-                self._ip("ip", "netns", "delete", n, check=False)
-        for d in self.dev:
-            if self._ip("ip", "link", "show", "dev", d, check=False).returncode == 0:
-                self._ip("ip", "link", "delete", "dev", d, check=False)
-
-    def setup(self) -> "NetnsLink":
-        self.teardown()  # leftovers of a run that crashed
-        try:
-            for n in self.ns:
-                self._ip("ip", "netns", "add", n)
-            self._ip("ip", "link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
-            for i in range(2):
-                self._ip("ip", "link", "set", self.dev[i], "netns", self.ns[i])
-                self._ip("ip", "-n", self.ns[i], "addr", "add", f"{self.addr[i]}/24", "dev", self.dev[i])
-                self._ip("ip", "-n", self.ns[i], "link", "set", "lo", "up")
-                self._ip("ip", "-n", self.ns[i], "link", "set", self.dev[i], "up")
-                self._ip(*self.exec_prefix(i), "tc", "qdisc", "add", "dev", self.dev[i], "root",
-                         "tbf", "rate", self.rate, "burst", self.burst, "latency", self.latency)
-        except Exception:
-            self.teardown()
-            raise
-        return self
-
-    def __enter__(self) -> "NetnsLink":
-        return self.setup()
-
-    def __exit__(self, *exc) -> None:
-        self.teardown()
-
-
-_RECEIVER = """
-import socket, sys
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); print("ready", flush=True)
-c, _ = s.accept()
-while c.recv(1 << 20):
-    pass
-c.sendall(b"k"); c.close()
-"""
-
-_SENDER = """
-import socket, sys, time
-data = b"x" * int(sys.argv[3])
-c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60)
-t0 = time.perf_counter(); c.sendall(data); c.shutdown(socket.SHUT_WR); c.recv(1)
-print(time.perf_counter() - t0)
-"""
-
-
-def measure_tcp(link: NetnsLink, nbytes: int = 2_000_000, port: int = 29399) -> float:
-    """Seconds to send `nbytes` over one TCP connection from namespace 0 to namespace 1 (until
-    the receiver has read them all and answered one byte)."""
-    recv = subprocess.Popen([*link.exec_prefix(1), sys.executable, "-c", _RECEIVER,
-                             link.addr[1], str(port)], stdout=subprocess.PIPE, text=True)
-    try:
-        if recv.stdout.readline().strip() != "ready":
-            raise RuntimeError("the TCP receiver in the namespace did not start")
-        out = subprocess.run([*link.exec_prefix(0), sys.executable, "-c", _SENDER, link.addr[1],
-                              str(port), str(nbytes)], capture_output=True, text=True, timeout=60,
-                             check=False)
-        if out.returncode != 0:
-            raise RuntimeError(f"the TCP sender failed: {out.stderr.strip()}")
-        return float(out.stdout.strip())
-    finally:
-        try:
-            recv.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            recv.kill()
-            recv.wait()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,31 +115,27 @@ def run_emulated(algo: str, a, run_dir: Path) -> list[str]:
     return cmd
 
 
-def run_real(algo: str, a, run_dir: Path, link: NetnsLink, port: int) -> list[list[str]]:
+def run_real(algo: str, a, run_dir: Path, hosts: TestHosts, port: int) -> list[list[str]]:
     """One worker in each namespace, rendezvous at rank 0's veth address."""
-    cmds, procs, logs, codes = [], [], [], [-1, -1]
+    cmds, procs, codes = [], [], [-1, -1]
     try:
         for r in range(2):
             env = {"RANK": r, "WORLD_SIZE": 2, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 2,
-                   "MASTER_ADDR": link.addr[0], "MASTER_PORT": port,
-                   "GLOO_SOCKET_IFNAME": link.dev[r]}
-            cmd = [*link.exec_prefix(r), "env", *[f"{k}={v}" for k, v in env.items()],
-                   sys.executable, "-m", "lowband.cli", "train", *common_args(a),
-                   *algo_args(algo, a), "--run-dir", str(run_dir)]
-            log = open(run_dir.parent / f"{run_dir.name}.rank{r}.log", "w")
-            logs.append(log)
-            cmds.append(cmd)
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                          env=_clean_env(), stdin=subprocess.DEVNULL,
-                                          preexec_fn=_die_with_parent))
+                   "MASTER_ADDR": hosts.addrs[0], "MASTER_PORT": port,
+                   "GLOO_SOCKET_IFNAME": hosts.devs[r]}
+            cmd = ["env", *[f"{k}={v}" for k, v in env.items()], sys.executable, "-m",
+                   "lowband.cli", "train", *common_args(a), *algo_args(algo, a), "--run-dir",
+                   str(run_dir)]
+            cmds.append([*hosts.exec_prefix(r), *cmd])
+            procs.append(hosts.popen(r, cmd, _clean_env(),
+                                     run_dir.parent / f"{run_dir.name}.rank{r}.log",
+                                     preexec_fn=_die_with_parent))
         codes = _wait_all(procs, a.timeout)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        for log in logs:
-            log.close()
     if any(codes):
         raise RuntimeError(f"{algo} over the real link failed (statuses {codes}); see "
                            f"{run_dir.parent / f'{run_dir.name}.rank*.log'}")
@@ -384,7 +261,7 @@ def machine() -> str:
             f"{platform.python_version()}, torch {torch.__version__}")
 
 
-def run_one(algo, link, rep, a, out, netns, port, results, commands) -> bool:
+def run_one(algo, link, rep, a, out, hosts, port, results, commands) -> bool:
     """One run; keeps the faster of repeated runs (least disturbed by other load)."""
     run_dir = out / (f"{algo}-{link}" + (f"-{rep + 1}" if a.repeat > 1 else ""))
     if run_dir.exists():
@@ -394,7 +271,7 @@ def run_one(algo, link, rep, a, out, netns, port, results, commands) -> bool:
         if link == "emulated":
             cmd = shlex.join(run_emulated(algo, a, run_dir))
         else:
-            cmd = [shlex.join(c) for c in run_real(algo, a, run_dir, netns, port)]
+            cmd = [shlex.join(c) for c in run_real(algo, a, run_dir, hosts, port)]
         r = result_of(run_dir)
     except RuntimeError as e:
         print(f"slow_link: {e}")
@@ -459,9 +336,11 @@ def main(argv=None) -> int:
     out = Path(a.out_dir or tempfile.mkdtemp(prefix="lowband-slow-link-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     links = [x for x in LINKS if not (x == "real" and a.skip_real or x == "emulated" and a.skip_emulated)]
-    why_not = NetnsLink.unavailable() if "real" in links else None
+    hosts = TestHosts("lb", "10.213.7", f"{a.rate_mbit:g}mbit", a.tbf_burst, a.tbf_latency,
+                      host="ns")
+    why_not = hosts.unavailable() if "real" in links else None
     if why_not:
-        print(f"slow_link: skipping the real link (needs root, ip and tc): {why_not}.")
+        print(f"slow_link: skipping the real link: it {why_not}.")
         links.remove("real")
     if not links:
         print("slow_link: nothing left to run.")
@@ -489,23 +368,22 @@ def main(argv=None) -> int:
     results: dict = {link: {} for link in links}
     commands: dict = {}
     link_check = None
-    netns = NetnsLink(rate=f"{a.rate_mbit:g}mbit", burst=a.tbf_burst, latency=a.tbf_latency)
     failed = False
     try:
         if "real" in links:
             try:
-                netns.setup()
+                hosts.setup()
             except RuntimeError as e:
                 print(f"slow_link: skipping the real link: could not create it: {e}")
                 links.remove("real")
                 results.pop("real")
         if "real" in links:
             nbytes = 8_000_000
-            secs = measure_tcp(netns, nbytes)
+            secs = hosts.measure_tcp(nbytes)
             link_check = {"bytes": nbytes, "seconds": secs, "mbit_per_s": 8 * nbytes / secs / 1e6}
-            print(f"real link: {netns.ns[0]}/{netns.dev[0]} {netns.addr[0]} <-> {netns.ns[1]}/"
-                  f"{netns.dev[1]} {netns.addr[1]}, tbf rate {netns.rate} burst {netns.burst} "
-                  f"latency {netns.latency} on both ends; one TCP stream: {nbytes / 1e6:g} MB in "
+            ends = [f"{n}/{d} {ip}" for n, d, ip in zip(hosts.names, hosts.devs, hosts.addrs)]
+            print(f"real link: {ends[0]} <-> {ends[1]}, tbf rate {hosts.rate} burst {hosts.burst} "
+                  f"latency {hosts.latency} on both ends; one TCP stream: {nbytes / 1e6:g} MB in "
                   f"{secs:.3f} s = {link_check['mbit_per_s']:.1f} Mbit/s")
         print(flush=True)
         port = 29411
@@ -513,12 +391,12 @@ def main(argv=None) -> int:
             for algo in algos:  # both links back to back per algorithm: the same machine load
                 for link in links:
                     port += 1
-                    if not run_one(algo, link, rep, a, out, netns, port, results, commands):
+                    if not run_one(algo, link, rep, a, out, hosts, port, results, commands):
                         failed = True
     finally:
-        if "real" in links or netns.leftovers():
-            netns.teardown()
-            left = netns.leftovers()
+        if "real" in links or hosts.leftovers():
+            hosts.teardown()
+            left = hosts.leftovers()
             if left:
                 print(f"slow_link: could not remove {', '.join(left)}")
 

@@ -3,7 +3,7 @@ run the TorchX component's node command; streaming trains across them. The bytes
 counts on the outer link must match what the veth pair carried. And a node that cannot reach the
 rendezvous, or finds nobody else there, fails with one sentence in bounded time.
 
-The two-host tests need root, `ip`, `tc` and `unshare` (benchmarks/multinode.py makes the hosts)
+The two-host tests need root, `ip`, `tc` and `unshare` (lowband.testbed makes the hosts)
 and are skipped without them; the lonely-node test runs anywhere.
 """
 
@@ -34,21 +34,21 @@ def _bench():
 
 
 bench = _bench()
-WHY = bench.missing_requirements()
+WHY = bench.make_hosts().unavailable()
 needs_hosts = pytest.mark.skipif(WHY is not None, reason=f"two test hosts: {WHY}")
 
 
 @pytest.fixture
 def hosts():
-    h = bench.TestHosts()
+    h = bench.make_hosts()
     try:
-        h.up()
+        h.setup()
     except RuntimeError as e:  # e.g. a container without CAP_NET_ADMIN or sch_tbf
         pytest.skip(f"cannot create the test hosts here: {e}")
     try:
         yield h
     finally:
-        h.down()
+        h.teardown()
         assert h.leftovers() == [] and not (Path("/etc/netns") / h.names[0]).exists()
 
 

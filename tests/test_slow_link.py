@@ -1,48 +1,39 @@
 """The slow-link benchmark's real link: two network namespaces, a veth pair, tbf at 100 Mbit/s.
 
-Creates the link with the benchmark's own helper, times a 2 MB TCP transfer across it (about
-0.16 s at 100 Mbit/s; milliseconds when unshaped), tears it down and checks nothing is left.
-Needs root, `ip` and `tc`; skipped otherwise.
+Creates the link with the helper the benchmark uses (lowband.testbed), times a 2 MB TCP transfer
+across it (about 0.16 s at 100 Mbit/s; milliseconds when unshaped), tears it down and checks
+nothing is left. Needs root, `ip` and `tc`; skipped otherwise.
 """
 
-import importlib.util
-import os
-import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from lowband.testbed import TestHosts
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("slow_link", ROOT / "benchmarks" / "slow_link.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def _link(rate: str = "100mbit") -> TestHosts:
+    # own names, so a benchmark running at the same time is not disturbed
+    return TestHosts("lbt", "10.213.8", rate, "64kb", "50ms", host="ns")
 
 
-needs_netns = pytest.mark.skipif(
-    os.name != "posix" or os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
-    reason="needs root, ip and tc to create network namespaces")
+WHY = _link().unavailable()
+needs_netns = pytest.mark.skipif(WHY is not None, reason=f"network namespaces: {WHY}")
 
 
 @needs_netns
 def test_netns_link_is_throttled_and_removed():
-    bench = _bench()
-    # own names, so a benchmark running at the same time is not disturbed
-    link = bench.NetnsLink(rate="100mbit", prefix="lbt", subnet="10.213.8")
+    link = _link("100mbit")
     try:
         link.setup()
     except RuntimeError as e:  # e.g. a container without CAP_NET_ADMIN or without sch_tbf
         pytest.skip(f"cannot create network namespaces here: {e}")
     try:
         assert sorted(link.leftovers()) == ["lbt-ns0", "lbt-ns1"]
-        qdisc = subprocess.run([*link.exec_prefix(0), "tc", "qdisc", "show", "dev", link.dev[0]],
+        qdisc = subprocess.run([*link.exec_prefix(0), "tc", "qdisc", "show", "dev", link.devs[0]],
                                capture_output=True, text=True, check=False).stdout
         assert "tbf" in qdisc and "100Mbit" in qdisc, qdisc
-        seconds = bench.measure_tcp(link, 2_000_000, port=29398)
+        seconds = link.measure_tcp(2_000_000, port=29398)
         # 16 Mbit at 100 Mbit/s = 0.16 s (+ ~5% of headers); loopback-speed would be ~0.002 s
         assert 0.14 <= seconds <= 0.4, seconds
     finally:
@@ -54,8 +45,7 @@ def test_netns_link_is_throttled_and_removed():
 
 @needs_netns
 def test_setup_removes_leftovers_of_a_crashed_run():
-    bench = _bench()
-    link = bench.NetnsLink(prefix="lbt", subnet="10.213.8")
+    link = _link()
     # a stray namespace, as a crashed run leaves it
     subprocess.run(["ip", "netns", "add", "lbt-ns0"], capture_output=True, check=False)
     try:

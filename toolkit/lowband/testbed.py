@@ -1,0 +1,199 @@
+"""Two test hosts on this machine: Linux network namespaces joined by a veth pair whose ends are
+each shaped by `tc qdisc ... tbf` to a bandwidth, optionally each with its own hostname.
+
+Needs root, `ip` and `tc` (and `unshare` for hostnames); `unavailable()` says why not. Setting up
+first removes leftovers of a crashed run; `with TestHosts(...) as hosts:` always removes what it
+made: the processes started in the hosts, the namespaces, the veth pair and /etc/netns/<host>.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ETC_NETNS = Path("/etc/netns")  # `ip netns exec` bind-mounts /etc/netns/<host>/* over /etc
+
+
+def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    except FileNotFoundError as e:  # no `ip` here: nothing of ours can exist either
+        proc = subprocess.CompletedProcess(cmd, 127, "", str(e))
+    if check and proc.returncode != 0:
+        why = proc.stderr.strip() or proc.stdout.strip()
+        raise RuntimeError(f"`{shlex.join(cmd)}` failed: {why}")
+    return proc
+
+
+class TestHosts:
+    """Hosts <prefix>-<host>0 and -1 (network namespaces) joined by veth <prefix>-v0 <-> -v1 with
+    addresses <subnet>.1 and .2/24, each end's egress shaped by tbf (rate, burst, latency).
+
+    With `hostnames`, a command run on host i (`exec_prefix(i)`, `popen`) also gets its own UTS
+    namespace with the host's name as hostname, and an /etc/hosts naming both hosts, as cluster
+    nodes resolve each other (torch's rendezvous and TCPStore need it).
+    """
+
+    __test__ = False  # not a pytest test class, whatever module imports it
+
+    def __init__(self, prefix: str, subnet: str, rate: str, burst: str, latency: str, *,
+                 host: str = "h", hostnames: bool = False):
+        self.names = [f"{prefix}-{host}{i}" for i in range(2)]
+        self.devs = [f"{prefix}-v{i}" for i in range(2)]
+        self.addrs = [f"{subnet}.{i + 1}" for i in range(2)]
+        self.rate, self.burst, self.latency = rate, burst, latency
+        self.hostnames = hostnames
+        self.procs: list[subprocess.Popen] = []
+
+    def unavailable(self) -> str | None:
+        """Why the hosts cannot be made here (one sentence, after "it"), or None when they can."""
+        if os.name != "posix" or os.geteuid() != 0:
+            return "needs root to create network namespaces"
+        tools = ("ip", "tc", "unshare") if self.hostnames else ("ip", "tc")
+        missing = [f"`{t}`" for t in tools if shutil.which(t) is None]
+        if missing:
+            listed = ", ".join(missing[:-1]) + " and " + missing[-1] if missing[1:] else missing[0]
+            return f"needs {listed}, not found on PATH"
+        return None
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    def __enter__(self) -> "TestHosts":
+        return self.setup()
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+
+    def setup(self) -> "TestHosts":
+        self.teardown()  # leftovers of a run that crashed
+        # IPv4-mapped too: torch's TCPStore names its peers by reverse look-up of those
+        etc_hosts = "127.0.0.1 localhost\n::1 localhost\n" + "".join(
+            f"{ip} {name}\n::ffff:{ip} {name}\n" for ip, name in zip(self.addrs, self.names))
+        try:
+            for ns in self.names:
+                _run("ip", "netns", "add", ns)
+            _run("ip", "link", "add", self.devs[0], "type", "veth", "peer", "name", self.devs[1])
+            for ns, dev, ip in zip(self.names, self.devs, self.addrs):
+                _run("ip", "link", "set", dev, "netns", ns)
+                _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+                _run("ip", "-n", ns, "link", "set", "lo", "up")
+                _run("ip", "-n", ns, "link", "set", dev, "up")
+                _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
+                     "burst", self.burst, "latency", self.latency)
+                if self.hostnames:
+                    (ETC_NETNS / ns).mkdir(parents=True, exist_ok=True)
+                    (ETC_NETNS / ns / "hosts").write_text(etc_hosts)
+        except Exception:
+            self.teardown()
+            raise
+        return self
+
+    def teardown(self) -> None:
+        """Kill what runs in the hosts, remove both namespaces (and with them the veth pair), any
+        stray veth end and /etc/netns/<host>. Safe to call when nothing exists."""
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+        self.procs.clear()
+        listed = _run("ip", "netns", "list", check=False).stdout.split()
+        for ns in self.names:
+            if ns in listed:
+                # processes still in the namespace (a crashed run's): ours, by its name
+                for pid in _run("ip", "netns", "pids", ns, check=False).stdout.split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except (ProcessLookupError, ValueError):
+                        pass
+                _run("ip", "netns", "delete", ns, check=False)
+            shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
+        try:
+            ETC_NETNS.rmdir()  # only if empty: other namespaces' files stay
+        except OSError:
+            pass
+        for dev in self.devs:
+            if _run("ip", "link", "show", "dev", dev, check=False).returncode == 0:
+                _run("ip", "link", "delete", "dev", dev, check=False)
+
+    def leftovers(self) -> list[str]:
+        """Our namespaces and veth ends that exist now (in the root namespace)."""
+        listed = _run("ip", "netns", "list", check=False).stdout.split()
+        return [ns for ns in self.names if ns in listed] + [
+            d for d in self.devs
+            if _run("ip", "link", "show", "dev", d, check=False).returncode == 0]
+
+    # -- use ---------------------------------------------------------------------------------
+
+    def exec_prefix(self, i: int) -> list[str]:
+        """What runs a command on host i: in its network namespace (and with its hostname)."""
+        prefix = ["ip", "netns", "exec", self.names[i]]
+        if self.hostnames:
+            prefix += ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', self.names[i]]
+        return prefix
+
+    def popen(self, i: int, cmd: list[str], env: dict, log: Path, **kw) -> subprocess.Popen:
+        """Start `cmd` on host i in a session of its own, output to `log`; teardown kills it."""
+        with open(log, "wb") as out:
+            p = subprocess.Popen([*self.exec_prefix(i), *cmd], env=env, stdout=out,
+                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True, **kw)
+        self.procs.append(p)
+        return p
+
+    def counters(self) -> dict:
+        """tx/rx bytes and packets of each veth end, read inside its namespace."""
+        keys = ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets")
+        out = {}
+        for ns, dev in zip(self.names, self.devs):
+            files = " ".join(f"/sys/class/net/{dev}/statistics/{k}" for k in keys)
+            text = _run("ip", "netns", "exec", ns, "sh", "-c", f"cat {files}").stdout.split()
+            out[dev] = dict(zip(keys, map(int, text)))
+        return out
+
+    def measure_tcp(self, nbytes: int = 2_000_000, port: int = 29399) -> float:
+        """Seconds to send `nbytes` over one TCP connection from host 0 to host 1 (until the
+        receiver has read them all and answered one byte)."""
+        recv = subprocess.Popen([*self.exec_prefix(1), sys.executable, "-c", _RECEIVER,
+                                 self.addrs[1], str(port)], stdout=subprocess.PIPE, text=True)
+        try:
+            if recv.stdout.readline().strip() != "ready":
+                raise RuntimeError("the TCP receiver on the second host did not start")
+            out = subprocess.run([*self.exec_prefix(0), sys.executable, "-c", _SENDER,
+                                  self.addrs[1], str(port), str(nbytes)], capture_output=True,
+                                 text=True, timeout=60, check=False)
+            if out.returncode != 0:
+                raise RuntimeError(f"the TCP sender failed: {out.stderr.strip()}")
+            return float(out.stdout.strip())
+        finally:
+            try:
+                recv.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                recv.kill()
+                recv.wait()
+
+
+_RECEIVER = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); print("ready", flush=True)
+c, _ = s.accept()
+while c.recv(1 << 20):
+    pass
+c.sendall(b"k"); c.close()
+"""
+
+_SENDER = """
+import socket, sys, time
+data = b"x" * int(sys.argv[3])
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60)
+t0 = time.perf_counter(); c.sendall(data); c.shutdown(socket.SHUT_WR); c.recv(1)
+print(time.perf_counter() - t0)
+"""
