@@ -406,7 +406,8 @@ def update_figure(fig, spec: Spec, layout: bool = True) -> None:
             fig.data = ()
             fig.add_traces([_arrays(t) for t in traces])
         if layout:
-            fig.layout.update(lay)
+            # the template was set when the figure was made; re-applying it costs ~10-20 ms
+            fig.layout.update({k: v for k, v in lay.items() if k != "template"})
             # update() merges lists element by element: an empty list would keep old notes
             fig.layout.annotations = lay.get("annotations", ())
 

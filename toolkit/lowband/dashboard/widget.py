@@ -14,6 +14,9 @@ from . import figures as F
 from .model import RunModel
 
 HANDLE_STATUS_EVERY_S = 5.0
+# polling and redrawing take at most this share of one core: after a cycle that used c seconds
+# of CPU, the next starts at least c * (1 / BUSY_SHARE - 1) later (benchmarks/dashboard_load.py)
+BUSY_SHARE = 0.15
 
 
 def _running_loop():
@@ -288,12 +291,12 @@ class Dashboard:
     async def _run_async(self) -> None:
         try:
             while not self._stop.is_set():
-                began = time.monotonic()
+                began = time.process_time()
                 new = await asyncio.to_thread(self._poll)
                 self._render(force=bool(new))
                 if self._done():
                     break
-                await asyncio.sleep(max(self.interval, 2 * (time.monotonic() - began)))
+                await asyncio.sleep(max(self.interval, _pause(time.process_time() - began)))
         except asyncio.CancelledError:
             pass
         finally:
@@ -303,12 +306,12 @@ class Dashboard:
     def _run_thread(self) -> None:
         try:
             while not self._stop.is_set():
-                began = time.monotonic()
+                began = time.process_time()
                 new = self._poll()
                 self._render(force=bool(new))
                 if self._done():
                     break
-                self._stop.wait(max(self.interval, 2 * (time.monotonic() - began)))
+                self._stop.wait(max(self.interval, _pause(time.process_time() - began)))
         finally:
             self._update_title()
 
@@ -322,6 +325,10 @@ class Dashboard:
         """Write the offline HTML report of these runs (see lowband.report.write_report)."""
         from lowband.report import write_report
         return write_report(self.run_dirs, path, **kwargs)
+
+
+def _pause(cpu_s: float) -> float:
+    return cpu_s * (1 / BUSY_SHARE - 1)
 
 
 def _short(status) -> str:
