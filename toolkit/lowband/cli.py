@@ -70,13 +70,19 @@ def is_worker() -> bool:
 def cmd_train(argv: list[str]) -> int:
     cfg, resume = parse_train(argv)
     if is_worker():
+        import torch.distributed as dist
+
         from lowband.train import TrainingStopped, train
 
         try:
             train(cfg, resume=resume)
-        except TrainingStopped as e:
-            print(f"lowband: {e}", file=sys.stderr)
-            return 3
+        except (ConfigError, TrainingStopped) as e:
+            error = "error: " if isinstance(e, ConfigError) else ""
+            print(f"lowband: {error}{e}", file=sys.stderr, flush=True)
+            # leave at once: tearing down a live gloo group at interpreter exit can abort
+            os._exit(2 if isinstance(e, ConfigError) else 3)
+        if dist.is_initialized():
+            dist.destroy_process_group()
         return 0
     return launch_local(cfg, argv)
 

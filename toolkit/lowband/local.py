@@ -72,9 +72,11 @@ class LocalJob:
                 codes = [p.poll() for p in self.procs]
                 failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
                 if failed:
-                    # a worker killed by a signal or refusing input is the cause; the others
-                    # usually fail after it because their peer vanished
-                    first = min(failed, key=lambda r: (codes[r] >= 0 and codes[r] != 2, r))
+                    # the cause: a worker killed from outside, else one that refused input or
+                    # stopped on purpose (2, 3); the others usually fail after it because their
+                    # peer vanished (often with SIGABRT from gloo's teardown)
+                    rank_of = {-signal.SIGKILL: 0, -signal.SIGTERM: 0, 2: 1, 3: 1}
+                    first = min(failed, key=lambda r: (rank_of.get(codes[r], 2), r))
                     self.stop()
                     return codes[first], first
                 if all(c == 0 for c in codes):
