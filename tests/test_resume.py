@@ -17,6 +17,7 @@ from lowband.telemetry import RunDir, read_events
 FLAGS = {  # per algorithm: a schedule with syncs both before and after the stop
     "diloco": ["--sync-every", "3"],
     "streaming": ["--sync-every", "4", "--fragments", "2", "--overlap", "1"],
+    "acco": ["--acco-micro", "1:1"],  # adaptive counts follow the clock: not reproducible
 }
 COMMON = ["--model", "nano", "--steps", "10", "--seq-len", "32", "--batch-size", "4",
           "--warmup-steps", "2", "--eval-every", "0", "--checkpoint-every", "3", "--no-progress"]

@@ -44,7 +44,7 @@ OUTER_ALGOS = tuple(ALGO_DEFAULTS)
 @dataclass
 class Config:
     # what to run
-    algo: str = _f("ddp", "training algorithm: ddp, diloco or streaming")
+    algo: str = _f("ddp", "training algorithm: ddp, diloco, streaming, zero1 or acco")
     replicas: int = _f(2, "R: replica groups, joined by the slow outer link")
     shards: int = _f(1, "S: ranks inside each replica group, joined by the fast inner link")
     # model
@@ -71,6 +71,12 @@ class Config:
     grad_clip: float = _f(1.0, "clip the gradient norm to this value (0 disables)")
     # communication
     bucket_mb: float = _f(4.0, "gradient bucket size in MiB for data-parallel all-reduce")
+    # sharded optimizer (zero1, acco)
+    shard_optimizer: str = _f("adamw", "zero1/acco: optimizer of each rank's shard: adamw (the "
+                              "trainer's AdamW) or sgd (plain, no momentum)", ("adamw", "sgd"))
+    acco_micro: str = _f("adaptive", "acco: micro-batches per group: adaptive (as many as fit "
+                         "while the round is in flight, at least 1), N1:N2 (fixed, every rank) "
+                         "or one N1:N2 per rank, comma-separated")
     # outer loop (diloco, streaming)
     sync_every: int = _f(20, "H: inner steps between two syncs of the same fragment")
     fragments: int = _f(None, "P: fragments synced in turn (diloco 1, streaming 4)", kind=int)
@@ -149,6 +155,9 @@ class Config:
             if choices and value is not None and value not in choices:
                 raise ConfigError(f"--{_flag(f.name)} '{value}' is not one of {', '.join(choices)}.")
         self._validate_outer()
+        from lowband.algorithms.acco import check_config
+
+        check_config(self)
         from lowband.faults import parse_corrupt, parse_straggler
 
         parse_straggler(self.straggler, self.replicas)

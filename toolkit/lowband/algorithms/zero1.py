@@ -1,0 +1,197 @@
+"""zero1: ZeRO-1 data parallelism — optimizer states sharded over every rank, no overlap.
+
+Every rank holds the whole model (it computes full gradients) but only 1/N of the fp32 master
+parameters and of the optimizer state (N = world size, all R x S ranks). The flat parameter
+vector (the parameters in the order of the trainer's optimizer groups: matrices and embeddings,
+then norms' scales) is padded with zeros to N x chunk, chunk = ceil(n_params / N); rank r owns
+elements [r·chunk, (r+1)·chunk). One step:
+
+  1. each rank sums the gradients of its micro-batches (each micro-batch's loss is backpropagated
+     unscaled) and puts that sum, with its micro-batch count, in a send buffer laid out as N
+     pieces of chunk + 1 values: piece q is elements [q·chunk, (q+1)·chunk) of the flat gradient
+     followed by the count;
+  2. reduce-scatter the buffer over the world: rank r gets the sum over ranks of its piece and,
+     in the last slot, the total micro-batch count C (no separate all-reduce for the counts);
+  3. mean gradient g = sum / C, so every micro-batch of every rank weighs the same;
+  4. clipping on the global norm: the squared norm of each rank's piece is all-reduced (one
+     float64), g is scaled by min(1, clip / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_
+     does; a non-finite norm skips the update (nothing changes; algo.skips counts it);
+  5. the shard optimizer steps the master shard (optim.py: AdamW with the trainer's lr schedule,
+     betas, eps and per-group weight decay, or plain SGD with --shard-optimizer sgd);
+  6. all-gather the updated shards; every rank writes the whole vector into its model.
+
+Transfers go through Comm over the "world" group, so each rank's bytes are recorded as outer or
+inner by its position in the ring (docs/run-directory.md), and the emulated link applies to the
+outer ones. Tags: `grad` (reduce-scatter), `norm`, `params` (all-gather).
+
+zero1 uses the trainer's batches exactly as ddp does: micro-batch m of step t is
+batches.train(t, m), m < --grad-accum, so with the same flags it follows the same trajectory as
+ddp (tests/test_acco.py checks both against one float64 reference).
+
+The trainer's optimizer slot gets a placeholder (SGD with lr 0 over the model's parameters,
+never stepped, no state): the real state is sharded and travels in state_dict().
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lowband.algorithms.base import Algorithm
+from lowband.algorithms.optim import ShardOptimizer
+from lowband.config import ConfigError
+from lowband.model import lm_loss
+from lowband.params import write_flat
+
+
+class FlatLayout:
+    """The parameters as one padded flat vector, and this rank's piece of it."""
+
+    def __init__(self, groups: list[tuple[list[torch.nn.Parameter], float]], rank: int, world: int):
+        self.params = [p for ps, _ in groups for p in ps]
+        self.n = sum(p.numel() for p in self.params)
+        self.world, self.rank = world, rank
+        self.chunk = math.ceil(self.n / world)
+        self.lo = rank * self.chunk
+        # (start, end, weight decay) of each optimizer group inside this rank's piece
+        self.segments, offset = [], 0
+        for ps, wd in groups:
+            size = sum(p.numel() for p in ps)
+            lo, hi = max(offset, self.lo), min(offset + size, self.lo + self.chunk)
+            if lo < hi:
+                self.segments.append((lo - self.lo, hi - self.lo, wd))
+            offset += size
+
+    def flat(self) -> torch.Tensor:
+        """The parameters, padded to world x chunk (fp32)."""
+        out = torch.zeros(self.world * self.chunk, dtype=torch.float32,
+                          device=self.params[0].device)
+        self._gather_into(out, lambda p: p.detach())
+        return out
+
+    def _gather_into(self, out: torch.Tensor, value) -> None:
+        offset = 0
+        for p in self.params:
+            v = value(p)
+            if v is None:
+                out[offset: offset + p.numel()].zero_()
+            else:
+                out[offset: offset + p.numel()].copy_(v.reshape(-1))
+            offset += p.numel()
+
+    def fill_send(self, send: torch.Tensor, count: int) -> None:
+        """Put the summed gradients and this rank's micro-batch count into the send buffer
+        (world pieces of chunk + 1: gradient values, then the count)."""
+        pieces = send.view(self.world, self.chunk + 1)
+        flat = torch.zeros(self.world * self.chunk, dtype=torch.float32, device=send.device)
+        self._gather_into(flat, lambda p: p.grad)
+        pieces[:, : self.chunk].copy_(flat.view(self.world, self.chunk))
+        pieces[:, self.chunk].fill_(float(count))
+
+    def write(self, full: torch.Tensor) -> None:
+        write_flat(self.params, full[: self.n])
+
+
+def optimizer_groups(make_optimizer, model) -> tuple[list, dict]:
+    """The trainer's optimizer groups (parameters, weight decay) and its hyper-parameters: the
+    sharded optimizer follows make_optimizer_factory, whatever it decides."""
+    ref = make_optimizer(model.parameters())
+    groups = [(list(g["params"]), float(g.get("weight_decay", 0.0))) for g in ref.param_groups]
+    g0 = ref.param_groups[0]
+    hyper = {"betas": tuple(g0.get("betas", (0.9, 0.999))), "eps": float(g0.get("eps", 1e-8))}
+    del ref  # never stepped: it holds no state
+    return [(ps, wd) for ps, wd in groups if ps], hyper
+
+
+class ZeRO1(Algorithm):
+    name = "zero1"
+    owns_step = True
+
+    def setup(self, model, blocks, make_optimizer, topology, comm, config):
+        self.model, self.blocks, self.topo, self.comm, self.config = model, blocks, topology, comm, config
+        self.device = topology.device
+        groups, hyper = optimizer_groups(make_optimizer, model)
+        self.layout = FlatLayout(groups, topology.rank, topology.world)
+        L = self.layout
+        master = L.flat()[L.lo: L.lo + L.chunk].clone()
+        self.opt = ShardOptimizer(master, L.segments, config.shard_optimizer, hyper["betas"],
+                                  hyper["eps"])
+        self.send = torch.zeros(L.world * (L.chunk + 1), dtype=torch.float32, device=self.device)
+        self.skips = 0
+        self._report_memory()
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # placeholder, see above
+        return self.optimizer
+
+    def _report_memory(self) -> None:
+        L, opt = self.layout, self.opt
+        per_value = 2 if opt.kind == "adamw" else 0  # AdamW: two moments per parameter
+        if self.comm.events is not None:
+            self.comm.events.emit(
+                "shard", algorithm=self.name, optimizer=opt.kind, world=L.world,
+                n_params=L.n, shard_numel=L.chunk, state_bytes=opt.state_bytes(),
+                unsharded_state_bytes=per_value * 4 * L.n, master_bytes=opt.master.numel() * 4)
+
+    # -- one communication round: reduce-scatter, shard step, all-gather --------------------
+
+    @torch.no_grad()
+    def _round(self, comm, lr: float, commit: bool, prefix: str = ""):
+        """Average the send buffer's gradients over the world, step the shard and gather the
+        parameters. Returns (full flat parameters, skipped). commit=False leaves the master
+        shard and the optimizer state as they were (acco's estimate)."""
+        L = self.layout
+        recv = torch.empty(L.chunk + 1, dtype=torch.float32, device=self.device)
+        comm.reduce_scatter(recv, self.send, "world", tag=prefix + "grad").wait()
+        grad = recv[: L.chunk].div_(recv[L.chunk])  # mean over every micro-batch of every rank
+        sq = grad.double().pow(2).sum().reshape(1)
+        comm.all_reduce(sq, "world", tag=prefix + "norm").wait()
+        norm = sq.sqrt()
+        skipped = not bool(torch.isfinite(norm).item())
+        if skipped:  # NaN or inf somewhere: every rank sees the same norm and keeps its weights
+            new = self.opt.master.clone()
+        else:
+            if self.config.grad_clip > 0:
+                coef = (self.config.grad_clip / (norm + 1e-6)).clamp(max=1.0)
+                grad.mul_(coef.to(grad.dtype))
+            new = self.opt.update(grad, lr, commit)
+        parts = comm.all_gather(new, "world", tag=prefix + "params").wait()
+        return torch.cat(parts), skipped
+
+    def _note_skip(self, skipped: bool, step: int) -> None:
+        if skipped:
+            self.skips += 1
+            if self.comm.events is not None:
+                self.comm.events.emit("skip", step=step + 1, what="gradient")
+        else:
+            self.skips = 0
+
+    def train_step(self, step, batches, lr):
+        cfg, model = self.config, self.model
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(cfg.grad_accum):
+            x, y = batches.train(step, micro)
+            loss = lm_loss(model, x.to(self.device), y.to(self.device))
+            loss.backward()
+            loss_sum += loss.detach()
+        self.layout.fill_send(self.send, cfg.grad_accum)
+        model.zero_grad(set_to_none=True)
+        full, skipped = self._round(self.comm, lr, commit=True)
+        self.layout.write(full)
+        self._note_skip(skipped, step)
+        return loss_sum.item() / cfg.grad_accum, cfg.grad_accum
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        L = self.layout
+        return {"world": L.world, "n": L.n, "skips": self.skips, "optimizer": self.opt.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        L = self.layout
+        if (state["world"], state["n"]) != (L.world, L.n):
+            raise ConfigError(f"the checkpoint's {self.name} state was written by {state['world']} "
+                              f"ranks for {state['n']} parameters, not {L.world} for {L.n}: resume "
+                              "with the same world and model.")
+        self.skips = state["skips"]
+        self.opt.load_state_dict(state["optimizer"])
+
