@@ -44,7 +44,7 @@ OUTER_ALGOS = tuple(ALGO_DEFAULTS)
 @dataclass
 class Config:
     # what to run
-    algo: str = _f("ddp", "training algorithm: ddp, diloco, streaming, zero1 or acco")
+    algo: str = _f("ddp", "training algorithm: ddp, diloco, streaming, zero1, acco, edit or aedit")
     replicas: int = _f(2, "R: replica groups, joined by the slow outer link")
     shards: int = _f(1, "S: ranks inside each replica group, joined by the fast inner link")
     # model
@@ -97,6 +97,24 @@ class Config:
                                  "same (the model's device)", ("cpu", "same"))
     eval_params: str = _f("local", "evaluate the local (replica) or the outer parameters",
                           ("local", "outer"))
+    # edit, aedit (algorithms/edit.py; the pseudo-gradient penalty: algorithms/penalty.py)
+    warmup_sync_steps: int = _f(0, "edit/aedit: the first N steps are synchronous training over "
+                                "all ranks, local steps and syncs follow")
+    sync_seconds: float = _f(5.0, "aedit: seconds of training between two syncs")
+    max_seconds: float = _f(0.0, "aedit: wall-clock budget; the run ends at the sync where it is "
+                            "spent or where all replicas' steps reach --steps x R (0: no limit)")
+    edit_anomaly: bool = _f(True, "edit/aedit: leave a replica out of a block's average when its "
+                            "pseudo-gradient norm is anomalous (EWMA z-score)")
+    edit_ewma_rate: float = _f(0.1, "edit/aedit: rate of the norms' EWMA mean and variance")
+    edit_z: float = _f(3.0, "edit/aedit: z-score above which a norm is anomalous")
+    edit_anomaly_warmup: int = _f(3, "edit/aedit: syncs of a block before anomalies are acted on")
+    edit_weighted: bool = _f(True, "edit/aedit: weigh replicas by softmax(-norm / T), else equally")
+    edit_temperature: float = _f(0.0, "edit/aedit: T of the weights (0: the mean of the block's "
+                                 "norms)")
+    edit_clip: float = _f(0.0, "edit/aedit: clip a block's averaged pseudo-gradient to this norm "
+                          "(0: off)")
+    edit_step_weights: bool = _f(True, "aedit: also weigh replicas by their share of the steps "
+                                 "since the last sync")
     link_bandwidth: str = _f("", "emulate the outer link's bandwidth, e.g. 100Mbit (empty: none)")
     link_latency: str = _f("0ms", "emulated outer link latency, e.g. 20ms")
     # checkpoints and faults
@@ -158,6 +176,9 @@ class Config:
         from lowband.algorithms.acco import check_config
 
         check_config(self)
+        from lowband.algorithms.edit import check_config as check_edit
+
+        check_edit(self)
         from lowband.faults import parse_corrupt, parse_straggler
 
         parse_straggler(self.straggler, self.replicas)

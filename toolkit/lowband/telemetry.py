@@ -29,7 +29,7 @@ from pathlib import Path
 
 SCHEMA_VERSION = 1
 KINDS = ("step", "comm", "sync", "eval", "spike", "run", "fault", "skip", "checkpoint",
-         "shard")
+         "shard", "memory")
 
 
 class RunDir:

@@ -158,9 +158,9 @@ def _train(cfg, topo, run, events, model, blocks, resume_from):
     dist.barrier()  # every rank starts the clock together: set-up skew is not link time
     t_start, paused_s = time.time(), 0.0  # paused: evaluations and checkpoints
     for step in itertools.count(done.step):
-        if algo.should_stop(step):  # after --steps by default; aedit decides itself
-            break
         t0 = time.perf_counter()
+        if algo.should_stop(step):  # after --steps by default; aedit decides (and syncs) here
+            break
         if algo.owns_step:  # e.g. acco: micro-batches accumulate while its round is in flight
             loss, micro_batches = algo.train_step(step, batches, lr_at(cfg, step))
         else:

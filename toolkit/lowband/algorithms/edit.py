@@ -1,0 +1,574 @@
+"""edit and aedit (EDiT and A-EDiT, arXiv 2412.07210): local SGD over FSDP2-sharded replicas,
+synced layer by layer during the forward pass, with the pseudo-gradient penalty.
+
+Sharding. Each replica group shards its model with FSDP2 over the "shard" dimension of the
+R x S DeviceMesh (topology.py): `fully_shard` on every block, then on the root, with the
+1-D "shard" sub-mesh. So parameters, gradients and inner-optimizer state are split over the
+replica's S ranks (the fast inner link), and nothing FSDP does crosses the outer link: replicas
+train independently. (FSDP2's own HSDP mode over both mesh dimensions would all-reduce every
+gradient over the replicas; its no-all-reduce switch only defers that for accumulation.) Every
+rank holds a shard of each FSDP unit, the unit being a block or the root's own parameters
+(embeddings, final norm; the tied head is the embedding); rank (replica i, shard k) holds the
+same slice as (replica j, shard k), so a unit's shard is averaged over the outer group.
+
+Outer state. The outer (last synced) parameters and the outer Nesterov momentum exist only as
+this rank's shards: 2 x (parameters / S) values per rank (the `memory` event reports the bytes
+held, measured from the tensors' storages, and on CUDA the allocator's growth).
+
+Warm-up. The first --warmup-sync-steps steps are synchronous data-parallel training over all
+ranks: after FSDP's reduce-scatter (the inner mean), the gradient shards are averaged over the
+outer group. The outer parameters are then taken from the (identical) replicas.
+
+A sync (edit: after every H local steps; aedit: see below) happens in the forward pass of the
+next step, layer by layer:
+  prepare (before the forward)  every rank computes ||outer - local||^2 of its shard of every
+                                unit; one small all-gather over all ranks gives each replica's
+                                whole-unit norms (and, for aedit, each replica's steps since
+                                the last sync); every rank runs the same penalty on the same
+                                numbers (penalty.py): flags, weights, statistics. The root
+                                unit's exchange is started.
+  pre-forward hook of unit u    first starts unit u+1's exchange, then waits for unit u's and
+                                applies it, so unit u+1's bytes travel while unit u computes.
+  exchange of unit u            all-reduce of w_i x (outer - local) over the outer group (the
+                                weighted average; a flagged replica sends zeros); a unit that
+                                every replica was flagged on sends nothing.
+  apply unit u                  clip the average to --edit-clip (its norm over the whole unit:
+                                one scalar all-reduce over the inner group); Nesterov outer
+                                step on the outer shard (--outer-lr, --outer-momentum); the local
+                                shard <- the outer shard. Then FSDP's own pre-forward hook (which
+                                runs after ours) all-gathers the synced unit.
+The hooks are prepended to FSDP2's, so a unit is synced before FSDP all-gathers it. A unit the
+forward never reached is applied before the backward. A sync due after the last step is done
+in finish(), unit after unit. Everything crosses the links through lowband's Comm.
+
+aedit: syncs are triggered by wall-clock time. After the warm-up every replica trains as fast
+as it can; its rank with shard index 0 checks before each step whether the window (started when
+the last sync was agreed, --sync-seconds long) ends nearer this step boundary than the next
+one (elapsed + half its usual step time >= window), and tells its inner group (a broadcast of two
+numbers over the fast link). A replica whose window has ended enters the prepare all-gather at
+once, so a fast replica waits at most for the nearest step boundary of a slow one, never for
+it to reach a step number. The all-gather carries every replica's steps since the last sync,
+window length and elapsed time, so every rank computes the same: the penalty on per-step norms
+(||delta_i|| / the replica's steps: a replica that did more steps is not more suspicious), the
+weights (optionally times each replica's share of the steps, --edit-step-weights), the total
+of inner steps done, whether the run is over (total >= R x --steps, or --max-seconds reached:
+then the sync is applied at once and the loop stops, see `should_stop`), and the next window,
+shortened where the step or time budget ends sooner. No clocks need to agree: each replica
+measures its own window from the moment the last sync was agreed. The learning rate
+follows the schedule at the run's global progress: (total at the last sync)/R plus this
+replica's steps since, scaled by its share of the last window's steps; with --max-seconds, at
+least the elapsed fraction of the budget times --steps, so a time-bound run decays in time.
+(The trainer's `step` events still show the schedule at the replica's own step.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from lowband.algorithms.base import Algorithm
+from lowband.algorithms.penalty import EWMA, Decision, PenaltyConfig, clip_scale, decide
+from lowband.config import ConfigError
+
+EDIT_OPTIONS = {"warmup_sync_steps": 0, "edit_anomaly": True, "edit_ewma_rate": 0.1, "edit_z": 3.0,
+                "edit_anomaly_warmup": 3, "edit_weighted": True, "edit_temperature": 0.0,
+                "edit_clip": 0.0}
+AEDIT_OPTIONS = {"sync_seconds": 5.0, "max_seconds": 0.0, "edit_step_weights": True}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_config(cfg) -> None:
+    """The checks of edit's and aedit's options (called by Config.validate)."""
+    edit = cfg.algo in ("edit", "aedit")
+    for name, default in {**EDIT_OPTIONS, **AEDIT_OPTIONS}.items():
+        only = "aedit" if name in AEDIT_OPTIONS else "edit or aedit"
+        if getattr(cfg, name) != default and (cfg.algo != "aedit" if name in AEDIT_OPTIONS else not edit):
+            raise ConfigError(f"{_flag(name)} applies only to --algo {only}: remove it for "
+                              f"--algo {cfg.algo}.")
+    if not edit:
+        return
+    for name in ("fragments", "overlap", "alpha", "codec"):
+        if getattr(cfg, name) is not None:
+            raise ConfigError(f"{_flag(name)} is a diloco/streaming option: {cfg.algo} syncs whole "
+                              "blocks in fp32 during the forward pass, so remove it.")
+    if cfg.sync_every <= 0:
+        raise ConfigError(f"--sync-every must be a positive integer, got {cfg.sync_every}.")
+    if not 0 <= cfg.warmup_sync_steps < cfg.steps:
+        raise ConfigError(f"--warmup-sync-steps {cfg.warmup_sync_steps} must be at least 0 and "
+                          f"below --steps {cfg.steps}, so that local steps remain.")
+    if not 0 < cfg.edit_ewma_rate <= 1:
+        raise ConfigError(f"--edit-ewma-rate must lie in (0, 1], got {cfg.edit_ewma_rate}.")
+    for name in ("edit_z",):
+        if not getattr(cfg, name) > 0:
+            raise ConfigError(f"{_flag(name)} must be positive, got {getattr(cfg, name)}.")
+    for name in ("edit_anomaly_warmup", "edit_temperature", "edit_clip", "max_seconds"):
+        if not getattr(cfg, name) >= 0:
+            raise ConfigError(f"{_flag(name)} must be zero or positive, got {getattr(cfg, name)}.")
+    if not cfg.outer_lr > 0 or not 0 <= cfg.outer_momentum < 1:
+        raise ConfigError("--outer-lr must be positive and --outer-momentum in [0, 1).")
+    if cfg.algo == "aedit":
+        if not cfg.sync_seconds > 0:
+            raise ConfigError(f"--sync-seconds must be positive, got {cfg.sync_seconds}.")
+        for name in ("checkpoint_every", "stop_after"):
+            if getattr(cfg, name, 0):
+                raise ConfigError(f"aedit replicas run different numbers of steps, so there is no "
+                                  f"common step for {_flag(name)}: remove it.")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a (possibly sharded) tensor, sharing its storage."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+class Landed:
+    """An exchange that has already arrived (drained for a checkpoint, or restored from one)."""
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+    def wait(self) -> torch.Tensor:
+        return self.value.clone()
+
+
+class Unit:
+    """One FSDP unit (the root's own parameters or one block): this rank's shard of it and of
+    its outer state."""
+
+    def __init__(self, name, params: list[nn.Parameter], device: torch.device):
+        self.name, self.params = name, params
+        self.tag = name if isinstance(name, str) else f"block{name}"
+        self.numel = sum(p.numel() for p in params)  # whole unit, all shards
+        self.outer = self.local_flat().to(device)
+        self.momentum = torch.zeros_like(self.outer)
+        self.ewma = EWMA()
+        self.pending = None  # the exchange in flight (Transfer or Landed)
+
+    def locals(self) -> list[torch.Tensor]:
+        return [_local(p) for p in self.params]
+
+    def local_flat(self) -> torch.Tensor:
+        pieces = [t.detach().reshape(-1).float() for t in self.locals()]
+        return torch.cat(pieces) if pieces else torch.zeros(0)
+
+    @torch.no_grad()
+    def write(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for t in self.locals():
+            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+class EDiT(Algorithm):
+    name = "edit"
+    timed = False  # aedit: syncs by wall-clock time
+
+    def setup(self, model, blocks, make_optimizer, topology, comm, config):
+        self.model, self.blocks, self.topo, self.comm, self.config = model, blocks, topology, comm, config
+        c = config
+        mesh = topology.mesh["shard"]
+        for block in blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.optimizer = make_optimizer(model.parameters())
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        root = [p for p in model.parameters() if id(p) not in in_blocks]
+        self.device = topology.device
+        outer_device = torch.device("cpu") if c.outer_state_device == "cpu" else topology.device
+        before = _allocated(outer_device)
+        candidates = [("root", model, root)] + [(i, b, list(b.parameters())) for i, b in enumerate(blocks)]
+        self.units, self.unit_of = [], {}
+        for name, module, params in candidates:
+            if params:
+                self.unit_of[module] = len(self.units)
+                self.units.append(Unit(name, params, outer_device))
+        allocated = _allocated(outer_device) - before
+        for module, u in self.unit_of.items():  # before FSDP's own pre-forward hook
+            module.register_forward_pre_hook(functools.partial(self._hook, u), prepend=True)
+        self.penalty = PenaltyConfig(
+            anomaly=c.edit_anomaly, rate=c.edit_ewma_rate, z=c.edit_z, warmup=c.edit_anomaly_warmup,
+            weighted=c.edit_weighted, temperature=c.edit_temperature,
+            step_weights=self.timed and c.edit_step_weights, clip=c.edit_clip)
+        self.anchored = False     # outer parameters taken from the replicas after the warm-up
+        self.steps_done = 0
+        self.last_prepared = -1   # steps done at the last sync
+        self.syncs = 0
+        self.plan: list[Decision] | None = None  # the sync being applied
+        self.raw_norms: list[list[float]] = []   # its replicas' ||delta|| per unit
+        self.started = self.applied = 0
+        self.sync_info: dict = {}
+        self._report_memory(allocated, outer_device)
+        return self.optimizer
+
+    def _report_memory(self, allocated: int, device: torch.device) -> None:
+        storages = {}
+        for u in self.units:
+            for t in (u.outer, u.momentum):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        n_params = sum(u.numel for u in self.units)
+        held = sum(storages.values())
+        self.outer_state_bytes = held
+        if self.comm.events is not None:
+            fields = {"what": "outer_state", "bytes": held, "n_params": n_params,
+                      "shards": self.topo.shards, "device": device.type,
+                      "expected_bytes": 2 * 4 * n_params / self.topo.shards,
+                      "ratio": held / (2 * 4 * n_params / self.topo.shards)}
+            if device.type == "cuda":
+                fields["allocated_bytes"] = allocated
+            self.comm.events.emit("memory", **fields)
+
+    # -- the trainer's hooks ------------------------------------------------------------------
+
+    def before_forward(self, step):
+        self.model.reshard()  # the root stays unsharded after an evaluation's forward
+        self._anchor(step)
+        if not self.timed and self._due(step):
+            self._prepare(step)
+
+    def before_backward(self, step, micro, last):
+        if self.plan is not None:  # units the forward did not reach
+            self._drain()
+
+    def after_backward(self, step):
+        if step < self.config.warmup_sync_steps and self.topo.replicas > 1:
+            self._average_gradients()
+
+    def after_step(self, step):
+        if self.plan is not None:
+            self._drain()
+        self.steps_done = step + 1
+
+    def finish(self):
+        if self.plan is not None:
+            self._drain()
+        if not self.timed and self._due(self.steps_done):
+            self.model.reshard()
+            self._prepare(self.steps_done)
+            self._drain()
+
+    # -- warm-up ------------------------------------------------------------------------------
+
+    def _anchor(self, step: int) -> None:
+        if self.anchored or step < self.config.warmup_sync_steps:
+            return
+        for u in self.units:
+            u.outer.copy_(u.local_flat())
+            u.momentum.zero_()
+        self.anchored = True
+
+    @torch.no_grad()
+    def _average_gradients(self) -> None:
+        """Warm-up: the gradient shards (already averaged inside the replica) averaged over the
+        replicas, so every rank takes the same synchronous step."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grads = [_local(p.grad) for p in params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        flat = self.comm.all_reduce(flat, "outer", tag="grad").wait().div_(self.topo.replicas)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    # -- a sync -------------------------------------------------------------------------------
+
+    def _due(self, steps_done: int) -> bool:
+        W, H = self.config.warmup_sync_steps, self.config.sync_every
+        return (steps_done > W and (steps_done - W) % H == 0 and steps_done != self.last_prepared)
+
+    def _prepare(self, steps_done: int, extra: list[float] | None = None) -> list[list[float]]:
+        """Exchange every unit's pseudo-gradient norms (and `extra` numbers), run the penalty,
+        start the first unit's exchange. Returns each replica's `extra`."""
+        t = self.topo
+        sq = torch.stack([(u.outer.to(self.device) - u.local_flat()).double().pow(2).sum()
+                          for u in self.units])
+        mine = torch.cat([sq, torch.tensor(extra or [], dtype=torch.float64, device=self.device)])
+        rows = [r.cpu().tolist() for r in self.comm.all_gather(mine, "world", tag="norms").wait()]
+        n = len(self.units)
+        extras = [rows[i * t.shards][n:] for i in range(t.replicas)]
+        shares = None
+        if extra:
+            steps = [e[0] for e in extras]
+            shares = [s / sum(steps) if sum(steps) > 0 else 1 / t.replicas for s in steps]
+        self.plan, self.raw_norms = [], []
+        for j, u in enumerate(self.units):
+            norms = [math.sqrt(sum(rows[i * t.shards + k][j] for k in range(t.shards)))
+                     for i in range(t.replicas)]
+            self.raw_norms.append(norms)
+            if extra:  # aedit: replicas did different numbers of steps; score the norm per step
+                norms = [x / max(e[0], 1.0) for x, e in zip(norms, extras)]
+            d = decide(norms, u.ewma, self.penalty, shares)
+            u.ewma = d.ewma
+            self.plan.append(d)
+        self.last_prepared = steps_done
+        self.syncs += 1
+        self.sync_info = {"step": steps_done}
+        self.started = self.applied = 0
+        self._start(0)
+        return extras
+
+    def _start(self, j: int) -> None:
+        u, d = self.units[j], self.plan[j]
+        self.started = j + 1
+        if d.all_flagged:
+            return
+        w = d.weights[self.topo.replica]
+        delta = (u.outer.to(self.device) - u.local_flat()).mul_(w)
+        u.pending = self.comm.all_reduce(delta, "outer", tag=u.tag)
+
+    def _hook(self, j: int, module, args) -> None:
+        if self.plan is None:
+            return
+        if j + 1 < len(self.units):
+            self._start_through(j + 1)  # the next unit's bytes travel while this one computes
+        self._apply_through(j)
+
+    def _start_through(self, j: int) -> None:
+        while self.started <= j:
+            self._start(self.started)
+
+    def _apply_through(self, j: int) -> None:
+        self._start_through(j)
+        while self.plan is not None and self.applied <= j:
+            self._apply(self.applied)
+
+    def _drain(self) -> None:
+        self._apply_through(len(self.units) - 1)
+
+    @torch.no_grad()
+    def _apply(self, j: int) -> None:
+        c, t = self.config, self.topo
+        u, d = self.units[j], self.plan[j]
+        self.applied = j + 1
+        avg_norm, scale = None, 1.0
+        if not d.all_flagged:
+            avg = u.pending.wait().to(u.outer.device)
+            u.pending = None
+            if self.penalty.clip > 0:
+                sq = avg.double().pow(2).sum().reshape(1).to(self.device)
+                if t.shards > 1:
+                    sq = self.comm.all_reduce(sq, "inner", tag="clip").wait()
+                avg_norm = float(sq.sqrt())
+                scale = clip_scale(avg_norm, self.penalty.clip)
+                if scale != 1.0:
+                    avg.mul_(scale)
+            u.momentum.mul_(c.outer_momentum).add_(avg)
+            u.outer.sub_(c.outer_lr * (avg + c.outer_momentum * u.momentum))
+        u.write(u.outer.to(self.device))
+        if self.applied == len(self.units):
+            self.plan = None
+        if self.comm.events is not None:
+            r = t.replica
+            fields = dict(self.sync_info, block=u.name, pseudo_grad_norm=self.raw_norms[j][r],
+                          weight=d.weights[r], anomaly=d.flags[r], z=d.z[r],
+                          flagged=[i for i, f in enumerate(d.flags) if f], all_flagged=d.all_flagged,
+                          clip_scale=scale, outer_lr=c.outer_lr)
+            if avg_norm is not None:
+                fields["avg_norm"] = avg_norm
+            if self.timed:
+                fields["per_step_norm"] = d.norms[r]
+            self.comm.events.emit("sync", **fields)
+
+    # -- outer parameters, evaluation, state --------------------------------------------------
+
+    def outer_params(self) -> dict[str, torch.Tensor]:
+        """The full outer parameters by name (each gathered over the inner group)."""
+        self.model.reshard()  # the root's registered parameters are its sharded ones again
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out = {}
+        for u in self.units:
+            offset = 0
+            for p, loc in zip(u.params, u.locals()):
+                piece = u.outer[offset: offset + loc.numel()].view_as(loc).to(self.device)
+                offset += loc.numel()
+                if isinstance(p, DTensor):
+                    piece = DTensor.from_local(piece, p.device_mesh, p.placements, shape=p.shape,
+                                               stride=p.stride()).full_tensor()
+                out[names[id(p)]] = piece.detach().clone()
+        return out
+
+    @contextlib.contextmanager
+    def eval_weights(self, which: str):
+        if which != "outer" or not self.anchored:  # in the warm-up the replicas are in step
+            yield
+            return
+        self.model.reshard()
+        saved = [u.local_flat().clone() for u in self.units]
+        for u in self.units:
+            u.write(u.outer.to(self.device))
+        try:
+            yield
+        finally:
+            self.model.reshard()
+            for u, flat in zip(self.units, saved):
+                u.write(flat)
+
+    def state_dict(self) -> dict:
+        """This rank's state: outer shards, momentum, statistics, counters; an exchange in
+        flight is waited for and kept as landed."""
+        units = []
+        for u in self.units:
+            if u.pending is not None and not isinstance(u.pending, Landed):
+                u.pending = Landed(u.pending.wait())
+            units.append({"outer": u.outer, "momentum": u.momentum, "ewma": u.ewma.state(),
+                          "pending": None if u.pending is None else u.pending.value})
+        plan = None
+        if self.plan is not None:
+            plan = [{"z": d.z, "flags": d.flags, "weights": d.weights, "norms": d.norms,
+                     "all_flagged": d.all_flagged, "raw_norms": raw}
+                    for d, raw in zip(self.plan, self.raw_norms)]
+        return {"units": units, "plan": plan, "started": self.started, "applied": self.applied,
+                "anchored": self.anchored, "steps_done": self.steps_done,
+                "last_prepared": self.last_prepared, "syncs": self.syncs,
+                "sync_info": dict(self.sync_info), "skips": getattr(self, "skips", 0)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for u, s in zip(self.units, state["units"]):
+            u.outer.copy_(s["outer"])
+            u.momentum.copy_(s["momentum"])
+            u.ewma = EWMA.from_state(s["ewma"])
+            u.pending = None if s["pending"] is None else Landed(s["pending"].to(self.device))
+        self.plan = None
+        if state["plan"] is not None:
+            self.plan, self.raw_norms = [], [list(p["raw_norms"]) for p in state["plan"]]
+            for p in state["plan"]:
+                self.plan.append(Decision(
+                    z=list(p["z"]), flags=list(p["flags"]), weights=list(p["weights"]),
+                    all_flagged=bool(p["all_flagged"]), norms=list(p["norms"])))
+        self.started, self.applied = state["started"], state["applied"]
+        self.anchored, self.steps_done = state["anchored"], state["steps_done"]
+        self.last_prepared, self.syncs = state["last_prepared"], state["syncs"]
+        self.sync_info = dict(state["sync_info"])
+        self.skips = state.get("skips", 0)
+
+
+class AEDiT(EDiT):
+    name = "aedit"
+    timed = True
+
+    def setup(self, model, blocks, make_optimizer, topology, comm, config):
+        optimizer = super().setup(model, blocks, make_optimizer, topology, comm, config)
+        self.t0 = None             # this replica's clock starts at its first step
+        self.window_start = None   # when the current window began (this replica's clock)
+        self.window_len = config.sync_seconds
+        self.window_steps = 0      # this replica's steps since the last sync
+        self.step_s = 0.0          # this replica's step time (EWMA), for the nearest boundary
+        self.last_boundary = None
+        self.elapsed = 0.0         # seconds since the replica's first step, as its shard 0 saw it
+        self.total = 0             # inner steps of all replicas, as of the last sync
+        self.share = 1 / topology.replicas  # this replica's share of the last window's steps
+        self.stopped = False
+        return optimizer
+
+    def should_stop(self, step: int) -> bool:
+        """Consulted by the trainer before each step: agrees on syncs by time and ends the run
+        after the sync at which the step or time budget ran out."""
+        c = self.config
+        if self.stopped:
+            return True
+        now = time.monotonic()
+        if self.t0 is None:
+            self.t0 = now
+        if self.last_boundary is not None:
+            gap = now - self.last_boundary
+            self.step_s = gap if self.step_s == 0 else 0.7 * self.step_s + 0.3 * gap
+        self.last_boundary = now
+        self.elapsed = now - self.t0
+        if step < c.warmup_sync_steps:
+            return False
+        if self.window_start is None:  # the warm-up is over: the first window starts
+            self._anchor(step)
+            self.total = c.warmup_sync_steps * self.topo.replicas
+            self.window_start, self.window_steps = now, 0
+            self.window_len = self._next_window(c.sync_seconds, now - self.t0)
+        # the step boundary nearest the window's end: a slow replica may enter up to half a step
+        # early, so a fast one waits about half as long for it
+        due = now - self.window_start + 0.5 * self.step_s >= self.window_len
+        if self.topo.shards > 1:  # the replica's shard 0 decides for its inner group
+            flag = torch.tensor([float(due), self.elapsed], dtype=torch.float64, device=self.device)
+            flag = self.comm.broadcast(flag, src=0, group="inner", tag="clock").wait().tolist()
+            due, self.elapsed = bool(flag[0]), flag[1]
+        if not due:
+            return False
+        self.model.reshard()
+        extra = [float(self.window_steps), now - self.window_start, now - self.t0]
+        extras = self._prepare(step, extra)
+        steps = [e[0] for e in extras]
+        total = self.total + int(sum(steps))
+        elapsed = max(e[2] for e in extras)
+        self.sync_info.update(window=self.syncs, replica_steps=[int(s) for s in steps],
+                              total_steps=total)
+        if sum(steps) > 0:
+            self.share = steps[self.topo.replica] / sum(steps)
+        rate = sum(steps) / max(max(e[1] for e in extras), 1e-9)
+        self.total, self.window_steps = total, 0
+        if total >= c.steps * self.topo.replicas or (c.max_seconds and elapsed >= c.max_seconds):
+            self._drain()  # the last sync lands at once, and the loop ends
+            self.stopped = True
+            return True
+        remaining = c.steps * self.topo.replicas - total
+        self.window_len = self._next_window(remaining / rate if rate > 0 else c.sync_seconds,
+                                            elapsed)
+        self.window_start = time.monotonic()
+        return False
+
+    def _next_window(self, by_steps: float, elapsed: float) -> float:
+        """--sync-seconds, or less where the step budget (at the last window's rate) or the
+        time budget ends sooner."""
+        c = self.config
+        length = min(c.sync_seconds, by_steps)
+        if c.max_seconds:
+            length = min(length, c.max_seconds - elapsed)
+        return max(length, 0.0)
+
+    def before_forward(self, step):
+        super().before_forward(step)
+        c = self.config
+        if step >= c.warmup_sync_steps:  # the schedule at the run's global progress
+            from lowband.train import lr_at
+
+            R = self.topo.replicas
+            progress = self.total / R + self.window_steps / (R * self.share if self.share > 0 else 1)
+            if c.max_seconds:  # a time budget: the schedule spans it
+                progress = max(progress, self.elapsed / c.max_seconds * c.steps)
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr_at(c, progress)
+
+    def after_step(self, step):
+        super().after_step(step)
+        self.window_steps += 1
+
+    def finish(self):
+        if self.plan is not None:
+            self._drain()
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "aedit": {
+            "window_steps": self.window_steps, "total": self.total, "share": self.share,
+            "stopped": self.stopped, "window_len": self.window_len, "step_s": self.step_s,
+            "window_elapsed": None if self.window_start is None else time.monotonic() - self.window_start,
+            "elapsed": None if self.t0 is None else time.monotonic() - self.t0}}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        a, now = state["aedit"], time.monotonic()
+        self.window_steps, self.total, self.share = a["window_steps"], a["total"], a["share"]
+        self.stopped, self.window_len = a["stopped"], a["window_len"]
+        self.window_start = None if a["window_elapsed"] is None else now - a["window_elapsed"]
+        self.t0 = None if a["elapsed"] is None else now - a["elapsed"]
+        self.elapsed, self.step_s, self.last_boundary = a["elapsed"] or 0.0, a["step_s"], None
+
+
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
