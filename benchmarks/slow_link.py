@@ -26,7 +26,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import shlex
 import shutil
 import signal
@@ -35,6 +34,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from machine import describe  # benchmarks/machine.py
 
 from lowband.testbed import TestHosts
 
@@ -246,21 +247,6 @@ def check_goals(results: dict, a) -> list[dict]:
     return goals
 
 
-def machine() -> str:
-    cpu = platform.processor() or "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import torch
-
-    return (f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}, Python "
-            f"{platform.python_version()}, torch {torch.__version__}")
-
-
 def run_one(algo, link, rep, a, out, hosts, port, results, commands) -> bool:
     """One run; keeps the faster of repeated runs (least disturbed by other load)."""
     run_dir = out / (f"{algo}-{link}" + (f"-{rep + 1}" if a.repeat > 1 else ""))
@@ -352,7 +338,7 @@ def main(argv=None) -> int:
     load_tokens("builtin")  # build the corpus cache once, before workers race for it
     n_layer = gpt_config(a.model).n_layer
     print(f"command: {shlex.join([sys.executable, *sys.argv])}")
-    print(f"machine: {machine()}")
+    print(f"machine: {describe()}")
     rev = revision()  # now: the tree may change while the runs go on
     print(f"lowband: {rev}")
     print(f"settings: R=2 S=1, model {a.model} ({n_layer} blocks), batch {a.batch_size} x "
@@ -427,7 +413,7 @@ def main(argv=None) -> int:
     print(f"\nwall time {wall:.0f} s; run directories in {out}")
     if a.json:
         Path(a.json).write_text(json.dumps({
-            "command": shlex.join([sys.executable, *sys.argv]), "machine": machine(),
+            "command": shlex.join([sys.executable, *sys.argv]), "machine": describe(),
             "lowband": rev,
             "settings": {k: v for k, v in vars(a).items() if k != "json"},
             "link_check": link_check, "results": results, "commands": commands, "goals": goals,

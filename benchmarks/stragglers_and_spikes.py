@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import signal
 import statistics
@@ -43,6 +42,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from machine import describe  # benchmarks/machine.py
 
 _WORKER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                "MASTER_PORT", "TORCHELASTIC_RUN_ID", "LOWBAND_WORKER")
@@ -157,22 +158,6 @@ def part_b(a, out: Path) -> dict:
     return res
 
 
-def machine() -> str:
-    cpu = platform.processor() or "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import torch
-
-    return (f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}, Python "
-            f"{platform.python_version()}, torch {torch.__version__}; load average "
-            f"{os.getloadavg()[0]:.1f}")
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="micro")
@@ -200,7 +185,7 @@ def main(argv=None) -> int:
     load_tokens("builtin")
     t0 = time.time()
     print(f"command: {shlex.join([sys.executable, *sys.argv])}")
-    print(f"machine: {machine()}")
+    print(f"machine: {describe(load=True)}")
     print(f"settings: R=2 S=1, model {a.model}, {a.seq_len}-token sequences, {a.steps} steps, "
           f"H={a.sync_every}; (a) batch {a.batch_size}, aedit every {a.sync_seconds:g} s, outer "
           f"lr {a.a_outer_lr:g} momentum {a.a_outer_momentum:g}; (b) batch {a.spike_batch_size}; "

@@ -28,3 +28,30 @@ def train_run(tmp_path):
         return RunDir(run_dir)
 
     return run
+
+
+def reference_replicas(R: int, S: int, n_layer: int, seq: int, batch: int, lr: float, seed: int):
+    """The float64 references' common start: R copies of lowband's GPT from one seeded
+    initialisation, the R*S ranks' batches, and one AdamW per replica with the trainer's groups
+    (weight decay 0.1 on matrices only, betas 0.9/0.95). Returns (init, models, data, opts)."""
+    import torch
+
+    from lowband.data import Batches, load_tokens
+    from lowband.model import GPT, gpt_config
+
+    torch.manual_seed(seed)
+    mc = gpt_config("nano", n_layer=n_layer, seq_len=seq)
+    init = GPT(mc).double()
+    models = [GPT(mc).double() for _ in range(R)]
+    for m in models:
+        m.load_state_dict(init.state_dict())
+    tokens = load_tokens("builtin")
+    data = [Batches(tokens, rank=r, world=R * S, seq_len=seq, batch_size=batch, seed=seed,
+                    val_fraction=0.02) for r in range(R * S)]
+    opts = []
+    for m in models:
+        ps = list(m.parameters())
+        opts.append(torch.optim.AdamW([{"params": [p for p in ps if p.dim() >= 2], "weight_decay": 0.1},
+                                       {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}],
+                                      lr=lr, betas=(0.9, 0.95)))
+    return init, models, data, opts

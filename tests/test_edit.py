@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from lowband.algorithms import penalty as pen
 from lowband.config import Config, ConfigError
-from lowband.data import Batches, load_tokens
 from lowband.model import GPT, gpt_config
+from conftest import reference_replicas
 from lowband.telemetry import read_events
 
 BATCH, SEQ, LR, WARMUP, CLIP, SEED, OUTER_LR, MU, N_LAYER = 2, 32, 1e-3, 2, 0.5, 5, 0.7, 0.9, 2
@@ -149,21 +149,7 @@ def reference(R, S, steps, H, W, penalty=None, corrupt=None, drop=None):
     (uniform when None; `drop` {s: replicas} leaves replicas out of every unit), the average
     clipped, an outer Nesterov step taken, and every replica's unit set to the outer one.
     Returns the outer parameters, replica 0's, and the flags of each sync."""
-    torch.manual_seed(SEED)
-    mc = gpt_config("nano", n_layer=N_LAYER, seq_len=SEQ)
-    init = GPT(mc).double()
-    models = [GPT(mc).double() for _ in range(R)]
-    for m in models:
-        m.load_state_dict(init.state_dict())
-    tokens = load_tokens("builtin")
-    data = [Batches(tokens, rank=r, world=R * S, seq_len=SEQ, batch_size=BATCH, seed=SEED,
-                    val_fraction=0.02) for r in range(R * S)]
-    opts = []
-    for m in models:
-        ps = list(m.parameters())
-        opts.append(torch.optim.AdamW([{"params": [p for p in ps if p.dim() >= 2], "weight_decay": 0.1},
-                                       {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}],
-                                      lr=LR, betas=(0.9, 0.95)))
+    init, models, data, opts = reference_replicas(R, S, N_LAYER, SEQ, BATCH, LR, SEED)
     names = [n for n, _ in init.named_parameters()]
     units = sorted({unit_of(n) for n in names})
     params = [dict(m.named_parameters()) for m in models]

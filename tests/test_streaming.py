@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lowband.data import Batches, load_tokens
-from lowband.model import GPT, gpt_config
+from conftest import reference_replicas
 from lowband.telemetry import read_events
 
 BATCH, SEQ, LR, WARMUP, CLIP, SEED, OUTER_LR, MU = 2, 32, 1e-3, 2, 0.5, 5, 0.7, 0.9
@@ -31,20 +30,7 @@ def fragment_of(name, n_layer, P, pattern):
 
 
 def reference(R, S, steps, H, P, tau, alpha, pattern, n_layer):
-    torch.manual_seed(SEED)
-    init = GPT(gpt_config("nano", n_layer=n_layer, seq_len=SEQ)).double()
-    models = [GPT(gpt_config("nano", n_layer=n_layer, seq_len=SEQ)).double() for _ in range(R)]
-    for m in models:
-        m.load_state_dict(init.state_dict())
-    tokens = load_tokens("builtin")
-    data = [Batches(tokens, rank=r, world=R * S, seq_len=SEQ, batch_size=BATCH, seed=SEED,
-                    val_fraction=0.02) for r in range(R * S)]
-    opts = []
-    for m in models:
-        ps = list(m.parameters())
-        opts.append(torch.optim.AdamW([{"params": [p for p in ps if p.dim() >= 2], "weight_decay": 0.1},
-                                       {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}],
-                                      lr=LR, betas=(0.9, 0.95)))
+    init, models, data, opts = reference_replicas(R, S, n_layer, SEQ, BATCH, LR, SEED)
     names = [n for n, _ in init.named_parameters()]
     frag = {n: fragment_of(n, n_layer, P, pattern) for n in names}
     outer = {n: p.detach().clone() for n, p in init.named_parameters()}
