@@ -135,6 +135,14 @@ class Config:
     seed: int = _f(0, "seed for initialisation and data order")
     run_dir: str = _f("", "run directory (default: runs/<algo>-<time>)")
     device: str = _f("auto", "auto, cpu or cuda", ("auto", "cpu", "cuda"))
+    backend: str = _f("auto", "process-group backend: auto (gloo on CPU; on CUDA nccl when every "
+                      "rank of a node has its own GPU, else gloo, which lets several ranks "
+                      "share one), nccl or gloo", ("auto", "nccl", "gloo"))
+    precision: str = _f("fp32", "fp32, or bf16: forward and backward under bf16 autocast; "
+                        "weights, gradients, optimizer states and exchanges stay fp32",
+                        ("fp32", "bf16"))
+    compile: bool = _f(False, "torch.compile each block's forward (hooks and communication stay "
+                       "eager)")
     progress: bool = _f(True, "show a progress bar on rank 0")
 
     @property

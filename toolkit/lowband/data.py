@@ -86,8 +86,10 @@ class Batches:
     """Training and validation batches for one global rank."""
 
     def __init__(self, tokens: np.ndarray, *, rank: int, world: int, seq_len: int,
-                 batch_size: int, seed: int, val_fraction: float):
+                 batch_size: int, seed: int, val_fraction: float, device: str = "cpu"):
+        """device: where batches are delivered (from pinned memory, asynchronously, on CUDA)."""
         self.tokens, self.rank, self.world = tokens, rank, world
+        self.device = torch.device(device)
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         n = len(tokens)
         self.val_start = n - max(int(n * val_fraction), seq_len + 1)
@@ -101,6 +103,10 @@ class Batches:
     def _windows(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         idx = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
         chunk = torch.from_numpy(np.asarray(self.tokens[idx], dtype=np.int64))
+        if self.device.type == "cuda":  # page-locked, so the copy overlaps the GPU's work
+            chunk = chunk.pin_memory().to(self.device, non_blocking=True)
+        else:
+            chunk = chunk.to(self.device)
         return chunk[:, :-1], chunk[:, 1:]
 
     def train_starts(self, step: int, micro: int) -> np.ndarray:

@@ -101,10 +101,22 @@ def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy of any model that maps (B, T) token ids to (B, T, V) logits."""
-    logits = model(x)
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+            precision: str = "fp32") -> torch.Tensor:
+    """Next-token cross-entropy of any model that maps (B, T) token ids to (B, T, V) logits.
+    precision 'bf16' runs the forward (and so the backward) under bf16 autocast on x's device;
+    the parameters and their gradients stay fp32, the loss is computed in fp32."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+        logits = model(x)
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def compile_blocks(blocks: nn.ModuleList) -> None:
+    """torch.compile each block's forward in place: parameter names, hooks (FSDP's, lowband's
+    sync hooks) and communication stay outside the compiled graphs, and one compiled graph
+    serves every block of the same shape."""
+    for block in blocks:
+        block.forward = torch.compile(block.forward)
 
 
 def find_blocks(model: nn.Module) -> nn.ModuleList:

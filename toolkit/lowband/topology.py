@@ -2,7 +2,9 @@
 
 Global rank r is shard r % S of replica r // S. The inner group joins the S ranks of one replica
 (the fast link); the outer group joins the ranks holding the same shard index across replicas
-(the slow link). gloo on CPU, NCCL on CUDA, chosen automatically.
+(the slow link). The backend: gloo on CPU; on CUDA NCCL when every rank of the node has a GPU
+of its own, else gloo, which accepts CUDA tensors and lets several ranks share one GPU (NCCL
+refuses two ranks on one device). `--backend` overrides the choice.
 """
 
 from __future__ import annotations
@@ -54,7 +56,19 @@ def pick_device(requested: str) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
 
 
-def init(replicas: int, shards: int, device: str = "auto", timeout_s: float = 300) -> Topology:
+def pick_backend(requested: str, device: torch.device) -> str:
+    if device.type == "cpu":
+        if requested == "nccl":
+            raise ConfigError("--backend nccl needs CUDA devices: use --backend gloo or auto on CPU.")
+        return "gloo"
+    if requested != "auto":
+        return requested
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+    return "nccl" if local_world <= torch.cuda.device_count() else "gloo"
+
+
+def init(replicas: int, shards: int, device: str = "auto", backend: str = "auto",
+         timeout_s: float = 300) -> Topology:
     """Join the process group described by the environment (torchrun's variables)."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     if replicas * shards != world:
@@ -64,12 +78,12 @@ def init(replicas: int, shards: int, device: str = "auto", timeout_s: float = 30
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        backend = "nccl" if dev.type == "cuda" else "gloo"
+        backend = pick_backend(backend, dev)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         os.environ.setdefault("RANK", "0")
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
-                                device_id=dev if dev.type == "cuda" else None)
+                                device_id=dev if backend == "nccl" else None)
     mesh = init_device_mesh(dev.type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
     topo = Topology(rank=dist.get_rank(), world=world, replicas=replicas, shards=shards,
                     device=dev, mesh=mesh, inner=mesh.get_group("shard"),

@@ -26,7 +26,7 @@ from lowband.comm import Comm, Link, parse_bandwidth, parse_duration
 from lowband.config import Config, ConfigError
 from lowband.data import Batches, load_tokens, vocab_needed
 from lowband.faults import Faults
-from lowband.model import GPT, find_blocks, gpt_config, lm_loss, num_params
+from lowband.model import GPT, compile_blocks, find_blocks, gpt_config, lm_loss, num_params
 from lowband.params import flatten, write_flat
 from lowband.telemetry import EventWriter, RunDir, write_json_atomic
 
@@ -81,14 +81,14 @@ def _resolve_run_dir(cfg: Config, rank: int) -> RunDir:
     return RunDir(cfg.run_dir).create()
 
 
-def evaluate(model, batches: Batches, cfg: Config, device) -> float:
+def evaluate(model, batches: Batches, cfg: Config) -> float:
     was_training = model.training
     model.eval()
     total = 0.0
     with torch.no_grad():
         for i in range(cfg.eval_batches):
             x, y = batches.val(i)
-            total += lm_loss(model, x.to(device), y.to(device)).item()
+            total += lm_loss(model, x, y, cfg.precision).item()
     model.train(was_training)
     return total / cfg.eval_batches
 
@@ -99,7 +99,7 @@ def train(cfg: Config, model: nn.Module | None = None, blocks: nn.ModuleList | N
     resume: continue cfg.run_dir from its latest checkpoint (events continue in its files)."""
     cfg.validate()
     _set_threads()
-    topo = topo_mod.init(cfg.replicas, cfg.shards, cfg.device)
+    topo = topo_mod.init(cfg.replicas, cfg.shards, cfg.device, cfg.backend)
     run = _resolve_run_dir(cfg, topo.rank)
     resume_from = None
     if resume:
@@ -121,13 +121,16 @@ def _train(cfg, topo, run, events, model, blocks, resume_from):
     device = topo.device
     tokens = load_tokens(cfg.data)
     batches = Batches(tokens, rank=topo.rank, world=topo.world, seq_len=cfg.seq_len,
-                      batch_size=cfg.batch_size, seed=cfg.seed, val_fraction=cfg.val_fraction)
+                      batch_size=cfg.batch_size, seed=cfg.seed, val_fraction=cfg.val_fraction,
+                      device=device)
     torch.manual_seed(cfg.seed)
     user_model = model is not None
     if not user_model:  # built from the seed: the same on every rank by construction
         model = build_model(cfg, vocab_needed(tokens))
     model.to(device)
     blocks = blocks if blocks is not None else find_blocks(model)
+    if cfg.compile:
+        compile_blocks(blocks)
     link = None
     if cfg.link_bandwidth:
         link = Link(parse_bandwidth(cfg.link_bandwidth), parse_duration(cfg.link_latency))
@@ -230,7 +233,7 @@ def standard_step(algo, model, optimizer, batches: Batches, cfg: Config, step: i
     loss_sum = torch.zeros((), device=device)
     for micro in range(cfg.grad_accum):
         x, y = batches.train(step, micro)
-        loss = lm_loss(model, x.to(device), y.to(device)) / cfg.grad_accum
+        loss = lm_loss(model, x, y, cfg.precision) / cfg.grad_accum
         algo.before_backward(step, micro, micro == cfg.grad_accum - 1)
         loss.backward()
         loss_sum += loss.detach()
@@ -293,7 +296,7 @@ def _full_weights(model: nn.Module, rank: int) -> dict | None:
 
 def _eval(algo, model, batches, cfg, events, step) -> float:
     with algo.eval_weights(cfg.eval_params):
-        val_loss = evaluate(model, batches, cfg, next(model.parameters()).device)
+        val_loss = evaluate(model, batches, cfg)
     events.emit("eval", step=step, val_loss=val_loss)
     return val_loss
 

@@ -194,7 +194,7 @@ class ACCO(ZeRO1):
         while True:
             x, y = batches.train(self.counter // A, self.counter % A)
             self.counter += 1
-            loss = lm_loss(self.model, x.to(self.device), y.to(self.device))
+            loss = lm_loss(self.model, x, y, self.config.precision)
             loss.backward()
             loss_sum += loss.detach()
             n += 1

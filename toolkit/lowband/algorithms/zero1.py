@@ -170,7 +170,7 @@ class ZeRO1(Algorithm):
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(cfg.grad_accum):
             x, y = batches.train(step, micro)
-            loss = lm_loss(model, x.to(self.device), y.to(self.device))
+            loss = lm_loss(model, x, y, self.config.precision)
             loss.backward()
             loss_sum += loss.detach()
         self.layout.fill_send(self.send, cfg.grad_accum)

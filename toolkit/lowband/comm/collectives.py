@@ -13,6 +13,10 @@ Wire bytes per rank, for a group of n ranks (ring algorithms, the bandwidth-opti
   broadcast        (n-1) x payload on the root, 0 elsewhere
 On the outer link an emulated `Link` (link.py) may delay completion: `end` then includes it, and
 the event also carries `begin`, when the link started transmitting (after the FIFO queue).
+With CUDA tensors the host learns of a collective's end early or late (NCCL's future completes
+when the work is queued), so `start` and `end` come from CUDA events instead (`GpuClock`): start
+when the input was ready on the compute stream, end when the collective had finished on the GPU,
+both on the host's clock; such events carry clock="cuda".
 A group spanning several replicas crosses the slow outer link; for a world-wide ring in rank
 order, rank r's bytes go to rank r+1, so they cross the outer link exactly when r+1 lies in
 another replica, and are recorded as `outer`, else `inner`.
@@ -20,6 +24,7 @@ another replica, and are recorded as `outer`, else `inner`.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -66,12 +71,17 @@ class Totals:
 class Transfer:
     """A collective in flight. `wait()` blocks until it is done and returns its result tensor."""
 
-    def __init__(self, comm: "Comm", work, result, record: dict, not_before: float = 0.0):
+    def __init__(self, comm: "Comm", work, result, record: dict, not_before: float = 0.0,
+                 clock: "GpuClock | None" = None):
         self.comm, self.work, self.result, self.record = comm, work, result, record
         self.not_before = not_before  # when an emulated link lets the bytes arrive
         self._done = threading.Event()
         if work is None:
             self._finish(None)
+        elif clock is not None:  # times from CUDA events, read when the collective is done
+            start = clock.mark()
+            clock.watch(work, lambda end: self._finish(None, (clock.seconds(start),
+                                                              clock.seconds(end))))
         else:
             try:
                 future = work.get_future()
@@ -84,8 +94,11 @@ class Transfer:
         self.work.wait()
         self._finish(None)
 
-    def _finish(self, _future) -> None:
-        self.record["end"] = max(time.time(), self.not_before)
+    def _finish(self, _future, gpu_times: tuple[float, float] | None = None) -> None:
+        end = time.time()
+        if gpu_times is not None:
+            (self.record["start"], end), self.record["clock"] = gpu_times, "cuda"
+        self.record["end"] = max(end, self.not_before)
         self.comm._record(self.record)
         self._done.set()
 
@@ -102,9 +115,57 @@ class Transfer:
         return self.result
 
 
+class GpuClock:
+    """Host-clock times of work on one CUDA device, read from CUDA events: an anchor event is
+    recorded at a known host time, and an event's time is the anchor's plus the GPU-measured
+    interval between them. A watcher thread takes collectives in the order they started: its
+    side stream waits for each (NCCL: a stream dependency; gloo: the host-side exchange, then
+    the copy back), records an event there, and once that event is done calls back with it.
+    Neither the compute stream nor the training thread waits for the watcher."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.side = torch.cuda.Stream(device)  # where completion events are recorded
+        torch.cuda.synchronize(device)
+        self.anchor = self._event(torch.cuda.current_stream(device))
+        self.anchor.synchronize()
+        self.t0 = time.time()
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    @staticmethod
+    def _event(stream) -> "torch.cuda.Event":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def mark(self):
+        """An event on the compute stream, done once the work queued so far is."""
+        return self._event(torch.cuda.current_stream(self.device))
+
+    def seconds(self, event) -> float:
+        return self.t0 + self.anchor.elapsed_time(event) / 1e3
+
+    def watch(self, work, callback) -> None:
+        """callback(event) once the collective `work` is done, the event recorded just then."""
+        self.queue.put((work, callback))
+
+    def _watch(self) -> None:
+        torch.cuda.set_device(self.device)
+        while True:
+            work, callback = self.queue.get()
+            with torch.cuda.stream(self.side):
+                work.wait()
+                event = self._event(self.side)
+            event.synchronize()
+            callback(event)
+
+
 class Comm:
-    def __init__(self, topology: Topology, events: EventWriter | None, link: Link | None = None):
-        self.topo, self.events, self.link = topology, events, link
+    def __init__(self, topology: Topology, events: EventWriter | None, link: Link | None = None,
+                 clock: GpuClock | None = None):
+        """clock: times transfers by CUDA events; made at the first transfer of a CUDA tensor."""
+        self.topo, self.events, self.link, self.clock = topology, events, link, clock
         self.totals = Totals()
         self.wait_s = 0.0  # seconds the training thread spent blocked on transfers
         self._lock = threading.Lock()
@@ -121,7 +182,13 @@ class Comm:
             return "outer" if nxt // t.shards != t.replica else "inner"
         return group
 
-    def _start(self, op, group, payload, launch, result, tag, codec, root=None) -> Transfer:
+    def _clock_for(self, tensor: torch.Tensor) -> GpuClock | None:
+        if self.clock is None and tensor.is_cuda:
+            self.clock = GpuClock(tensor.device)
+        return self.clock
+
+    def _start(self, op, group, payload, launch, result, tag, codec, tensor,
+               root=None) -> Transfer:
         pg = self.topo.group(group)
         n = dist.get_world_size(pg)
         is_root = root is not None and n > 1 and dist.get_rank(pg) == root
@@ -131,8 +198,9 @@ class Comm:
         not_before = 0.0
         if self.link is not None and record["group"] == "outer" and record["wire_bytes"]:
             record["begin"], not_before = self.link.schedule(record["start"], record["wire_bytes"])
-        work = launch(pg) if n > 1 else None
-        return Transfer(self, work, result, record, not_before)
+        if n == 1:
+            return Transfer(self, None, result, record, not_before)
+        return Transfer(self, launch(pg), result, record, not_before, self._clock_for(tensor))
 
     def _record(self, rec: dict) -> None:
         with self._lock:
@@ -151,7 +219,7 @@ class Comm:
         nbytes = tensor.numel() * tensor.element_size()
         return self._start("all_reduce", group, nbytes,
                            lambda pg: dist.all_reduce(tensor, group=pg, async_op=True),
-                           tensor, tag, codec)
+                           tensor, tag, codec, tensor)
 
     def all_gather(self, tensor: torch.Tensor, group: str = "world", tag: str = "",
                    codec: str = "fp32") -> Transfer:
@@ -161,7 +229,7 @@ class Comm:
         nbytes = tensor.numel() * tensor.element_size()
         return self._start("all_gather", group, nbytes,
                            lambda pg: dist.all_gather(out, tensor, group=pg, async_op=True),
-                           out, tag, codec)
+                           out, tag, codec, tensor)
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, group: str = "world",
                        tag: str = "", codec: str = "fp32") -> Transfer:
@@ -175,7 +243,7 @@ class Comm:
 
         if dist.get_world_size(self.topo.group(group)) == 1:
             output.copy_(tensor)
-        return self._start("reduce_scatter", group, nbytes, launch, output, tag, codec)
+        return self._start("reduce_scatter", group, nbytes, launch, output, tag, codec, tensor)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, group: str = "world",
                   tag: str = "", codec: str = "fp32") -> Transfer:
@@ -183,7 +251,7 @@ class Comm:
         nbytes = tensor.numel() * tensor.element_size()
         return self._start("broadcast", group, nbytes,
                            lambda g: dist.broadcast(tensor, group_src=src, group=g, async_op=True),
-                           tensor, tag, codec, root=src)
+                           tensor, tag, codec, tensor, root=src)
 
     def average(self, x: torch.Tensor, group: str, codec: str = "fp32", block: int = 64,
                 tag: str = "") -> "Average":
