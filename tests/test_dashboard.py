@@ -296,8 +296,13 @@ def test_dashboard_overlays_several_runs(tmp_path):
 
 
 class Handle:
-    def __init__(self, run_dir):
+    """A launch handle as the dashboard sees one (lowband.launch.LaunchHandle's status() says
+    pending, running, succeeded, failed, cancelled or unknown; TorchX's AppState names are
+    upper case)."""
+
+    def __init__(self, run_dir, state="RUNNING"):
         self.run_dir = run_dir
+        self.state = state
         self.calls = []
 
     def start(self):
@@ -307,7 +312,8 @@ class Handle:
         self.calls.append("cancel")
 
     def status(self):
-        return "RUNNING"
+        self.calls.append("status")
+        return self.state
 
 
 def test_dashboard_on_a_launch_handle(tmp_path):
@@ -315,10 +321,11 @@ def test_dashboard_on_a_launch_handle(tmp_path):
 
     run = SyntheticRun(tmp_path / "run", steps=20)
     run.emit_steps(0, 10)
-    h = Handle(run.rd.root)
+    h = Handle(run.rd.root, state="pending")
     d = Dashboard(h)
     assert d.start_button is not None and d.stop_button is not None
-    assert "RUNNING" in d.summary.value
+    assert "(job pending)" in d.summary.value      # the job's status, where it says more
+    h.calls.clear()
     d.stop_button.click()
     deadline = time.time() + 5
     while "cancel" not in h.calls and time.time() < deadline:
@@ -331,6 +338,93 @@ def test_dashboard_on_a_launch_handle(tmp_path):
     bare = Dashboard(Bare())
     assert bare.start_button is None and bare.stop_button is None
     run.close()
+
+
+def _status_cell(d) -> str:
+    """The summary's status cell, tags stripped: "running", "failed (ended without ...)"."""
+    row = d.summary.value.split("<tbody>")[1]
+    return re.sub(r"<[^>]+>", "", re.findall(r"<td>(.*?)</td>", row)[1])
+
+
+@pytest.mark.parametrize("state", ["running", "RUNNING"])
+def test_dashboard_does_not_repeat_the_status_its_handle_gives(tmp_path, state):
+    from lowband.dashboard import Dashboard
+
+    run = SyntheticRun(tmp_path / "run", steps=20)
+    run.emit_steps(0, 5)
+    d = Dashboard(Handle(run.rd.root, state))
+    assert _status_cell(d) == "running"             # not "running (running)"
+    run.finish()
+    d._handle_checked = -math.inf
+    d.handles[0].state = "succeeded"
+    d.refresh()
+    assert _status_cell(d) == "finished"            # not "finished (job succeeded)"
+
+
+@pytest.mark.parametrize("state", ["failed", "cancelled", "FAILED"])
+def test_dashboard_stops_polling_a_run_whose_job_ended_without_a_summary(tmp_path, monkeypatch,
+                                                                          state):
+    from lowband.dashboard import Dashboard, widget
+
+    monkeypatch.setattr(widget, "HANDLE_STATUS_EVERY_S", 0.05)
+    run = SyntheticRun(tmp_path / "run", steps=100, name="doomed")
+    run.emit_steps(0, 10)
+    h = Handle(run.rd.root, "running")
+    d = Dashboard(h, autostart=False, interval=0.01)
+    d.start()
+    assert _wait(lambda: _points(d.loss_fig) == 10)
+    assert d.live
+    # the job dies: its last step reached one rank only, and summary.json never comes
+    run.emit_steps(10, 12)
+    run.writers[0].emit("step", t=run.step_end(0, 12), step=12, loss=2.0, tokens=13 * 4096,
+                        step_s=0.1, compute_s=0.08)
+    h.state = state
+    assert _wait(lambda: not d.live, timeout=5), f"the dashboard still polls a {state} run"
+    assert not d.models[0].finished
+    assert _points(d.loss_fig) == 13                # read to its end, the last step closed
+    assert _status_cell(d) == f"{state.lower()} (ended without summary.json)"
+    assert f"all runs ended: doomed {state.lower()}" in d.title.value
+    d.stop()
+    run.close()
+
+
+def test_dashboard_asks_a_handle_its_status_at_most_every_few_seconds(tmp_path):
+    from lowband.dashboard import Dashboard, widget
+
+    run = SyntheticRun(tmp_path / "run", steps=100)
+    run.emit_steps(0, 10)
+    h = Handle(run.rd.root, "running")
+    d = Dashboard(h, autostart=False, interval=0.01)
+    d.start()
+    assert _wait(lambda: d.renders >= 1)
+    h.state = "failed"                    # not seen before HANDLE_STATUS_EVERY_S have passed
+    time.sleep(0.3)                       # dozens of polls
+    assert d.live and h.calls.count("status") == 1
+    assert widget.HANDLE_STATUS_EVERY_S >= 1
+    d._handle_checked = -math.inf         # as after the Stop button: asked at the next poll
+    assert _wait(lambda: not d.live, timeout=5)
+    assert h.calls.count("status") == 2
+    run.close()
+
+
+def test_dashboard_of_runs_and_a_failed_job_polls_until_every_run_is_over(tmp_path,
+                                                                         monkeypatch):
+    from lowband.dashboard import Dashboard, widget
+
+    monkeypatch.setattr(widget, "HANDLE_STATUS_EVERY_S", 0.05)
+    ok = SyntheticRun(tmp_path / "ok", steps=20, name="ok")
+    ok.emit_steps(0, 5)
+    bad = SyntheticRun(tmp_path / "bad", steps=20, name="bad")
+    bad.emit_steps(0, 5)
+    d = Dashboard([ok.rd.root, Handle(bad.rd.root, "failed")], autostart=False, interval=0.01)
+    d.start()
+    assert _wait(lambda: d.renders >= 1)
+    time.sleep(0.2)
+    assert d.live                                   # "ok" has no summary.json yet
+    ok.finish()
+    assert _wait(lambda: not d.live, timeout=5)
+    assert "all runs ended: bad failed" in d.title.value
+    bad.close()
 
 
 def _wait(cond, timeout=10.0):

@@ -14,7 +14,8 @@ import numpy as np
 
 from lowband.units import fmt_si
 
-from .model import RunModel, _natural
+from .model import RunModel
+from .records import _natural
 
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
            "#7f7f7f", "#bcbd22", "#17becf"]
@@ -421,7 +422,8 @@ SUMMARY_COLUMNS = [
     ("loss", "loss"), ("val_loss", "val loss"),
 ]
 STATUS_COLORS = {"running": "#2ca02c", "finished": "#1f77b4", "stalled": "#d62728",
-                 "waiting": "#888", "ended": "#1f77b4"}
+                 "waiting": "#888", "ended": "#1f77b4", "failed": "#d62728",
+                 "cancelled": "#ff7f0e"}
 
 
 def summary_html(stats: list[dict], extra: list[str] | None = None) -> str:

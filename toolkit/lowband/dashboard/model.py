@@ -4,212 +4,30 @@ Pure Python (and numpy for binning), no widgets and no plotting, so it is cheap 
 shared by the live dashboard and the static report. A RunModel tails a run directory with
 telemetry.EventTail (by byte offset, torn last lines left for later) and folds each new event
 into running aggregates; nothing is ever re-read.
+
+This module holds RunModel itself: reading the run directory, folding events in, and the
+headline numbers. Its parts live beside it: records.py (the records it keeps and the event field
+readers), losses.py (per-replica loss curves, spike detection), syncs.py (outer-sync marks) and
+bandwidth.py (outer-link traffic binned over time). Their public names import from here too.
 """
 
 from __future__ import annotations
 
-import math
-import re
 import statistics
 import time
-from bisect import bisect_right
 from collections import deque
 from pathlib import Path
-from typing import NamedTuple
 
-import numpy as np
-
-from lowband import units
 from lowband.telemetry import EventTail, RunDir
 
+from .bandwidth import OuterTraffic, bin_transfers, nice_width, parse_bits, parse_seconds
+from .losses import ReplicaSeries, SpikeDetector, detect_spikes
+from .records import Spike, StepSpan, SyncMark, Transfer, _int, _num, sync_label
+from .syncs import SyncMarks
 
-class Transfer(NamedTuple):
-    """One comm event: bytes that crossed a link between start and end (unix seconds)."""
-    start: float
-    end: float
-    wire_bytes: float
-    payload_bytes: float
-    rank: int
-    replica: int
-    tag: str
-    op: str
-    codec: str
-    direction: str | None
-    begin: float | None = None     # when the bytes started to move, if the event says
-
-
-class StepSpan(NamedTuple):
-    rank: int
-    replica: int
-    start: float
-    end: float
-    step: int
-    compute_s: float
-
-
-class SyncMark(NamedTuple):
-    t: float
-    step: int | None
-    label: str            # "frag0", "block3" or "all"
-    anomaly: bool
-    rank: int
-    replica: int
-    norm: float | None
-    weight: float | None
-
-
-class Spike(NamedTuple):
-    replica: int
-    step: int
-    t: float
-    tokens: float
-    loss: float
-    z: float
-
-
-def sync_label(event: dict) -> str:
-    """The fragment or block a sync event is about, named like comm tags ("frag0", "block3")."""
-    for key, prefix in (("fragment", "frag"), ("block", "block")):
-        value = event.get(key)
-        if value is None:
-            continue
-        if isinstance(value, str):
-            return value
-        return f"{prefix}{value}"
-    return "all"
-
-
-def _num(value, default=None):
-    """A finite float from an event field, or default (readers must survive odd values)."""
-    if isinstance(value, bool) or value is None:
-        return default
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return default
-    return value if math.isfinite(value) else default
-
-
-def _int(value, default=None):
-    value = _num(value)
-    return default if value is None else int(value)
-
-
-class SpikeDetector:
-    """Flags a loss that jumps above what its exponentially weighted statistics predict.
-
-    The prediction is an EWMA of the loss with a trend term (Holt's double exponential
-    smoothing: level weight alpha, trend weight beta), so that the fast fall of early training
-    is not mistaken for noise; the spread is an EWMA of the squared prediction errors (weight
-    alpha). z = (loss - prediction) / spread; a point with z > threshold after `warmup` points is
-    a spike. Only upward jumps count. A flagged point is folded into the statistics clipped to
-    the threshold, so one spike does not blind the detector while a lasting shift is absorbed.
-    The spread is floored at min_std_frac of the level so a very smooth curve does not turn
-    every wiggle into a spike.
-    """
-
-    def __init__(self, z: float = 5.0, alpha: float = 0.05, warmup: int = 20,
-                 min_std_frac: float = 0.002, level_alpha: float = 0.3, beta: float = 0.1):
-        self.threshold, self.alpha, self.warmup, self.min_std_frac = z, alpha, warmup, min_std_frac
-        self.level_alpha, self.beta = level_alpha, beta
-        self.level: float | None = None
-        self.trend = 0.0
-        self.var = 0.0
-        self.n = 0
-
-    @property
-    def std(self) -> float:
-        return max(math.sqrt(self.var), self.min_std_frac * abs(self.level or 0.0), 1e-12)
-
-    def update(self, x: float) -> tuple[float, bool]:
-        """Score x against the statistics so far, then fold it in. Returns (z, is_spike)."""
-        if self.level is None:
-            self.level, self.n = x, 1
-            return 0.0, False
-        forecast = self.level + self.trend
-        z = (x - forecast) / self.std
-        spike = self.n >= self.warmup and z > self.threshold
-        if spike:
-            x = forecast + self.threshold * self.std
-        err = x - forecast
-        a, b = self.level_alpha, self.beta
-        level = forecast + a * err
-        self.trend += b * (level - self.level - self.trend)
-        self.level = level
-        # the first errors say little (level and trend still settling): average them plainly
-        w = max(self.alpha, 1.0 / self.n)
-        self.var += w * (err * err - self.var)
-        self.n += 1
-        return z, spike
-
-
-def detect_spikes(losses, z: float = 5.0, alpha: float = 0.05, warmup: int = 20) -> list[int]:
-    """Indices of the points in a loss series that SpikeDetector flags."""
-    det = SpikeDetector(z, alpha, warmup)
-    return [i for i, x in enumerate(losses) if det.update(float(x))[1]]
-
-
-class ReplicaSeries:
-    """One replica's loss curve: the mean over that replica's ranks, one point per step."""
-
-    def __init__(self, replica: int, detector: SpikeDetector):
-        self.replica = replica
-        self.steps: list[int] = []
-        self.tokens: list[float] = []     # that replica's tokens (sum over its ranks)
-        self.t: list[float] = []          # when the last of its ranks finished the step
-        self.loss: list[float] = []
-        self.spikes: list[Spike] = []
-        self.detector = detector
-        self.pending: dict[int, list] = {}   # step -> [loss_sum, n, t_max, tokens_sum]
-        self.ranks: set[int] = set()
-
-    def tokens_at(self, step: int) -> float | None:
-        i = bisect_right(self.steps, step) - 1
-        return self.tokens[i] if i >= 0 else (self.tokens[0] if self.tokens else None)
-
-    def step_at(self, t: float) -> int | None:
-        """The step this replica had reached at time t (for marks known only by time)."""
-        i = bisect_right(self.t, t) - 1
-        return self.steps[i] if i >= 0 else (self.steps[0] if self.steps else None)
-
-    def add(self, rank: int, step: int, loss: float, t: float, tokens: float) -> None:
-        self.ranks.add(rank)
-        if self.steps and step <= self.steps[-1]:
-            return   # a rank reporting a step already closed (it lagged past the others): drop
-        p = self.pending.setdefault(step, [0.0, 0, t, 0.0])
-        p[0] += loss
-        p[1] += 1
-        p[2] = max(p[2], t)
-        p[3] += tokens
-
-    def settle(self, expected: int, flush: bool = False, max_pending: int = 64) -> None:
-        """Close pending steps in order: up to the last one all `expected` ranks reported, and
-        the oldest ones when more than max_pending wait (a rank far behind, or gone)."""
-        if not self.pending:
-            return
-        keys = sorted(self.pending)
-        if flush:
-            upto = keys[-1]
-        else:
-            complete = [k for k in keys if self.pending[k][1] >= expected]
-            upto = complete[-1] if complete else None
-            if len(keys) > max_pending and (upto is None or upto < keys[-max_pending - 1]):
-                upto = keys[-max_pending - 1]
-            if upto is None:
-                return
-        for k in keys:
-            if k > upto:
-                break
-            loss_sum, n, t, tok = self.pending.pop(k)
-            loss = loss_sum / n
-            tokens = tok * max(expected, n) / n
-            self.steps.append(k)
-            self.loss.append(loss)
-            self.t.append(t)
-            self.tokens.append(tokens)
-            z, spike = self.detector.update(loss)
-            if spike:
-                self.spikes.append(Spike(self.replica, k, t, tokens, loss, z))
+__all__ = ["RankState", "ReplicaSeries", "RunModel", "Spike", "SpikeDetector", "StepSpan",
+           "SyncMark", "Transfer", "bin_transfers", "detect_spikes", "is_run_dir", "nice_width",
+           "parse_bits", "parse_seconds", "sync_label"]
 
 
 class RankState:
@@ -231,7 +49,7 @@ def is_run_dir(path) -> bool:
     return p.is_dir() and ((p / "config.json").is_file() or (p / "events").is_dir())
 
 
-class RunModel:
+class RunModel(SyncMarks, OuterTraffic):
     """Everything the dashboard draws about one run, updated incrementally by poll().
 
     source: a run directory (str or Path) or a launch handle with a `.run_dir` attribute (read
@@ -469,48 +287,6 @@ class RunModel:
         return sorted((s for rs in self.replicas.values() for s in rs.spikes),
                       key=lambda s: s.t)
 
-    def sync_marks(self) -> list[SyncMark]:
-        if self._cache.get("version") != self.version:
-            self._cache = {"version": self.version}
-        if "marks" not in self._cache:
-            self._cache["marks"] = self._sync_marks()
-        return self._cache["marks"]
-
-    def _sync_marks(self) -> list[SyncMark]:
-        """Outer syncs, one mark per (step, fragment/block): from sync events when the run has
-        them, else from outer comm events merged where they overlap in time. Runs whose every
-        step talks over the outer group (ddp, acco) get no marks from comm events."""
-        if self.syncs:
-            seen: dict = {}
-            for m in self.syncs:
-                key = (m.step, m.label)
-                prev = seen.get(key)
-                if prev is None or m.t > prev.t or (m.anomaly and not prev.anomaly):
-                    seen[key] = m._replace(t=max(m.t, prev.t) if prev else m.t,
-                                           anomaly=m.anomaly or (prev.anomaly if prev else False))
-            return sorted(seen.values(), key=lambda m: m.t)
-        if str(self.config.get("algo", "")).lower() in ("ddp", "acco") or not self.outer:
-            return []
-        marks: list[SyncMark] = []
-        cur_end, cur_tags, cur_rank, cur_replica = None, set(), 0, 0
-        for tr in sorted(self.outer, key=lambda x: x.start):
-            if cur_end is not None and tr.start <= cur_end:
-                cur_end = max(cur_end, tr.end)
-                cur_tags.add(tr.tag)
-                continue
-            if cur_end is not None:
-                marks.append(self._comm_mark(cur_end, cur_tags, cur_rank, cur_replica))
-            cur_end, cur_tags, cur_rank, cur_replica = tr.end, {tr.tag}, tr.rank, tr.replica
-        if cur_end is not None:
-            marks.append(self._comm_mark(cur_end, cur_tags, cur_rank, cur_replica))
-        return marks
-
-    def _comm_mark(self, t, tags, rank, replica) -> SyncMark:
-        rs = self.replicas.get(replica)
-        step = rs.step_at(t) if rs else None
-        label = next(iter(tags)) if len(tags) == 1 else "all"
-        return SyncMark(t, step, label or "all", False, rank, replica, None, None)
-
     @property
     def anomalies(self) -> int:
         return len(self._anomalies)
@@ -533,95 +309,6 @@ class RunModel:
         if self.files_mtime is not None and now - self.files_mtime > stall_after:
             return "stalled"
         return "running"
-
-    def bandwidth(self, max_bins: int = 300, by: str = "link") -> dict:
-        """Outer-link traffic binned over time (seconds since t0).
-
-        Each rank's outgoing outer bytes share one link (the comm layer's emulated link is per
-        rank), and each comm event's wire_bytes are what that rank sent. by="link": one series
-        per rank link, split by direction when comm events carry a `direction`; by="total": one
-        series, the sum over links. Each transfer's bytes are spread evenly over its
-        transmission window (see transmission_windows).
-
-        Returns {"edges": bin edges (s), "width": s, "series": {name: bytes/s per bin},
-        "links": links that carried bytes, "peak": highest binned rate of one series,
-        "mean": mean rate of the busiest link over the run, "capacity": bytes/s or None}.
-        """
-        if self._cache.get("version") != self.version:
-            self._cache = {"version": self.version}
-        key = (max_bins, by)
-        cached = self._cache.get(key)
-        if cached is not None:
-            return cached
-        out = {"edges": np.zeros(0), "width": 0.0, "series": {}, "links": 0, "peak": 0.0,
-               "mean": 0.0, "capacity": self.capacity()}
-        if self.outer and self.t0 is not None:
-            self._bin_outer(out, max_bins, by)
-        self._cache[key] = out
-        return out
-
-    def _bin_outer(self, out: dict, max_bins: int, by: str) -> None:
-        starts, ends = self.transmission_windows()
-        starts, ends = starts - self.t0, ends - self.t0
-        nbytes = np.fromiter((x.wire_bytes for x in self.outer), float, len(self.outer))
-        t_end = max(float(ends.max()), (self.t_last or self.t0) - self.t0)
-        t_start = min(0.0, float(starts.min()))
-        width = nice_width((t_end - t_start) / max_bins)
-        nbins = min(max(1, int(math.ceil((t_end - t_start) / width - 1e-9))), max_bins + 1)
-        edges = t_start + width * np.arange(nbins + 1)
-        if edges[-1] < t_end:   # float round-off: make sure the last transfer fits
-            edges[-1] = t_end
-        if by == "total":
-            keys = ["all links"] * len(self.outer)
-        else:
-            keys = [f"rank {x.rank} {x.direction}" if x.direction else f"rank {x.rank}"
-                    for x in self.outer]
-        keys_arr = np.array(keys)
-        series = {}
-        for k in sorted(set(keys), key=_natural):
-            m = keys_arr == k
-            series[k] = bin_transfers(starts[m], ends[m], nbytes[m], edges) / np.diff(edges)
-        per_link: dict[int, float] = {}
-        for x in self.outer:
-            per_link[x.rank] = per_link.get(x.rank, 0.0) + x.wire_bytes
-        out.update(edges=edges, width=width, series=series, links=len(per_link),
-                   peak=max(float(v.max()) for v in series.values()),
-                   mean=max(per_link.values()) / max(t_end - t_start, 1e-9))
-
-    def transmission_windows(self) -> tuple[np.ndarray, np.ndarray]:
-        """When each outer transfer's bytes were on the wire (unix s), in self.outer's order.
-
-        A comm event's [start, end] runs from the request to completion, so with an emulated
-        link (config link_bandwidth) it includes waiting in the link's FIFO queue behind earlier
-        transfers and the link latency. There, a rank's transfers are replayed in order of
-        start: one begins when it starts or when the previous one left the link, whichever is
-        later, and ends at `end` less the latency. An event's own `begin` field, when present,
-        is used as is. Without an emulated link the windows are [start, end].
-        """
-        n = len(self.outer)
-        starts = np.fromiter((x.start for x in self.outer), float, n)
-        ends = np.fromiter((x.end for x in self.outer), float, n)
-        if self.capacity() is None and not any(x.begin is not None for x in self.outer):
-            return starts, ends
-        latency = self.link_latency()
-        free: dict[int, float] = {}
-        for i in sorted(range(n), key=lambda i: (self.outer[i].start, self.outer[i].end)):
-            x = self.outer[i]
-            begin = x.begin if x.begin is not None else max(x.start, free.get(x.rank, x.start))
-            begin = min(max(begin, x.start), x.end)
-            done = x.end - latency if x.end - latency > begin else x.end
-            starts[i], ends[i] = begin, done
-            free[x.rank] = max(free.get(x.rank, done), done)
-        return starts, ends
-
-    def capacity(self) -> float | None:
-        """The outer link's capacity in bytes/s, from config link_bandwidth (bits/s, either a
-        number or text like "100Mbit"); None when the run has no emulated link."""
-        bits = parse_bits(self.config.get("link_bandwidth"))
-        return bits / 8.0 if bits else None
-
-    def link_latency(self) -> float:
-        return parse_seconds(self.config.get("link_latency")) or 0.0
 
     def stats(self, now: float | None = None) -> dict:
         """Headline numbers: from summary.json once it exists, live estimates before that."""
@@ -662,79 +349,3 @@ class RunModel:
             "val_loss": _num(s.get("final_val_loss"), vals[-1] if vals else None),
         }
 
-
-def _natural(s: str):
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s)]
-
-
-def _optional(parse, value) -> float | None:
-    """A positive finite quantity, or None when unset or unreadable (the trainer's config
-    check is the one that refuses bad input)."""
-    if value is None or value == "":
-        return None
-    try:
-        v = parse(value)
-    except ValueError:
-        return None
-    return v if 0 < v < math.inf else None
-
-
-def parse_bits(value) -> float | None:
-    """Bits per second from a config value: 1e8, "100Mbit", "1Gbit/s", "10mbps"."""
-    return _optional(units.parse_bandwidth, value)
-
-
-def parse_seconds(value) -> float | None:
-    """Seconds from 0.02, "20ms", "150us"."""
-    return _optional(units.parse_duration, value)
-
-
-def nice_width(w: float) -> float:
-    """The smallest 1-2-5 multiple of a power of ten that is at least w (and at least 1 ms)."""
-    w = max(w, 1e-3)
-    exp = math.floor(math.log10(w))
-    for m in (1, 2, 5, 10):
-        if m * 10 ** exp >= w * (1 - 1e-9):
-            return m * 10 ** exp
-    return 10 ** (exp + 1)
-
-
-def bin_transfers(starts, ends, nbytes, edges) -> np.ndarray:
-    """Bytes per bin when each transfer's bytes are spread evenly over [start, end].
-
-    Exact and O((N + K) log N): the bytes carried up to time x are
-    F(x) = sum_i r_i * (clip(x, s_i, e_i) - s_i), r_i = b_i / (e_i - s_i), evaluated at every
-    edge with prefix sums over the sorted starts and ends. Zero-length transfers land whole in
-    the bin holding their start. Bytes outside [edges[0], edges[-1]] are dropped.
-    """
-    starts, ends = np.asarray(starts, float), np.asarray(ends, float)
-    nbytes, edges = np.asarray(nbytes, float), np.asarray(edges, float)
-    out = np.zeros(max(len(edges) - 1, 0))
-    if not len(starts) or not len(out):
-        return out
-    dur = ends - starts
-    point = dur <= 0
-    if point.any():
-        idx = np.searchsorted(edges, starts[point], side="right") - 1
-        ok = (idx >= 0) & (idx < len(out))
-        ok |= starts[point] == edges[-1]
-        idx = np.clip(idx, 0, len(out) - 1)
-        np.add.at(out, idx[ok], nbytes[point][ok])
-    span = ~point
-    if span.any():
-        s, e, b = starts[span], ends[span], nbytes[span]
-        r = b / (e - s)
-
-        def cum(x_sorted, rates):
-            order = np.argsort(x_sorted)
-            xs, rs = x_sorted[order], rates[order]
-            return xs, np.concatenate([[0.0], np.cumsum(rs)]), \
-                np.concatenate([[0.0], np.cumsum(rs * xs)])
-
-        xs_s, r_s, rx_s = cum(s, r)
-        xs_e, r_e, rx_e = cum(e, r)
-        i_s = np.searchsorted(xs_s, edges, side="left")
-        i_e = np.searchsorted(xs_e, edges, side="left")
-        f = (edges * r_s[i_s] - rx_s[i_s]) - (edges * r_e[i_e] - rx_e[i_e])
-        out += np.diff(f)
-    return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import threading
 import time
@@ -14,6 +15,9 @@ from . import figures as F
 from .model import RunModel
 
 HANDLE_STATUS_EVERY_S = 5.0
+# a launch handle in one of these states ended its run, whether or not summary.json was written
+# (LaunchHandle.status() says them in lower case; other handles may not)
+HANDLE_ENDED = ("failed", "cancelled")
 # polling and redrawing take at most this share of one core: after a cycle that used c seconds
 # of CPU, the next starts at least c * (1 / BUSY_SHARE - 1) later (benchmarks/dashboard_load.py)
 BUSY_SHARE = 0.15
@@ -44,7 +48,8 @@ class Dashboard:
     Displaying it (last expression of a cell, or display(d)) returns at once. Inside a kernel
     it polls by itself: an asyncio task on the kernel's loop reads new events in a worker
     thread and updates the figures at most every `interval` seconds, and stops once every run
-    has its summary.json. Outside a kernel it loads once; call refresh() or start().
+    is over: it has its summary.json, or its handle's status is failed or cancelled (asked at
+    most every HANDLE_STATUS_EVERY_S). Outside a kernel it loads once; call refresh() or start().
     """
 
     def __init__(self, run, *, interval: float = 0.25, window_s: float = 30.0,
@@ -56,7 +61,10 @@ class Dashboard:
             raise ValueError("Dashboard needs a run directory, a launch handle or a list of them.")
         if xaxis not in F.XAXES:
             raise ValueError(f"xaxis must be one of {', '.join(F.XAXES)}, not {xaxis!r}.")
-        self.handles = [s for s in sources if not isinstance(s, (str, os.PathLike))]
+        is_handle = [not isinstance(s, (str, os.PathLike)) for s in sources]
+        self.handles = [s for s, h in zip(sources, is_handle) if h]
+        # per run: the index of its handle in self.handles, or None for a run directory
+        self._handle_of = [sum(is_handle[:k]) if h else None for k, h in enumerate(is_handle)]
         self.models = [RunModel(s, spike_z=spike_z, spike_alpha=spike_alpha,
                                 spike_warmup=spike_warmup) for s in sources]
         self.interval = interval
@@ -69,7 +77,8 @@ class Dashboard:
         self._setting_range = False
         self._set_range = None
         self._handle_status: list[str] = [""] * len(self.handles)
-        self._handle_checked = 0.0
+        self._handle_checked = -math.inf
+        self._ended: set[int] = set()      # runs whose handle says failed or cancelled
         self.renders = 0
         self.last_error: str | None = None
         self._build(xaxis, window_s)
@@ -149,18 +158,41 @@ class Dashboard:
 
     def _poll(self) -> int:
         with self._lock:
-            new = sum(m.poll() for m in self.models)
-            now = time.monotonic()
-            if self.handles and now - self._handle_checked > HANDLE_STATUS_EVERY_S:
-                self._handle_checked = now
-                for i, h in enumerate(self.handles):
-                    status = getattr(h, "status", None)
-                    if callable(status):
-                        try:
-                            self._handle_status[i] = _short(status())
-                        except Exception as e:      # a launcher failing must not stop drawing
-                            self._handle_status[i] = f"status failed: {e}"
+            # the handles first: a run seen ending here is then read to its last event
+            ended = self._check_handles()
+            new = 0
+            for k, m in enumerate(self.models):
+                seen = m.events_seen
+                if k in ended:
+                    m.load()    # no summary.json will come: close the steps still pending
+                else:
+                    m.poll()
+                new += m.events_seen - seen
             return new
+
+    def _check_handles(self) -> set[int]:
+        """Ask the handles for their status, at most every HANDLE_STATUS_EVERY_S; returns the
+        runs found ended (failed or cancelled) by this call."""
+        now = time.monotonic()
+        if not self.handles or now - self._handle_checked < HANDLE_STATUS_EVERY_S:
+            return set()
+        self._handle_checked = now
+        for i, h in enumerate(self.handles):
+            status = getattr(h, "status", None)
+            if callable(status):
+                try:
+                    self._handle_status[i] = _short(status())
+                except Exception as e:      # a launcher failing must not stop drawing
+                    self._handle_status[i] = f"status failed: {e}"
+        ended = {k for k in range(len(self.models))
+                 if self._job_status(k).lower() in HANDLE_ENDED}
+        newly, self._ended = ended - self._ended, ended
+        return newly
+
+    def _job_status(self, k: int) -> str:
+        """What run k's handle last said of its status ("" for a run directory)."""
+        i = self._handle_of[k]
+        return self._handle_status[i] if i is not None else ""
 
     def refresh(self) -> int:
         """Read what is new in every run and redraw (synchronously). Returns how many events
@@ -180,8 +212,7 @@ class Dashboard:
 
     def _draw(self, force: bool) -> None:
         models = self.models
-        stats = [m.stats() for m in models]
-        extra = self._status_extras()
+        stats, extra = self._statuses([m.stats() for m in models])
         self.summary.value = F.summary_html(stats, extra)
         self._update_title()
         options = [(m.name, i) for i, m in enumerate(models)]
@@ -211,19 +242,31 @@ class Dashboard:
             self.last_error = None
             self.message.value = ""
 
-    def _status_extras(self) -> list[str]:
-        extras = []
-        index = {id(h): i for i, h in enumerate(self.handles)}
-        for m in self.models:
-            i = index.get(id(m.source))
-            extras.append(self._handle_status[i] if i is not None else "")
-        return extras
+    def _statuses(self, stats: list[dict]) -> tuple[list[dict], list[str]]:
+        """Each run's status as the summary shows it, and the note beside it: a run whose job
+        failed or was cancelled before writing summary.json shows that final state; otherwise
+        the run's own status, with its job's status beside it when that says something more."""
+        shown, notes = [], []
+        for k, s in enumerate(stats):
+            job, own = self._job_status(k), str(s.get("status"))
+            if k in self._ended and not self.models[k].finished:
+                s, note = {**s, "status": job.lower()}, "ended without summary.json"
+            elif not job or job.lower() == own or (own, job.lower()) == ("finished", "succeeded"):
+                note = ""
+            else:
+                note = f"job {job}"
+            shown.append(s)
+            notes.append(note)
+        return shown, notes
 
-    def _update_title(self) -> None:
+    def _update_title(self, live: bool | None = None) -> None:
         names = ", ".join(_esc(m.name) for m in self.models)
-        live = self.live
+        ended = [f"{m.name} {self._job_status(k).lower()}" for k, m in enumerate(self.models)
+                 if k in self._ended and not m.finished]
+        live = self.live if live is None else live
         state = (f"polling every {self.interval:g} s" if live else
-                 "all runs finished" if all(m.finished for m in self.models) else "not polling")
+                 "not polling" if not self._done() else
+                 f"all runs ended: {_esc(', '.join(ended))}" if ended else "all runs finished")
         self.title.value = (f"<div style='font-family:sans-serif'><b style='font-size:16px'>"
                             f"lowband · {names}</b> <span style='color:#888;font-size:12px'>"
                             f"{state}</span></div>")
@@ -246,7 +289,7 @@ class Dashboard:
                     except Exception as e:
                         self.message.value = (f"<span style='color:#d62728'>{method} failed: "
                                               f"{_esc(str(e))}</span>")
-            self._handle_checked = 0.0
+            self._handle_checked = -math.inf     # show what the call changed at the next poll
             if method == "start":
                 self.start()
         threading.Thread(target=run, daemon=True, name=f"lowband-dashboard-{method}").start()
@@ -259,8 +302,9 @@ class Dashboard:
                 or (self._thread is not None and self._thread.is_alive()))
 
     def start(self) -> "Dashboard":
-        """Poll and redraw every `interval` seconds until stop() or every run has finished: as an
-        asyncio task when an event loop runs in this thread (a kernel), else in a thread."""
+        """Poll and redraw every `interval` seconds until stop() or every run is over (see the
+        class docstring): as an asyncio task when an event loop runs in this thread (a kernel),
+        else in a thread."""
         if self.live:
             return self
         self._stop.clear()
@@ -286,7 +330,8 @@ class Dashboard:
         return self
 
     def _done(self) -> bool:
-        return all(m.finished for m in self.models)
+        """Every run is over: it has its summary.json, or its handle said failed or cancelled."""
+        return all(m.finished or k in self._ended for k, m in enumerate(self.models))
 
     async def _run_async(self) -> None:
         try:
@@ -313,7 +358,7 @@ class Dashboard:
                     break
                 self._stop.wait(max(self.interval, _pause(time.process_time() - began)))
         finally:
-            self._update_title()
+            self._update_title(live=False)    # this thread is still alive: not self.live
 
     # -- export --------------------------------------------------------------------------------
 

@@ -1,0 +1,55 @@
+"""Outer-sync marks of a run: from its sync events, or from its outer transfers when it has none.
+
+SyncMarks is a part of RunModel (it reads the model's syncs, outer transfers, replicas and
+config); the marks are drawn on the loss figure and the sync timeline.
+"""
+
+from __future__ import annotations
+
+from .records import SyncMark
+
+
+class SyncMarks:
+    """RunModel's sync marks (a mixin: reads syncs, outer, replicas, config, version)."""
+
+    def sync_marks(self) -> list[SyncMark]:
+        if self._cache.get("version") != self.version:
+            self._cache = {"version": self.version}
+        if "marks" not in self._cache:
+            self._cache["marks"] = self._sync_marks()
+        return self._cache["marks"]
+
+    def _sync_marks(self) -> list[SyncMark]:
+        """Outer syncs, one mark per (step, fragment/block): from sync events when the run has
+        them, else from outer comm events merged where they overlap in time. Runs whose every
+        step talks over the outer group (ddp, acco) get no marks from comm events."""
+        if self.syncs:
+            seen: dict = {}
+            for m in self.syncs:
+                key = (m.step, m.label)
+                prev = seen.get(key)
+                if prev is None or m.t > prev.t or (m.anomaly and not prev.anomaly):
+                    seen[key] = m._replace(t=max(m.t, prev.t) if prev else m.t,
+                                           anomaly=m.anomaly or (prev.anomaly if prev else False))
+            return sorted(seen.values(), key=lambda m: m.t)
+        if str(self.config.get("algo", "")).lower() in ("ddp", "acco") or not self.outer:
+            return []
+        marks: list[SyncMark] = []
+        cur_end, cur_tags, cur_rank, cur_replica = None, set(), 0, 0
+        for tr in sorted(self.outer, key=lambda x: x.start):
+            if cur_end is not None and tr.start <= cur_end:
+                cur_end = max(cur_end, tr.end)
+                cur_tags.add(tr.tag)
+                continue
+            if cur_end is not None:
+                marks.append(self._comm_mark(cur_end, cur_tags, cur_rank, cur_replica))
+            cur_end, cur_tags, cur_rank, cur_replica = tr.end, {tr.tag}, tr.rank, tr.replica
+        if cur_end is not None:
+            marks.append(self._comm_mark(cur_end, cur_tags, cur_rank, cur_replica))
+        return marks
+
+    def _comm_mark(self, t, tags, rank, replica) -> SyncMark:
+        rs = self.replicas.get(replica)
+        step = rs.step_at(t) if rs else None
+        label = next(iter(tags)) if len(tags) == 1 else "all"
+        return SyncMark(t, step, label or "all", False, rank, replica, None, None)
