@@ -10,28 +10,50 @@ block has a bf16 scale (2 bytes); the scales come first in the payload, then the
   fp4-e2m1   sign + the OCP MX FP4 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}, s = absmax / 6
   fp4-e3m0   sign + a 3-bit exponent, no mantissa: magnitudes {0, 2^-6, 2^-5, ..., 2^0},
              s = absmax (code 0 is zero, code k is 2^(k-7))
-4-bit codes round to the nearest magnitude and pack two to a byte (value 2i in the low nibble,
-2i+1 in the high one), so the bytes on the wire are real. Bytes for n values:
+4-bit codes round |x| / s to the nearest magnitude, a tie to the smaller one, and pack two to a
+byte (value 2i in the low nibble, 2i+1 in the high one), so the bytes on the wire are real.
+Bytes for n values:
   fp32 4n, bf16 2n, int8 n + 2 ceil(n/block), fp4 ceil(n/2) + 2 ceil(n/block).
 Worst-case error per value, s the block's scale: int8 s/2; fp4-e2m1 s (between 4 and 6);
 fp4-e3m0 |x|/3 for |x| >= 2^-6 s, else |x| (flushed to zero or rounded up to 2^-6 s);
-plus the bf16 rounding of s (2^-8 relative).
+plus the bf16 rounding of s (2^-8 relative). s is capped so that the largest code times s stays
+finite: in a block whose absmax is above 3.38e38 (near the fp32 maximum) add up to 2^-7 |x|.
 Inputs holding NaN or inf are refused with NonFiniteError: a broken pseudo-gradient must not be
 quietly turned into numbers.
+
+`compiled=True` runs the quantized codecs through torch.compile: the same functions, one graph
+per codec, block and device for every size, bitwise the eager bytes and values (checked on CPU
+by tests/test_codecs_compiled.py, on a GPU by benchmarks/gpu_codecs.py).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
+import types
 
 import torch
+import torch.nn.functional as F
 
 CODECS = ("fp32", "bf16", "int8", "fp4-e3m0", "fp4-e2m1")
 
 _LEVELS = {
-    "fp4-e2m1": torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]),
-    "fp4-e3m0": torch.tensor([0.0] + [2.0 ** (k - 7) for k in range(1, 8)]),
+    "fp4-e2m1": (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0),
+    "fp4-e3m0": (0.0,) + tuple(2.0 ** (k - 7) for k in range(1, 8)),
 }
+_TOP = {"int8": 127.0, "fp4-e2m1": 6.0, "fp4-e3m0": 1.0}  # the largest code magnitude
+
+
+def _bf16_below(v: float) -> float:
+    unit = 2.0 ** (math.frexp(v)[1] - 8)  # bf16 keeps 8 significant bits
+    return math.floor(v / unit) * unit
+
+
+_CAP = {c: _bf16_below(torch.finfo(torch.float32).max / top) for c, top in _TOP.items()}
+# Inductor drops a bf16 round trip and Triton divides approximately unless told to match eager.
+_EAGER_NUMERICS = ("emulate_precision_casts", "eager_numerics.division_rounding",
+                   "emulate_divison_rounding", "eager_numerics.disable_ftz")  # names vary by torch
 
 
 class NonFiniteError(ValueError):
@@ -44,42 +66,88 @@ def payload_bytes(codec: str, n: int, block: int = 64) -> int:
     return {"fp32": 4 * n, "bf16": 2 * n, "int8": n + scales}.get(codec, (n + 1) // 2 + scales)
 
 
-def _blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad to whole blocks; return (blocks, bf16 absmax per block as fp32)."""
+def _encode_blocks(x: torch.Tensor, codec: str, block: int):
+    """A quantized codec's encode: (payload, whether all of x is finite)."""
     n = x.numel()
-    padded = torch.nn.functional.pad(x, (0, (-n) % block)).view(-1, block)
-    absmax = padded.abs().amax(dim=1)
-    return padded, absmax
-
-
-def encode(x: torch.Tensor, codec: str, block: int = 64) -> torch.Tensor:
-    x = x.detach().reshape(-1).float()
-    if not torch.isfinite(x).all():
-        raise NonFiniteError("the tensor to encode holds NaN or inf")
-    if codec == "fp32":
-        return x.clone().view(torch.uint8)
-    if codec == "bf16":
-        return x.bfloat16().view(torch.uint8)
-    n = x.numel()
-    padded, absmax = _blocks(x, block)
-    top = 127.0 if codec == "int8" else float(_LEVELS[codec][-1])
-    scale = (absmax / top).bfloat16()
+    padded = F.pad(x, (0, (-n) % block)).view(-1, block)
+    absmax = padded.abs().amax(dim=1)  # NaN or inf where the block holds one
+    scale = torch.clamp(absmax / _TOP[codec], max=_CAP[codec]).bfloat16()
     s = scale.float()
-    safe = torch.where(s > 0, s, torch.ones_like(s))[:, None]
+    s = torch.where(s > 0, s, 1.0)[:, None]
     if codec == "int8":
-        codes = torch.clamp(torch.round(padded / safe), -127, 127).to(torch.int8).view(torch.uint8)
-        codes = codes.reshape(-1)[:n]
+        codes = torch.clamp(torch.round(padded / s), -127, 127).to(torch.int8).view(torch.uint8)
+        size = n
+    else:  # the count of midpoints below |x| / s: ties go down, as torch.bucketize did
+        levels, a = _LEVELS[codec], padded.abs() / s
+        mag = sum((a > (lo + hi) / 2).to(torch.uint8) for lo, hi in itertools.pairwise(levels))
+        nib = mag | (padded < 0).to(torch.uint8) << 3
+        if block % 2:  # pairs cross blocks
+            nib = F.pad(nib.view(-1), (0, nib.numel() % 2))
+        nib = nib.reshape(-1, 2)  # value 2i in the low nibble
+        codes = nib[:, 0] | nib[:, 1] << 4
+        size = (n + 1) // 2
+    # whole blocks into the cat and the cut after it: a cut before the cat copies the codes
+    payload = torch.cat([scale.view(torch.uint8), codes.reshape(-1)])
+    return payload[: 2 * scale.numel() + size], torch.isfinite(absmax).all()
+
+
+def _decode_blocks(payload: torch.Tensor, scale: torch.Tensor, codec: str, block: int):
+    """A quantized codec's decode (`scale`: the payload's scale bytes as bf16): the values of
+    whole blocks, of which the caller keeps the first n."""
+    nb = scale.numel()
+    torch._check(2 * nb <= payload.numel())  # these checks let the compiler see views, not copies
+    codes = payload[2 * nb:]
+    if codec != "int8":  # value 2i in the low nibble
+        shift = torch.arange(0, 8, 4, dtype=torch.uint8, device=codes.device)
+        codes = ((codes[:, None] >> shift) & 15).reshape(-1)
+    torch._check(nb * block <= codes.numel() + block)
+    codes = F.pad(codes, (0, block))[: nb * block].view(nb, block)  # fp4: cuts a spare nibble
+    if codec == "int8":
+        q = codes.view(torch.int8).float()
     else:
-        levels = _LEVELS[codec].to(x.device)
-        mids = (levels[1:] + levels[:-1]) / 2
-        mag = torch.bucketize((padded.abs() / safe).reshape(-1)[:n], mids).to(torch.uint8)
-        nib = mag | ((padded.reshape(-1)[:n] < 0).to(torch.uint8) << 3)
-        nib = torch.nn.functional.pad(nib, (0, n % 2))
-        codes = nib[0::2] | (nib[1::2] << 4)
-    return torch.cat([scale.view(torch.uint8), codes])
+        levels = _LEVELS[codec]
+        q = torch.tensor(levels + tuple(-v for v in levels), device=codes.device)[codes.int()]
+    return (q * scale.float()[:, None]).view(-1)
 
 
-def decode(payload: torch.Tensor, n: int, codec: str, block: int = 64) -> torch.Tensor:
+@functools.cache
+def _compiled(fn, codec: str, block: int):
+    """fn compiled with codec and block as constants, sizes left open (unbacked: one graph for
+    every size, 0 and 1 too). Its own code object: dynamo keeps graphs (8 at most) per code."""
+    import torch._inductor.config as inductor
+
+    name = f"{fn.__name__}_{codec.replace('-', '_')}_{block}"
+    code = fn.__code__.replace(co_name=name)
+    own = types.FunctionType(code, fn.__globals__, name, (codec, block))
+    known = inductor.get_config_copy()
+    options = {k: True for k in _EAGER_NUMERICS if k in known}
+    return torch.compile(own, fullgraph=True, options=options)
+
+
+def _run(fn, codec: str, block: int, compiled: bool, *tensors: torch.Tensor):
+    if not compiled:
+        return fn(*tensors, codec, block)
+    # fresh aliases, not views (dynamo guards on a view's base): the marks stay off the caller's
+    tensors = tuple(t.detach() for t in tensors)
+    for t in tensors:
+        torch._dynamo.decorators.mark_unbacked(t, 0)
+    return _compiled(fn, codec, block)(*tensors)
+
+
+def encode(x: torch.Tensor, codec: str, block: int = 64, compiled: bool = False) -> torch.Tensor:
+    x = x.detach().reshape(-1).float()
+    if codec in ("fp32", "bf16"):  # one copy each, compiled or not
+        finite = torch.isfinite(x).all()
+        payload = (x.clone() if codec == "fp32" else x.bfloat16()).view(torch.uint8)
+    else:
+        payload, finite = _run(_encode_blocks, codec, block, compiled, x)
+    if not finite:
+        raise NonFiniteError("the tensor to encode holds NaN or inf")
+    return payload
+
+
+def decode(payload: torch.Tensor, n: int, codec: str, block: int = 64,
+           compiled: bool = False) -> torch.Tensor:
     if payload.numel() != payload_bytes(codec, n, block):
         raise ValueError(f"a {codec} payload of {n} values has {payload_bytes(codec, n, block)} "
                          f"bytes, got {payload.numel()}")
@@ -87,12 +155,5 @@ def decode(payload: torch.Tensor, n: int, codec: str, block: int = 64) -> torch.
         return payload.view(torch.float32).clone()
     if codec == "bf16":
         return payload.view(torch.bfloat16).float()
-    nscale = 2 * math.ceil(n / block)
-    scale, codes = payload[:nscale].view(torch.bfloat16).float(), payload[nscale:]
-    per_value = scale.repeat_interleave(block)[:n]
-    if codec == "int8":
-        return codes.view(torch.int8).float() * per_value
-    nib = torch.stack([codes & 0xF, codes >> 4], dim=1).reshape(-1)[:n]
-    mag = _LEVELS[codec].to(payload.device)[(nib & 7).long()]
-    sign = 1.0 - 2.0 * (nib >> 3).float()
-    return sign * mag * per_value
+    scale = payload[: 2 * math.ceil(n / block)].view(torch.bfloat16)
+    return _run(_decode_blocks, codec, block, compiled, payload, scale)[:n]
