@@ -1,0 +1,35 @@
+"""benchmarks/gpu.py at tiny sizes on CPU: every section runs and reports sane rows, so the
+script a GPU session relies on cannot rot in between."""
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_gpu_benchmark_smoke(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--device", "cpu",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert "torch" in result and result["device"]
+
+    inner = {r["loop"]: r for r in result["inner"]}
+    assert set(inner) == {"plain", "lowband"}
+    assert all(r["tokens_per_s"] > 0 and r["ratio_to_plain"] > 0 for r in inner.values())
+
+    overhead = {r["algo"]: r for r in result["overhead"]}
+    assert set(overhead) == {"ddp", "streaming", "edit", "acco", "zero1", "ddp again"}
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in overhead.values()), overhead
+
+    for row in result["e2e"]:
+        assert row["ok"], row
+        assert row["backend"] == "gloo" and row["world"] == 2 and row["comm_events"] > 0
+        assert row["cuda_timed"] == 0  # CPU tensors are timed on the host
+
+    codecs = result["codecs"]
+    assert {r["codec"] for r in codecs} >= {"int8", "fp4-e3m0", "fp4-e2m1"}
+    assert "[inner]" in proc.stdout and "[e2e]" in proc.stdout
