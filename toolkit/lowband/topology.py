@@ -56,6 +56,11 @@ def pick_device(requested: str) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
 
 
+def local_world_size() -> int:
+    """Ranks on this node (torchrun's LOCAL_WORLD_SIZE; the world when unset)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+
+
 def pick_backend(requested: str, device: torch.device) -> str:
     if device.type == "cpu":
         if requested == "nccl":
@@ -63,8 +68,7 @@ def pick_backend(requested: str, device: torch.device) -> str:
         return "gloo"
     if requested != "auto":
         return requested
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
-    return "nccl" if local_world <= torch.cuda.device_count() else "gloo"
+    return "nccl" if local_world_size() <= torch.cuda.device_count() else "gloo"
 
 
 def init(replicas: int, shards: int, device: str = "auto", backend: str = "auto",

@@ -68,8 +68,7 @@ def build_model(cfg: Config, vocab: int) -> nn.Module:
 
 
 def _set_threads() -> None:
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_world, 1)))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(topo_mod.local_world_size(), 1)))
 
 
 def _resolve_run_dir(cfg: Config, rank: int) -> RunDir:
