@@ -12,55 +12,9 @@ import os
 import sys
 import time
 
-from lowband.config import ArgParser, Config, ConfigError, fields
-from lowband.units import fmt_si
-
-
-def train_parser() -> argparse.ArgumentParser:
-    p = ArgParser(prog="lowband train", description="Train a language model across ranks and "
-                "replicas. With no arguments: the main job (a multi-replica run on the built-in "
-                "corpus). Flags override --config FILE.toml.", argument_default=argparse.SUPPRESS)
-    p.add_argument("--config", help="a TOML file whose keys are these options' names")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest "
-                   "checkpoint with its own config (only --steps and --progress may change)")
-    for f in fields():
-        flag = "--" + f.name.replace("_", "-")
-        default = "per algorithm" if f.default is None else repr(f.default)
-        help_ = f"{f.metadata['help']} (default: {default})"
-        if isinstance(f.default, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
-        else:
-            p.add_argument(flag, type=f.metadata["type"], help=help_, metavar=f.name.upper())
-    return p
-
-
-RESUME_MAY_CHANGE = {"steps", "progress", "run_dir", "stop_after"}
-
-
-def parse_train(argv: list[str]) -> tuple[Config, bool]:
-    """The config of `lowband train ARGV`, and whether it resumes a run."""
-    args = vars(train_parser().parse_args(argv))
-    path, resume = args.pop("config", None), args.pop("resume", None)
-    if resume:
-        other = sorted(set(args) - RESUME_MAY_CHANGE) + (["config"] if path else [])
-        if other:
-            raise ConfigError(f"--resume takes the run's own config, so --{other[0].replace('_', '-')} "
-                              "cannot be given with it: only --steps may change.")
-        from lowband.telemetry import RunDir
-
-        saved = RunDir(resume).read_json(RunDir(resume).config)
-        if saved is None:
-            raise ConfigError(f"'{resume}' is not a lowband run directory (no config.json): give "
-                              "the directory of the run to resume.")
-        saved.pop("meta", None)
-        cfg = Config.from_dict(saved, source=f"{resume}/config.json")
-        cfg.stop_after = cfg.crash_checkpoint = 0  # one-shot: done before, not again
-        args["run_dir"] = resume
-    else:
-        cfg = Config.from_toml(path) if path else Config()
-    for name, value in args.items():
-        setattr(cfg, name, value)
-    return cfg.validate(), bool(resume)
+from lowband.config import Config, ConfigError
+from lowband.flags import parse_train, train_parser  # noqa: F401 (train_parser: lowband.launch)
+from lowband.summary import one_line  # noqa: F401 (also read by lowband.launch)
 
 
 def is_worker() -> bool:
@@ -114,15 +68,6 @@ def launch_local(cfg: Config, argv: list[str]) -> int:
     print(f"run directory: {run.root}")
     print(one_line(summary))
     return 0
-
-
-def one_line(s: dict) -> str:
-    return (f"{s.get('algorithm')} R={s.get('replicas')} S={s.get('shards')}: "
-            f"loss {s.get('final_loss', float('nan')):.4f}, "
-            f"val loss {s.get('final_val_loss', float('nan')):.4f}, "
-            f"{s.get('tokens_per_s', 0):,.0f} tokens/s, "
-            f"outer link {fmt_si(s.get('outer_wire_bytes', 0), 'B')}, "
-            f"compute utilization {100 * s.get('compute_utilization', 0):.0f}%")
 
 
 COMMANDS = {"train": cmd_train}

@@ -28,17 +28,9 @@ from lowband.data import Batches, load_tokens, vocab_needed
 from lowband.faults import Faults
 from lowband.model import GPT, compile_blocks, find_blocks, gpt_config, lm_loss, num_params
 from lowband.params import flatten, write_flat
+from lowband.schedule import lr_at
+from lowband.summary import summarize
 from lowband.telemetry import EventWriter, RunDir, write_json_atomic
-
-
-def lr_at(cfg: Config, step: int) -> float:
-    """Linear warm-up to cfg.lr, then cosine decay to cfg.lr * cfg.min_lr_ratio at the end."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(cfg.steps - cfg.warmup_steps, 1)
-    progress = min((step - cfg.warmup_steps) / span, 1.0)
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def make_optimizer_factory(cfg: Config, device: torch.device):
@@ -308,25 +300,6 @@ def _broadcast_init(model: nn.Module, comm: Comm) -> None:
     comm.broadcast(flat, src=0, tag="init").wait()
     write_flat(params, flat)
     comm.take_wait_s()
-
-
-def summarize(cfg: Config, ranks: list[dict]) -> dict:
-    """summary.json: totals over ranks (see docs/run-directory.md for every field)."""
-    wall = max(r["wall_s"] for r in ranks)
-    tokens = sum(r["tokens"] for r in ranks)
-    compute = sum(r["compute_s"] for r in ranks) / len(ranks)
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    return {
-        "algorithm": cfg.algo, "replicas": cfg.replicas, "shards": cfg.shards, "steps": cfg.steps,
-        "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else 0.0,
-        "compute_s": compute, "compute_utilization": mean([r["compute_s"] / r["wall_s"] for r in ranks]),
-        "outer_wire_bytes": sum(r["outer_wire"] for r in ranks),
-        "inner_wire_bytes": sum(r["inner_wire"] for r in ranks),
-        "peak_outer_payload_bytes": max(r["peak_outer"] for r in ranks),
-        "final_loss": mean([r["loss"] for r in ranks]),
-        "final_val_loss": mean([r["val_loss"] for r in ranks if r["shard"] == 0]),
-        "run_dir": cfg.run_dir,
-    }
 
 
 def _progress(cfg: Config, rank: int, initial: int = 0):

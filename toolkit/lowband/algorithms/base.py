@@ -17,13 +17,29 @@ from typing import Callable, Iterable
 import torch
 import torch.nn as nn
 
+from typing import TYPE_CHECKING, ClassVar
+
 from lowband.comm import Comm
-from lowband.config import Config
 from lowband.topology import Topology
+
+if TYPE_CHECKING:
+    from lowband.config import Config
+
+# How an algorithm uses the slow outer link, read by the dashboard, the report and the planner:
+EVERY_STEP = "every-step"  # traffic over the outer link every step (ddp, zero1, acco)
+PERIODIC = "periodic"      # outer syncs every few steps or seconds (the diloco family, edit)
 
 
 class Algorithm:
+    """One registry line (algorithms/__init__.py) plus these class attributes make an algorithm:
+    `name`, `kind` (EVERY_STEP or PERIODIC), `options` (the option groups it reads, declared
+    beside its code; Config inherits them all), `defaults` (values of its fields left None),
+    `summary` (one line for --help and `lowband recipes`)."""
     name = "base"
+    kind: ClassVar[str] = EVERY_STEP
+    options: ClassVar[tuple] = ()
+    defaults: ClassVar[dict] = {}
+    summary: ClassVar[str] = ""
     # An algorithm whose step is not the standard sequence above (acco: micro-batches keep
     # accumulating while its communication round is in flight) sets owns_step and implements
     # train_step(step, batches, lr) -> (loss, micro-batches used); the trainer then calls it

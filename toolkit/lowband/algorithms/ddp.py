@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lowband.algorithms.base import Algorithm
+from lowband.algorithms.base import EVERY_STEP, Algorithm
 
 
 class Bucket:
@@ -30,6 +30,7 @@ class Bucket:
 
 class DDP(Algorithm):
     name = "ddp"
+    kind = EVERY_STEP
 
     def __init__(self, group: str = "world"):
         self.group = group  # streaming reuses this class over its replica's inner group

@@ -73,9 +73,10 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from lowband.algorithms.base import Algorithm
+from lowband.algorithms.base import PERIODIC, Algorithm
 from lowband.algorithms.penalty import EWMA, Decision, PenaltyConfig, clip_scale, decide
 from lowband.config import ConfigError
+from lowband.schedule import lr_at
 
 EDIT_OPTIONS = {"warmup_sync_steps": 0, "edit_anomaly": True, "edit_ewma_rate": 0.1, "edit_z": 3.0,
                 "edit_anomaly_warmup": 3, "edit_weighted": True, "edit_temperature": 0.0,
@@ -173,6 +174,7 @@ class Unit:
 
 class EDiT(Algorithm):
     name = "edit"
+    kind = PERIODIC
     timed = False  # aedit: syncs by wall-clock time
 
     def setup(self, model, blocks, make_optimizer, topology, comm, config):
@@ -536,7 +538,6 @@ class AEDiT(EDiT):
         super().before_forward(step)
         c = self.config
         if step >= c.warmup_sync_steps:  # the schedule at the run's global progress
-            from lowband.train import lr_at
 
             R = self.topo.replicas
             progress = self.total / R + self.window_steps / (R * self.share if self.share > 0 else 1)

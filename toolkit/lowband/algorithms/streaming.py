@@ -30,7 +30,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from lowband.algorithms.base import Algorithm
+from lowband.algorithms.base import PERIODIC, Algorithm
 from lowband.algorithms.ddp import DDP
 from lowband.config import ConfigError
 from lowband.params import flatten, split_fragments, write_flat
@@ -64,6 +64,7 @@ class Landed:
 
 class Streaming(Algorithm):
     name = "streaming"
+    kind = PERIODIC
 
     def setup(self, model, blocks, make_optimizer, topology, comm, config):
         c = config

@@ -38,7 +38,7 @@ import math
 
 import torch
 
-from lowband.algorithms.base import Algorithm
+from lowband.algorithms.base import EVERY_STEP, Algorithm
 from lowband.algorithms.optim import ShardOptimizer
 from lowband.config import ConfigError
 from lowband.model import lm_loss
@@ -106,6 +106,7 @@ def optimizer_groups(make_optimizer, model) -> tuple[list, dict]:
 
 class ZeRO1(Algorithm):
     name = "zero1"
+    kind = EVERY_STEP
     owns_step = True
 
     def setup(self, model, blocks, make_optimizer, topology, comm, config):

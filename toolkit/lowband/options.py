@@ -1,0 +1,73 @@
+"""How options are declared: the bottom of the package (it imports nothing of lowband).
+
+An option group is a dataclass of `option(...)` fields with a `check(cfg)` classmethod. Each
+group lives beside the code that reads it (the run's own options in config.py, each
+algorithm's in its file under algorithms/, the fault injectors' in faults.py); `Config`
+inherits every group, so a run is still one flat object (`cfg.fragments`), and the registry of
+algorithms says which groups each algorithm reads. That registry drives validation ("--x
+applies only to --algo y") and the grouped `lowband train --help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import field
+from typing import ClassVar
+
+
+class ConfigError(ValueError):
+    """Input a user can fix; its message is one sentence naming the fix."""
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse for lowband's commands: a bad flag raises ConfigError with one sentence, no usage
+    block; each command prints it and exits with status 2."""
+
+    def error(self, message):
+        raise ConfigError(f"{message} (see `{self.prog} --help`).")
+
+
+def option(default, help: str, choices=None, kind=None):
+    """A field; `kind` is its type where the default is None (resolved per algorithm)."""
+    return field(default=default, metadata={"help": help, "choices": choices,
+                                            "type": kind or type(default)})
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+class Options:
+    """A group of options. Subclasses are dataclasses; `title` heads the group in --help."""
+    title: ClassVar[str] = ""
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """The fields this group declares itself (not those of groups it inherits)."""
+        own = cls.__dict__.get("__annotations__", {})
+        return [f.name for f in dataclasses.fields(cls) if f.name in own]
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        """Raise ConfigError for a bad value; `cfg` is the whole Config."""
+
+
+def require(cfg, names, test, what: str) -> None:
+    """ConfigError naming the first of `names` whose value fails `test` ("must be `what`")."""
+    for name in names:
+        value = getattr(cfg, name)
+        if not test(value):
+            raise ConfigError(f"{flag(name)} must be {what}, got {value}.")
+
+
+def positive(x) -> bool:
+    return x > 0
+
+
+def non_negative(x) -> bool:
+    return x >= 0
+
+
+def unit_interval(x) -> bool:
+    return 0 <= x <= 1

@@ -1,0 +1,33 @@
+"""summary.json: a run's totals over its ranks, and the one line that prints them."""
+
+from __future__ import annotations
+
+from lowband.units import fmt_si
+
+
+def summarize(cfg, ranks: list[dict]) -> dict:
+    """summary.json: totals over ranks (see docs/run-directory.md for every field)."""
+    wall = max(r["wall_s"] for r in ranks)
+    tokens = sum(r["tokens"] for r in ranks)
+    compute = sum(r["compute_s"] for r in ranks) / len(ranks)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {
+        "algorithm": cfg.algo, "replicas": cfg.replicas, "shards": cfg.shards, "steps": cfg.steps,
+        "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "compute_s": compute, "compute_utilization": mean([r["compute_s"] / r["wall_s"] for r in ranks]),
+        "outer_wire_bytes": sum(r["outer_wire"] for r in ranks),
+        "inner_wire_bytes": sum(r["inner_wire"] for r in ranks),
+        "peak_outer_payload_bytes": max(r["peak_outer"] for r in ranks),
+        "final_loss": mean([r["loss"] for r in ranks]),
+        "final_val_loss": mean([r["val_loss"] for r in ranks if r["shard"] == 0]),
+        "run_dir": cfg.run_dir,
+    }
+
+
+def one_line(s: dict) -> str:
+    return (f"{s.get('algorithm')} R={s.get('replicas')} S={s.get('shards')}: "
+            f"loss {s.get('final_loss', float('nan')):.4f}, "
+            f"val loss {s.get('final_val_loss', float('nan')):.4f}, "
+            f"{s.get('tokens_per_s', 0):,.0f} tokens/s, "
+            f"outer link {fmt_si(s.get('outer_wire_bytes', 0), 'B')}, "
+            f"compute utilization {100 * s.get('compute_utilization', 0):.0f}%")
