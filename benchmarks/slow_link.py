@@ -37,6 +37,7 @@ from pathlib import Path
 
 from machine import describe  # benchmarks/machine.py
 
+from lowband import recipes
 from lowband.testbed import TestHosts
 
 ALGOS = ("ddp", "diloco", "streaming")
@@ -50,16 +51,17 @@ LINKS = ("emulated", "real")
 def common_args(a) -> list[str]:
     return ["--replicas", "2", "--shards", "1", "--model", a.model, "--steps", str(a.steps),
             "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--seed", str(a.seed),
-            "--eval-every", "0", "--no-progress"]
+            "--no-progress"]
 
 
 def algo_args(algo: str, a) -> list[str]:
-    if algo == "ddp":
-        return ["--algo", "ddp"]
-    if algo == "diloco":
-        return ["--algo", "diloco", "--sync-every", str(a.sync_every)]
-    return ["--algo", "streaming", "--sync-every", str(a.sync_every), "--fragments",
-            str(a.fragments), "--overlap", "1", "--alpha", "0.5", "--codec", "fp4-e3m0"]
+    """The row's recipe (lowband.recipes.slow_link_ALGO), with this benchmark's H and P."""
+    args = ["--recipe", f"slow_link_{algo}"]
+    if algo != "ddp":
+        args += ["--sync-every", str(a.sync_every)]
+    if algo == "streaming":
+        args += ["--fragments", str(a.fragments)]
+    return args
 
 
 _WORKER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
@@ -292,12 +294,13 @@ def revision() -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="mini", help="model preset (default mini, 6 blocks)")
-    p.add_argument("--steps", type=int, default=72, help="training steps (a multiple of H)")
-    p.add_argument("--sync-every", type=int, default=18, help="H for diloco and streaming")
-    p.add_argument("--fragments", type=int, default=3, help="P for streaming (divides H)")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
+    base = recipes.slow_link_streaming()  # the defaults below are the recipes'
+    p.add_argument("--model", default=base.model, help=f"model preset (default {base.model})")
+    p.add_argument("--steps", type=int, default=base.steps, help="training steps (a multiple of H)")
+    p.add_argument("--sync-every", type=int, default=base.sync_every, help="H for diloco and streaming")
+    p.add_argument("--fragments", type=int, default=base.fragments, help="P for streaming (divides H)")
+    p.add_argument("--batch-size", type=int, default=base.batch_size)
+    p.add_argument("--seq-len", type=int, default=base.seq_len)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rate-mbit", type=float, default=100.0, help="link bandwidth, Mbit/s")
     p.add_argument("--tbf-burst", default="64kb", help="tbf burst of the real link")

@@ -99,11 +99,14 @@ def test_matches_float64_reference(train_run, case):
     want_outer, want_local = reference(R, S, steps, H, P, tau, alpha, pattern, n_layer)
     got_outer = torch.load(run.root / "outer.pt", weights_only=True)
     got_local = torch.load(run.root / "model.pt", weights_only=True)
+    # fp32 against float64: AdamW and the outer momentum amplify fp32 rounding to ~1e-5 on
+    # small tensors, which depends on the CPU's kernels (1.7e-5 seen on one machine); a wrong
+    # average, fragment or phase is off by 1e-2 or more
     for name, w in want_outer.items():
         rel = (got_outer[name].double() - w).norm() / w.norm()
-        assert rel <= 1e-5, f"outer {name}: relative error {rel:.2e}"
+        assert rel <= 5e-5, f"outer {name}: relative error {rel:.2e}"
         rel = (got_local[name].double() - want_local[name]).norm() / want_local[name].norm()
-        assert rel <= 1e-5, f"local {name}: relative error {rel:.2e}"
+        assert rel <= 5e-5, f"local {name}: relative error {rel:.2e}"
 
     syncs = [e for e in read_events(run, ("sync",)) if e["rank"] == 0]
     per_fragment = {p: [e["step"] for e in syncs if e["fragment"] == p] for p in range(P)}

@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from lowband.config import ConfigError
+from lowband.options import ConfigError
 from lowband.telemetry import RunDir
 
 

@@ -1,4 +1,4 @@
-"""`lowband train | plan | report`.
+"""`lowband train | plan | report | launch | recipes`.
 
 `lowband train` run plainly starts R x S local worker processes itself; under torchrun or TorchX
 (RANK and WORLD_SIZE in the environment) it is one worker and takes the world from there.
@@ -14,7 +14,7 @@ import time
 
 from lowband.config import Config, ConfigError
 from lowband.flags import parse_train, train_parser  # noqa: F401 (train_parser: lowband.launch)
-from lowband.summary import one_line  # noqa: F401 (also read by lowband.launch)
+from lowband.summary import comparison, one_line
 
 
 def is_worker() -> bool:
@@ -22,6 +22,8 @@ def is_worker() -> bool:
 
 
 def cmd_train(argv: list[str]) -> int:
+    main_job = not argv
+    argv = argv or ["--recipe", "main"]  # `lowband train` alone: the main job (workers too)
     cfg, resume = parse_train(argv)
     if is_worker():
         import torch.distributed as dist
@@ -38,10 +40,10 @@ def cmd_train(argv: list[str]) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
         return 0
-    return launch_local(cfg, argv)
+    return launch_local(cfg, argv, main_job)
 
 
-def launch_local(cfg: Config, argv: list[str]) -> int:
+def launch_local(cfg: Config, argv: list[str], main_job: bool = False) -> int:
     from lowband.data import load_tokens
     from lowband.local import LocalJob, describe_exit, last_line
     from lowband.telemetry import RunDir
@@ -67,7 +69,25 @@ def launch_local(cfg: Config, argv: list[str]) -> int:
     summary = run.read_json(run.summary) or {}
     print(f"run directory: {run.root}")
     print(one_line(summary))
+    _main_job_extras(cfg, run, summary, report=main_job)
     return 0
+
+
+def _main_job_extras(cfg: Config, run, summary: dict, report: bool) -> None:
+    """Beside the run's own figures: what ddp would have sent, and (for the main job, `lowband
+    train` alone) the HTML report to open."""
+    from lowband.units import parse_bandwidth
+
+    line = comparison(summary, parse_bandwidth(cfg.link_bandwidth or 0))
+    if line:
+        print(line)
+    if report:
+        from lowband.report import write_report
+
+        path = write_report(run.root, run.root / "report.html")
+        print(f"report: {path}")
+    else:
+        print(f"report: lowband report {run.root} -o report.html")
 
 
 COMMANDS = {"train": cmd_train}
@@ -85,6 +105,15 @@ def _subcommand(module: str):
 COMMANDS["plan"] = _subcommand("lowband.plan")
 COMMANDS["report"] = _subcommand("lowband.report")
 COMMANDS["launch"] = _subcommand("lowband.launch")
+
+
+def cmd_recipes(argv: list[str]) -> int:
+    from lowband.recipes import main_cli
+
+    return main_cli(argv)
+
+
+COMMANDS["recipes"] = cmd_recipes
 
 
 def main(argv: list[str] | None = None) -> int:

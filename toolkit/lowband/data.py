@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lowband.config import ConfigError
+from lowband.options import ConfigError
 
 BYTE_VOCAB = 256
 

@@ -12,11 +12,12 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lowband.config import ConfigError
+from lowband.options import ConfigError, Options, option
 
 
 def _parse(text: str, flag: str, form: str, kinds: tuple, required: int) -> tuple:
@@ -48,6 +49,23 @@ def parse_corrupt(text: str, replicas: int, steps: int) -> tuple[int, int, float
         raise ConfigError(f"--corrupt {text}: the replica must be in 0..{replicas - 1}, the step "
                           f"in 1..{steps} and the scale positive.")
     return replica, step, scale
+
+
+@dataclass
+class FaultOptions(Options):
+    title = "fault injection (every algorithm)"
+    straggler: str = option("", "REPLICA:FACTOR: that replica computes FACTOR x slower")
+    corrupt: str = option("", "REPLICA:STEP[:SCALE]: noise of SCALE x RMS added to that replica's "
+                          "parameters after STEP")
+    crash_checkpoint: int = option(0, "die between writing and renaming the checkpoint of this "
+                                   "step (to test that the previous one survives)")
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        if cfg.crash_checkpoint < 0:
+            raise ConfigError(f"--crash-checkpoint must be zero or positive, got {cfg.crash_checkpoint}.")
+        parse_straggler(cfg.straggler, cfg.replicas)
+        parse_corrupt(cfg.corrupt, cfg.replicas, cfg.steps)
 
 
 class Faults:

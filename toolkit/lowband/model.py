@@ -24,19 +24,50 @@ class GPTConfig:
     max_seq_len: int = 1024
 
 
-# name -> (n_layer, n_head, d_model, vocab_size); sizes with the byte vocabulary in comments
-PRESETS = {
-    "nano": (2, 2, 64, 256),       # ~0.12M parameters, for tests
-    "micro": (4, 4, 128, 256),     # ~0.8M
-    "mini": (6, 8, 256, 256),      # ~4.8M
-    "small": (8, 8, 512, 256),     # ~25M
-    "gpt2": (12, 12, 768, 50304),  # GPT-2 124M (GPT-2 BPE vocabulary, padded to 50304)
-}
+@dataclass(frozen=True)
+class ModelSpec:
+    """One entry of the model registry, read by validation, the trainer and the planner: how to
+    build the model and, without building it, its blocks and parameter count."""
+    name: str
+    n_layer: int
+    n_head: int
+    d_model: int
+    vocab_size: int
+    seq_len: int = 128  # the context the preset is meant for (and the planner counts with)
+    note: str = ""
+
+    def config(self, n_layer=0, n_head=0, d_model=0, vocab_size=0, seq_len=1024) -> GPTConfig:
+        """The GPT of this preset, with any size given as non-zero overriding the preset's."""
+        return GPTConfig(n_layer or self.n_layer, n_head or self.n_head, d_model or self.d_model,
+                         vocab_size or self.vocab_size, max(seq_len, 1))
+
+    def build(self, **sizes) -> nn.Module:
+        return GPT(self.config(**sizes))
+
+    def blocks(self, n_layer: int = 0) -> int:
+        return n_layer or self.n_layer
+
+    def param_count(self, n_layer=0, d_model=0, vocab_size=0, seq_len=0) -> int:
+        """Exactly num_params(build(...)): tied embeddings, learned positions, per block two
+        norms (D each), attention (4 D^2) and MLP (8 D^2), a final norm."""
+        L, D = n_layer or self.n_layer, d_model or self.d_model
+        T = seq_len or self.seq_len
+        return (vocab_size or self.vocab_size) * D + T * D + L * (12 * D * D + 2 * D) + D
+
+
+MODELS = {m.name: m for m in (
+    ModelSpec("nano", 2, 2, 64, 256, note="~0.12M parameters, for tests"),
+    ModelSpec("micro", 4, 4, 128, 256, note="~0.8M"),
+    ModelSpec("mini", 6, 8, 256, 256, note="~4.8M"),
+    ModelSpec("small", 8, 8, 512, 256, note="~25M"),
+    ModelSpec("gpt2", 12, 12, 768, 50304, 1024, "GPT-2 124M (GPT-2 BPE vocabulary, padded to 50304)"),
+)}
+# name -> (n_layer, n_head, d_model, vocab_size), as earlier releases had it
+PRESETS = {m.name: (m.n_layer, m.n_head, m.d_model, m.vocab_size) for m in MODELS.values()}
 
 
 def gpt_config(preset: str, n_layer=0, n_head=0, d_model=0, vocab_size=0, seq_len=1024) -> GPTConfig:
-    L, H, D, V = PRESETS[preset]
-    return GPTConfig(n_layer or L, n_head or H, d_model or D, vocab_size or V, max(seq_len, 1))
+    return MODELS[preset].config(n_layer, n_head, d_model, vocab_size, seq_len)
 
 
 class Attention(nn.Module):

@@ -31,3 +31,20 @@ def one_line(s: dict) -> str:
             f"{s.get('tokens_per_s', 0):,.0f} tokens/s, "
             f"outer link {fmt_si(s.get('outer_wire_bytes', 0), 'B')}, "
             f"compute utilization {100 * s.get('compute_utilization', 0):.0f}%")
+
+
+def comparison(s: dict, link_bandwidth_bps: float = 0.0) -> str:
+    """What ddp would have sent over the outer link for the same model and steps (computed from
+    the parameters' sizes, summary field ddp_outer_wire_bytes) beside what the run sent."""
+    ddp, sent = s.get("ddp_outer_wire_bytes"), s.get("outer_wire_bytes", 0)
+    if not ddp or s.get("algorithm") == "ddp":
+        return ""
+    ratio = f"{ddp / sent:,.0f}x what {s.get('algorithm')} sent" if sent else "where this run sent nothing"
+    line = (f"ddp would have sent {fmt_si(ddp, 'B')} over the outer link for the same model and "
+            f"{s.get('steps_run', s.get('steps'))} steps (computed from the parameter sizes): {ratio}")
+    if link_bandwidth_bps > 0 and s.get("replicas") and s.get("steps"):
+        per_step = ddp / s["replicas"] / s.get("steps_run", s["steps"])
+        line += (f"; on this link that is {8 * per_step / link_bandwidth_bps:.2f} s a step of "
+                 f"sending alone, against {s.get('compute_s', 0) / max(s.get('steps_run', s['steps']), 1):.2f} s "
+                 "of compute a step")
+    return line

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lowband.config import ConfigError
+from lowband.options import ConfigError
 
 
 @dataclass

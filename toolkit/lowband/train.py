@@ -22,7 +22,9 @@ import torch.nn as nn
 from lowband import checkpoint
 from lowband import topology as topo_mod
 from lowband.algorithms import ALGORITHMS
-from lowband.comm import Comm, Link, parse_bandwidth, parse_duration
+from lowband.algorithms.ddp import outer_wire_bytes as ddp_outer_wire_bytes
+from lowband.comm import Comm
+from lowband.comm.link import LinkOptions
 from lowband.config import Config, ConfigError
 from lowband.data import Batches, load_tokens, vocab_needed
 from lowband.faults import Faults
@@ -122,10 +124,7 @@ def _train(cfg, topo, run, events, model, blocks, resume_from):
     blocks = blocks if blocks is not None else find_blocks(model)
     if cfg.compile:
         compile_blocks(blocks)
-    link = None
-    if cfg.link_bandwidth:
-        link = Link(parse_bandwidth(cfg.link_bandwidth), parse_duration(cfg.link_latency))
-    comm = Comm(topo, events, link)
+    comm = Comm(topo, events, LinkOptions.build(cfg))
     if user_model:
         _broadcast_init(model, comm)
 
@@ -206,6 +205,10 @@ def _train(cfg, topo, run, events, model, blocks, resume_from):
         if outer is not None:
             torch.save({k: v.cpu() for k, v in outer.items()}, run.root / "outer.pt")
     summary = summarize(cfg, everyone) if topo.rank == 0 else None
+    if summary is not None:  # the baseline's bytes for the same model and steps, computed
+        sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+        summary["ddp_outer_wire_bytes"] = ddp_outer_wire_bytes(sizes, cfg.replicas, cfg.shards,
+                                                               done.step, cfg.bucket_mb)
     if summary is not None:
         write_json_atomic(run.summary, summary)
     dist.barrier()

@@ -1,12 +1,28 @@
-"""One file per algorithm; the trainer looks them up here by name."""
+"""The registry of algorithms: one line each. The trainer builds them from here by name; the
+config reads each one's option groups and defaults, the CLI its groups for --help, the
+dashboard, report and planner its kind (algorithms/base.py lists what a class declares).
+
+A new algorithm: its own file (its class, its option groups beside it), one line below, tests.
+"""
+from lowband.algorithms.acco import ACCO
 from lowband.algorithms.base import Algorithm
 from lowband.algorithms.ddp import DDP
 from lowband.algorithms.edit import AEDiT, EDiT
-from lowband.algorithms.acco import ACCO
 from lowband.algorithms.streaming import DiLoCo, Streaming
 from lowband.algorithms.zero1 import ZeRO1
 
-ALGORITHMS: dict[str, type[Algorithm]] = {"ddp": DDP, "diloco": DiLoCo, "streaming": Streaming,
-                                        "zero1": ZeRO1, "acco": ACCO, "edit": EDiT, "aedit": AEDiT}
+ALGORITHMS: dict[str, type[Algorithm]] = {a.name: a for a in (
+    DDP, DiLoCo, Streaming, ZeRO1, ACCO, EDiT, AEDiT)}
 
-__all__ = ["ALGORITHMS", "Algorithm"]
+
+def option_groups() -> tuple:
+    """Every algorithm's option groups, each once, in registry order."""
+    return tuple(dict.fromkeys(g for a in ALGORITHMS.values() for g in a.options))
+
+
+def users(group) -> list[str]:
+    """The algorithms that read an option group."""
+    return [name for name, a in ALGORITHMS.items() if group in a.options]
+
+
+__all__ = ["ALGORITHMS", "Algorithm", "option_groups", "users"]

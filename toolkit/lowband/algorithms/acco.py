@@ -68,13 +68,14 @@ import contextlib
 import copy
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from lowband.algorithms.zero1 import ZeRO1
-from lowband.config import ConfigError
+from lowband.algorithms.zero1 import ShardOptions, ZeRO1
 from lowband.model import lm_loss
+from lowband.options import ConfigError, Options, option
 
 
 def parse_micro(text: str, world: int) -> list[tuple[int, int]] | None:
@@ -96,15 +97,15 @@ def parse_micro(text: str, world: int) -> list[tuple[int, int]] | None:
     return counts * world if len(counts) == 1 else counts
 
 
-def check_config(cfg) -> None:
-    """The checks of zero1's and acco's options (called by Config.validate)."""
-    if cfg.shard_optimizer != "adamw" and cfg.algo not in ("zero1", "acco"):
-        raise ConfigError(f"--shard-optimizer {cfg.shard_optimizer} applies only to --algo zero1 "
-                          "or acco: remove it for other algorithms.")
-    if cfg.acco_micro != "adaptive" and cfg.algo != "acco":
-        raise ConfigError("--acco-micro applies only to --algo acco: remove it for other "
-                          "algorithms.")
-    if cfg.algo == "acco":
+@dataclass
+class AccoOptions(Options):
+    title = "acco"
+    acco_micro: str = option("adaptive", "micro-batches per group: adaptive (as many as fit while "
+                             "the round is in flight, at least 1), N1:N2 (fixed, every rank) or "
+                             "one N1:N2 per rank, comma-separated")
+
+    @classmethod
+    def check(cls, cfg) -> None:
         parse_micro(cfg.acco_micro, cfg.world)
 
 
@@ -129,6 +130,9 @@ def _done(value) -> Future:
 
 class ACCO(ZeRO1):
     name = "acco"
+    options = (ShardOptions, AccoOptions)
+    summary = ("ACCO: zero1 whose communication hides behind accumulation, estimate and real "
+               "rounds")
 
     def setup(self, model, blocks, make_optimizer, topology, comm, config):
         optimizer = super().setup(model, blocks, make_optimizer, topology, comm, config)

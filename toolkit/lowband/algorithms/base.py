@@ -17,13 +17,10 @@ from typing import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from lowband.comm import Comm
 from lowband.topology import Topology
-
-if TYPE_CHECKING:
-    from lowband.config import Config
 
 # How an algorithm uses the slow outer link, read by the dashboard, the report and the planner:
 EVERY_STEP = "every-step"  # traffic over the outer link every step (ddp, zero1, acco)
@@ -40,6 +37,10 @@ class Algorithm:
     options: ClassVar[tuple] = ()
     defaults: ClassVar[dict] = {}
     summary: ClassVar[str] = ""
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        """Checks of this algorithm's own beyond its option groups' (ConfigError)."""
     # An algorithm whose step is not the standard sequence above (acco: micro-batches keep
     # accumulating while its communication round is in flight) sets owns_step and implements
     # train_step(step, batches, lr) -> (loss, micro-batches used); the trainer then calls it
@@ -49,8 +50,9 @@ class Algorithm:
 
     def setup(self, model: nn.Module, blocks: nn.ModuleList,
               make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
-              topology: Topology, comm: Comm, config: Config) -> torch.optim.Optimizer:
-        """Wrap the model if needed and build the inner optimizer (after any sharding)."""
+              topology: Topology, comm: Comm, config) -> torch.optim.Optimizer:
+        """Wrap the model if needed and build the inner optimizer (after any sharding).
+        `config` is the run's lowband.config.Config (this module sits below it)."""
         self.model, self.blocks, self.topo, self.comm, self.config = model, blocks, topology, comm, config
         self.optimizer = make_optimizer(model.parameters())
         return self.optimizer

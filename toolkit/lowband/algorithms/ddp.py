@@ -15,6 +15,36 @@ import torch.distributed as dist
 from lowband.algorithms.base import EVERY_STEP, Algorithm
 
 
+def pack(sizes: list[int], limit_bytes: int) -> list[list[int]]:
+    """Indices of fp32 tensors of `sizes` values, in order, packed into buckets of at most
+    limit_bytes (a tensor larger than that gets a bucket of its own)."""
+    groups, current, size = [], [], 0
+    for i, n in enumerate(sizes):
+        if current and size + n * 4 > limit_bytes:
+            groups.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += n * 4
+    if current:
+        groups.append(current)
+    return groups
+
+
+def outer_wire_bytes(sizes: list[int], replicas: int, shards: int, steps: int,
+                     bucket_mb: float) -> int:
+    """What ddp sends over the outer link in `steps` steps, summed over ranks, computed from the
+    parameters' sizes as the trainer records it: each bucket is ring all-reduced over all R x S
+    ranks in rank order (2 (n - 1) / n of its bytes a rank), and R of the n ranks send to a rank
+    of another replica."""
+    n = replicas * shards
+    if replicas < 2:
+        return 0
+    order = sizes[::-1]  # the order gradients become ready
+    per_step = sum(2 * (n - 1) * (4 * sum(order[i] for i in g)) // n
+                   for g in pack(order, int(bucket_mb * 2**20)))
+    return replicas * steps * per_step
+
+
 class Bucket:
     def __init__(self, params: list[torch.nn.Parameter], index: int):
         self.params, self.index = params, index
@@ -31,6 +61,7 @@ class Bucket:
 class DDP(Algorithm):
     name = "ddp"
     kind = EVERY_STEP
+    summary = "data-parallel baseline: gradients all-reduced over every rank every step"
 
     def __init__(self, group: str = "world"):
         self.group = group  # streaming reuses this class over its replica's inner group
@@ -38,16 +69,8 @@ class DDP(Algorithm):
     def setup(self, model, blocks, make_optimizer, topology, comm, config):
         optimizer = super().setup(model, blocks, make_optimizer, topology, comm, config)
         params = [p for p in model.parameters() if p.requires_grad][::-1]
-        limit = int(config.bucket_mb * 2**20)
-        groups, current, size = [], [], 0
-        for p in params:
-            if current and size + p.numel() * 4 > limit:
-                groups.append(current)
-                current, size = [], 0
-            current.append(p)
-            size += p.numel() * 4
-        if current:
-            groups.append(current)
+        groups = [[params[i] for i in g]
+                  for g in pack([p.numel() for p in params], int(config.bucket_mb * 2**20))]
         self.buckets = [Bucket(g, i) for i, g in enumerate(groups)]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.armed = False

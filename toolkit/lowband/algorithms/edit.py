@@ -67,6 +67,7 @@ import contextlib
 import functools
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -75,55 +76,54 @@ from torch.distributed.tensor import DTensor
 
 from lowband.algorithms.base import PERIODIC, Algorithm
 from lowband.algorithms.penalty import EWMA, Decision, PenaltyConfig, clip_scale, decide
-from lowband.config import ConfigError
+from lowband.algorithms.outer import OuterOptions
+from lowband.options import (ConfigError, Options, flag, non_negative, option, positive,
+                             require)
 from lowband.schedule import lr_at
 
-EDIT_OPTIONS = {"warmup_sync_steps": 0, "edit_anomaly": True, "edit_ewma_rate": 0.1, "edit_z": 3.0,
-                "edit_anomaly_warmup": 3, "edit_weighted": True, "edit_temperature": 0.0,
-                "edit_clip": 0.0}
-AEDIT_OPTIONS = {"sync_seconds": 5.0, "max_seconds": 0.0, "edit_step_weights": True}
+@dataclass
+class EditOptions(Options):
+    title = "edit penalty and warm-up"
+    warmup_sync_steps: int = option(0, "the first N steps are synchronous training over all "
+                                    "ranks, local steps and syncs follow")
+    edit_anomaly: bool = option(True, "leave a replica out of a block's average when its "
+                                "pseudo-gradient norm is anomalous (EWMA z-score)")
+    edit_ewma_rate: float = option(0.1, "rate of the norms' EWMA mean and variance")
+    edit_z: float = option(3.0, "z-score above which a norm is anomalous")
+    edit_anomaly_warmup: int = option(3, "syncs of a block before anomalies are acted on")
+    edit_weighted: bool = option(True, "weigh replicas by softmax(-norm / T), else equally")
+    edit_temperature: float = option(0.0, "T of the weights (0: the mean of the block's norms)")
+    edit_clip: float = option(0.0, "clip a block's averaged pseudo-gradient to this norm (0: off)")
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        if not 0 <= cfg.warmup_sync_steps < cfg.steps:
+            raise ConfigError(f"--warmup-sync-steps {cfg.warmup_sync_steps} must be at least 0 and "
+                              f"below --steps {cfg.steps}, so that local steps remain.")
+        if not 0 < cfg.edit_ewma_rate <= 1:
+            raise ConfigError(f"--edit-ewma-rate must lie in (0, 1], got {cfg.edit_ewma_rate}.")
+        require(cfg, ("edit_z",), positive, "positive")
+        require(cfg, ("edit_anomaly_warmup", "edit_temperature", "edit_clip"), non_negative,
+                "zero or positive")
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+@dataclass
+class AEditOptions(Options):
+    title = "aedit timing"
+    sync_seconds: float = option(5.0, "seconds of training between two syncs")
+    max_seconds: float = option(0.0, "wall-clock budget; the run ends at the sync where it is "
+                                "spent or where all replicas' steps reach --steps x R (0: no limit)")
+    edit_step_weights: bool = option(True, "also weigh replicas by their share of the steps "
+                                     "since the last sync")
 
-
-def check_config(cfg) -> None:
-    """The checks of edit's and aedit's options (called by Config.validate)."""
-    edit = cfg.algo in ("edit", "aedit")
-    for name, default in {**EDIT_OPTIONS, **AEDIT_OPTIONS}.items():
-        only = "aedit" if name in AEDIT_OPTIONS else "edit or aedit"
-        if getattr(cfg, name) != default and (cfg.algo != "aedit" if name in AEDIT_OPTIONS else not edit):
-            raise ConfigError(f"{_flag(name)} applies only to --algo {only}: remove it for "
-                              f"--algo {cfg.algo}.")
-    if not edit:
-        return
-    for name in ("fragments", "overlap", "alpha", "codec"):
-        if getattr(cfg, name) is not None:
-            raise ConfigError(f"{_flag(name)} is a diloco/streaming option: {cfg.algo} syncs whole "
-                              "blocks in fp32 during the forward pass, so remove it.")
-    if cfg.sync_every <= 0:
-        raise ConfigError(f"--sync-every must be a positive integer, got {cfg.sync_every}.")
-    if not 0 <= cfg.warmup_sync_steps < cfg.steps:
-        raise ConfigError(f"--warmup-sync-steps {cfg.warmup_sync_steps} must be at least 0 and "
-                          f"below --steps {cfg.steps}, so that local steps remain.")
-    if not 0 < cfg.edit_ewma_rate <= 1:
-        raise ConfigError(f"--edit-ewma-rate must lie in (0, 1], got {cfg.edit_ewma_rate}.")
-    for name in ("edit_z",):
-        if not getattr(cfg, name) > 0:
-            raise ConfigError(f"{_flag(name)} must be positive, got {getattr(cfg, name)}.")
-    for name in ("edit_anomaly_warmup", "edit_temperature", "edit_clip", "max_seconds"):
-        if not getattr(cfg, name) >= 0:
-            raise ConfigError(f"{_flag(name)} must be zero or positive, got {getattr(cfg, name)}.")
-    if not cfg.outer_lr > 0 or not 0 <= cfg.outer_momentum < 1:
-        raise ConfigError("--outer-lr must be positive and --outer-momentum in [0, 1).")
-    if cfg.algo == "aedit":
-        if not cfg.sync_seconds > 0:
-            raise ConfigError(f"--sync-seconds must be positive, got {cfg.sync_seconds}.")
+    @classmethod
+    def check(cls, cfg) -> None:
+        require(cfg, ("sync_seconds",), positive, "positive")
+        require(cfg, ("max_seconds",), non_negative, "zero or positive")
         for name in ("checkpoint_every", "stop_after"):
             if getattr(cfg, name, 0):
                 raise ConfigError(f"aedit replicas run different numbers of steps, so there is no "
-                                  f"common step for {_flag(name)}: remove it.")
+                                  f"common step for {flag(name)}: remove it.")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -175,6 +175,9 @@ class Unit:
 class EDiT(Algorithm):
     name = "edit"
     kind = PERIODIC
+    options = (OuterOptions, EditOptions)
+    summary = ("EDiT: local SGD over FSDP2-sharded replicas, layer-wise sync in the forward pass, "
+               "pseudo-gradient penalty")
     timed = False  # aedit: syncs by wall-clock time
 
     def setup(self, model, blocks, make_optimizer, topology, comm, config):
@@ -457,6 +460,8 @@ class EDiT(Algorithm):
 
 class AEDiT(EDiT):
     name = "aedit"
+    options = (OuterOptions, EditOptions, AEditOptions)
+    summary = "A-EDiT: edit with syncs every --sync-seconds of wall-clock time"
     timed = True
 
     def setup(self, model, blocks, make_optimizer, topology, comm, config):

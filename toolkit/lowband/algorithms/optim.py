@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from lowband.config import ConfigError
+from lowband.options import ConfigError
 
 
 class ShardOptimizer:

@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from lowband.algorithms.base import PERIODIC, Algorithm
 from lowband.algorithms.ddp import DDP
-from lowband.config import ConfigError
+from lowband.algorithms.outer import OuterOptions
+from lowband.comm.codecs import CODECS
+from lowband.options import ConfigError, Options, option
 from lowband.params import flatten, split_fragments, write_flat
 
 
@@ -62,9 +65,51 @@ class Landed:
         return self.value.clone()
 
 
+@dataclass
+class StreamingOptions(Options):
+    title = "fragments and exchange"
+    fragments: int = option(None, "P: fragments synced in turn (diloco 1, streaming 4)", kind=int)
+    fragment_pattern: str = option("strided", "strided (block i -> fragment i mod P) or "
+                                   "sequential", ("strided", "sequential"))
+    overlap: int = option(None, "tau: steps between starting a fragment's exchange and applying "
+                          "it (diloco 0, streaming 1)", kind=int)
+    alpha: float = option(None, "merge theta <- alpha*local + (1-alpha)*outer (diloco 0, "
+                          "streaming 0.5)", kind=float)
+    codec: str = option(None, f"outer exchange codec: {', '.join(CODECS)} (diloco fp32, "
+                        "streaming fp4-e3m0)", kind=str)
+    codec_block: int = option(64, "values per quantization block (one bf16 scale each)")
+    error_feedback: bool = option(True, "add what quantization dropped to the fragment's next "
+                                  "pseudo-gradient")
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        P, H = cfg.fragments, cfg.sync_every
+        if P <= 0:
+            raise ConfigError("--sync-every and --fragments must be positive integers.")
+        if H % P:
+            raise ConfigError(f"--sync-every {H} is not a multiple of --fragments {P}: fragments "
+                              "sync in turn every H/P steps, so pick H divisible by P.")
+        if P > cfg.n_blocks():
+            raise ConfigError(f"--fragments {P} is more than the model's {cfg.n_blocks()} blocks: "
+                              "use at most one fragment per block.")
+        if not 0 <= cfg.overlap < H // P:
+            raise ConfigError(f"--overlap {cfg.overlap} must be at least 0 and below H/P = "
+                              f"{H // P}, so a fragment's exchange lands before its next one starts.")
+        if not 0 <= cfg.alpha <= 1:
+            raise ConfigError(f"--alpha must lie in [0, 1], got {cfg.alpha}.")
+        if cfg.codec not in CODECS:
+            raise ConfigError(f"unknown codec '{cfg.codec}': use one of {', '.join(CODECS)}.")
+        if cfg.codec_block <= 0:
+            raise ConfigError(f"--codec-block must be a positive integer, got {cfg.codec_block}.")
+
+
 class Streaming(Algorithm):
     name = "streaming"
     kind = PERIODIC
+    options = (OuterOptions, StreamingOptions)
+    defaults = {"fragments": 4, "overlap": 1, "alpha": 0.5, "codec": "fp4-e3m0"}
+    summary = ("Streaming DiLoCo: fragments synced in turn, overlapped with training, "
+               "quantized exchange")
 
     def setup(self, model, blocks, make_optimizer, topology, comm, config):
         c = config
@@ -222,3 +267,11 @@ class Streaming(Algorithm):
 
 class DiLoCo(Streaming):
     name = "diloco"
+    defaults = {"fragments": 1, "overlap": 0, "alpha": 0.0, "codec": "fp32"}
+    summary = "DiLoCo: the whole model averaged every H steps, outer Nesterov SGD"
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        if (cfg.fragments, cfg.overlap) != (1, 0):
+            raise ConfigError("diloco syncs the whole model with no overlap: use --algo streaming "
+                              "for --fragments above 1 or --overlap above 0.")

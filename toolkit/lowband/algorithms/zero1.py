@@ -35,13 +35,14 @@ never stepped, no state): the real state is sharded and travels in state_dict().
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from lowband.algorithms.base import EVERY_STEP, Algorithm
 from lowband.algorithms.optim import ShardOptimizer
-from lowband.config import ConfigError
 from lowband.model import lm_loss
+from lowband.options import ConfigError, Options, option
 from lowband.params import write_flat
 
 
@@ -104,9 +105,18 @@ def optimizer_groups(make_optimizer, model) -> tuple[list, dict]:
     return [(ps, wd) for ps, wd in groups if ps], hyper
 
 
+@dataclass
+class ShardOptions(Options):
+    title = "sharded optimizer"
+    shard_optimizer: str = option("adamw", "optimizer of each rank's shard: adamw (the trainer's "
+                                  "AdamW) or sgd (plain, no momentum)", ("adamw", "sgd"))
+
+
 class ZeRO1(Algorithm):
     name = "zero1"
     kind = EVERY_STEP
+    options = (ShardOptions,)
+    summary = "ZeRO-1: optimizer states sharded over every rank, gradients reduce-scattered"
     owns_step = True
 
     def setup(self, model, blocks, make_optimizer, topology, comm, config):

@@ -36,7 +36,40 @@ import types
 import torch
 import torch.nn.functional as F
 
-CODECS = ("fp32", "bf16", "int8", "fp4-e3m0", "fp4-e2m1")
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Codec:
+    """One codec's facts, read by the collectives, the config, the CLI's help and the planner."""
+    name: str
+    value_bytes: float  # bytes a value on the wire, before scales
+    scaled: bool        # one bf16 scale (2 bytes) per block of values
+    help: str
+
+    def bytes_per_value(self, block: int = 64) -> float:
+        return self.value_bytes + (SCALE_BYTES / block if self.scaled else 0.0)
+
+    def payload_bytes(self, n: int, block: int = 64) -> int:
+        return payload_bytes(self.name, n, block)
+
+    def encode(self, x: torch.Tensor, block: int = 64, compiled: bool = False) -> torch.Tensor:
+        return encode(x, self.name, block, compiled)
+
+    def decode(self, payload: torch.Tensor, n: int, block: int = 64,
+               compiled: bool = False) -> torch.Tensor:
+        return decode(payload, n, self.name, block, compiled)
+
+
+SCALE_BYTES = 2  # one bf16 scale per block
+CODEC_RECORDS = {c.name: c for c in (
+    Codec("fp32", 4.0, False, "full precision (a ring all-reduce)"),
+    Codec("bf16", 2.0, False, "bfloat16"),
+    Codec("int8", 1.0, True, "8-bit integers, a bf16 scale per block"),
+    Codec("fp4-e3m0", 0.5, True, "4-bit floats, 3-bit exponent (the Streaming DiLoCo paper's)"),
+    Codec("fp4-e2m1", 0.5, True, "4-bit floats, OCP MX FP4"),
+)}
+CODECS = tuple(CODEC_RECORDS)  # the names
 
 _LEVELS = {
     "fp4-e2m1": (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0),
@@ -62,7 +95,7 @@ class NonFiniteError(ValueError):
 
 def payload_bytes(codec: str, n: int, block: int = 64) -> int:
     """The exact size of encode()'s output for n values."""
-    scales = 2 * math.ceil(n / block)
+    scales = SCALE_BYTES * math.ceil(n / block)
     return {"fp32": 4 * n, "bf16": 2 * n, "int8": n + scales}.get(codec, (n + 1) // 2 + scales)
 
 

@@ -14,8 +14,32 @@ amount at the same time, so this rank's own link stands for the whole exchange.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
-from lowband.units import parse_bandwidth, parse_duration  # noqa: F401 (re-exported)
+from lowband.options import ConfigError, Options, option
+from lowband.units import parse_bandwidth, parse_duration
+
+
+@dataclass
+class LinkOptions(Options):
+    title = "emulated outer link (every algorithm)"
+    link_bandwidth: str = option("", "emulate the outer link's bandwidth, e.g. 100Mbit (empty: none)")
+    link_latency: str = option("0ms", "emulated outer link latency, e.g. 20ms")
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        try:
+            parse_bandwidth(cfg.link_bandwidth or 0)
+            parse_duration(cfg.link_latency)
+        except ValueError as e:
+            raise ConfigError(f"{e}.") from None
+
+    @classmethod
+    def build(cls, cfg) -> "Link | None":
+        """The emulated link of a run, or None when it has none."""
+        if not cfg.link_bandwidth:
+            return None
+        return Link(parse_bandwidth(cfg.link_bandwidth), parse_duration(cfg.link_latency))
 
 
 class Link:

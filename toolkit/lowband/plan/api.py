@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Mapping
 
+from lowband.algorithms import ALGORITHMS as REGISTRY
 from lowband.plan.inputs import (ALGORITHMS, GRAD_DTYPES, PlanError, Run, _number,
                                  bytes_per_value, fmt_bandwidth, fmt_count, make_run)
 from lowband.plan.timeline import Timeline, schedule, steady_stall
@@ -154,11 +155,8 @@ def config_inputs(cfg: Mapping, **overrides) -> tuple[str, dict]:
         kw.pop("layers")
     if kw.get("bandwidth") in ("", 0, "0", None):  # lowband: no emulated link
         kw["bandwidth"] = math.inf
-    try:
-        from lowband.config import ALGO_DEFAULTS
-    except ImportError:  # the planner does not need the trainer
-        ALGO_DEFAULTS = {}
-    for name, value in ALGO_DEFAULTS.get(algorithm, {}).items():
+    defaults = REGISTRY[algorithm].defaults if algorithm in REGISTRY else {}
+    for name, value in defaults.items():
         if name in known and kw.get(name) is None:
             kw[name] = value
     if algorithm == "ddp":

@@ -7,17 +7,19 @@ import re
 from dataclasses import dataclass
 
 from lowband import units
+from lowband.algorithms import ALGORITHMS as REGISTRY
+from lowband.comm.codecs import CODEC_RECORDS, SCALE_BYTES
+from lowband.model import MODELS as MODEL_SPECS
 
-ALGORITHMS = ("ddp", "diloco", "streaming", "acco")
+# the algorithms whose schedule the planner models (timeline.py), in the registry's order
+ALGORITHMS = tuple(name for name in REGISTRY if name in ("ddp", "diloco", "streaming", "acco"))
 # bytes per value on the wire; the quantized codecs add one scale per block of values
-CODECS = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "fp4-e3m0": 0.5, "fp4-e2m1": 0.5}
-SCALED = ("int8", "fp4-e3m0", "fp4-e2m1")
+CODECS = {name: c.value_bytes for name, c in CODEC_RECORDS.items()}
+SCALED = tuple(name for name, c in CODEC_RECORDS.items() if c.scaled)
 GRAD_DTYPES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}
 BLOCK_SIZE = 64  # values per scale block
-SCALE_BYTES = 2  # one bf16 scale per block, as lowband.comm.codecs: +1/32 byte a value
-# preset -> (parameters, blocks); lowband.model.PRESETS with the byte vocabulary (gpt2: GPT-2 BPE)
-MODELS = {"nano": (123_200, 2), "micro": (836_736, 4), "mini": (4_820_224, 6),
-          "small": (25_371_136, 8), "gpt2": (124_373_760, 12)}
+# preset -> (parameters, blocks), from the model registry at each preset's own context length
+MODELS = {name: (m.param_count(), m.n_layer) for name, m in MODEL_SPECS.items()}
 
 
 class PlanError(ValueError):

@@ -1,0 +1,117 @@
+"""Named recipes: configurations as functions. `lowband.recipes.main()` returns the main job's
+full, validated Config; `lowband.recipes.main(steps=50)` the same with fields changed;
+`lowband train --recipe main --steps 50` runs it with flags on top; `lowband recipes` lists them.
+
+The main job, the benchmarks, the notebooks and the docs share these instead of repeating
+flags. The reference recipes set each algorithm's knobs as its paper or its authors' code
+does (docs/fidelity.md says where lowband's own algorithm still differs); their model and
+length stay small enough for a CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lowband.config import Config, ConfigError
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    summary: str
+    values: dict = field(default_factory=dict)
+
+    def __call__(self, **overrides) -> Config:
+        """The recipe's Config with `overrides` applied, validated."""
+        return self.config(**overrides).validate()
+
+    def config(self, **overrides) -> Config:
+        """The same, not yet validated (the CLI sets its flags on top first)."""
+        return Config.from_dict({**self.values, **overrides}, source=f"recipe '{self.name}'")
+
+
+# a link between two sites: the emulated outer link of the main job and the comparisons
+SITE_LINK = {"link_bandwidth": "100Mbit", "link_latency": "10ms"}
+_MAIN = {"model": "micro", "replicas": 2, "steps": 200, "sync_every": 20}
+
+main = Recipe("main", "the main job: Streaming DiLoCo (fp4, 4 fragments, overlap 1), 2 replicas "
+              "of a 0.8M GPT over an emulated 100 Mbit/s link", {"algo": "streaming", **_MAIN,
+                                                                 **SITE_LINK})
+ddp = Recipe("ddp", "the baseline of the main job: data-parallel over the same link",
+             {"algo": "ddp", **{k: v for k, v in _MAIN.items() if k != "sync_every"},
+              **SITE_LINK})
+quickstart = Recipe("quickstart", "notebook 01: a short streaming run of a tiny GPT, no link "
+                    "emulation", {"algo": "streaming", "model": "nano", "fragments": 2,
+                                  "sync_every": 10, "steps": 60, "eval_every": 20})
+
+# each seed algorithm as its reference sets it (see docs/fidelity.md)
+diloco_paper = Recipe(
+    "diloco_paper", "DiLoCo as its paper (arXiv 2311.08455): outer Nesterov SGD lr 0.7, "
+    "momentum 0.9, fp32 average every H steps (the paper's H is 500; here 50 for a CPU run)",
+    {"algo": "diloco", "model": "micro", "steps": 200, "sync_every": 50, "outer_lr": 0.7,
+     "outer_momentum": 0.9})
+streaming_paper = Recipe(
+    "streaming_paper", "Streaming DiLoCo as its paper (arXiv 2501.18512): strided fragments, "
+    "overlap 1, alpha 0.5, fp4 E3M0 exchange, outer lr 0.7 momentum 0.9",
+    {"algo": "streaming", "model": "mini", "steps": 200, "sync_every": 48, "fragments": 3,
+     "fragment_pattern": "strided", "overlap": 1, "alpha": 0.5, "codec": "fp4-e3m0",
+     "outer_lr": 0.7, "outer_momentum": 0.9})
+edit_atorch = Recipe(
+    "edit_atorch", "EDiT with atorch's penalty settings: temperature 1 on the raw norms, "
+    "EWMA rate 0.02, z-score 3, outer Nesterov SGD; 2 replicas of 2 shards",
+    {"algo": "edit", "model": "micro", "replicas": 2, "shards": 2, "steps": 120,
+     "sync_every": 10, "warmup_sync_steps": 10, "edit_temperature": 1.0, "edit_ewma_rate": 0.02,
+     "edit_z": 3.0, "edit_anomaly_warmup": 10, "outer_lr": 0.7, "outer_momentum": 0.9})
+aedit_atorch = Recipe(
+    "aedit_atorch", "A-EDiT with atorch's settings: syncs by wall-clock time, raw norms, no step "
+    "weights, temperature 1",
+    {"algo": "aedit", "model": "micro", "replicas": 2, "steps": 120, "sync_seconds": 2.0,
+     "max_seconds": 120.0, "warmup_sync_steps": 10, "edit_temperature": 1.0,
+     "edit_ewma_rate": 0.02, "edit_anomaly_warmup": 10, "edit_step_weights": False})
+acco_authors = Recipe(
+    "acco_authors", "ACCO as its authors' code: adaptive accumulation, estimate and real rounds, "
+    "AdamW shards, one learning rate for both rounds",
+    {"algo": "acco", "model": "micro", "replicas": 2, "steps": 100, "acco_micro": "adaptive",
+     "shard_optimizer": "adamw"})
+
+# the benchmarks' configurations (benchmarks/*.py start from these)
+_SLOW_LINK = {"model": "mini", "replicas": 2, "steps": 72, "batch_size": 4, "seq_len": 128,
+              "eval_every": 0}
+slow_link_ddp = Recipe("slow_link_ddp", "benchmarks/slow_link.py's ddp row (4.8M GPT, 72 steps; "
+                       "the benchmark adds the link)", {"algo": "ddp", **_SLOW_LINK})
+slow_link_diloco = Recipe("slow_link_diloco", "benchmarks/slow_link.py's diloco row (H=18)",
+                          {"algo": "diloco", "sync_every": 18, **_SLOW_LINK})
+slow_link_streaming = Recipe(
+    "slow_link_streaming", "benchmarks/slow_link.py's streaming row (H=18, P=3, tau 1, "
+    "alpha 0.5, fp4-e3m0)", {"algo": "streaming", "sync_every": 18, "fragments": 3, "overlap": 1,
+                             "alpha": 0.5, "codec": "fp4-e3m0", **_SLOW_LINK})
+
+RECIPES = {r.name: r for r in (main, ddp, quickstart, diloco_paper, streaming_paper, edit_atorch,
+                               aedit_atorch, acco_authors, slow_link_ddp, slow_link_diloco,
+                               slow_link_streaming)}
+
+
+def get(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise ConfigError(f"unknown recipe '{name}': use one of {', '.join(RECIPES)} "
+                          "(`lowband recipes` lists them).")
+    return RECIPES[name]
+
+
+def table() -> str:
+    width = max(map(len, RECIPES))
+    return "\n".join(f"{r.name:<{width}}  {r.summary}" for r in RECIPES.values())
+
+
+def main_cli(argv: list[str]) -> int:
+    """`lowband recipes`: the recipes, one a line; `lowband recipes NAME`: its full config."""
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: lowband recipes [NAME]  (each NAME runs as `lowband train --recipe NAME`)")
+        return 0
+    if not argv:
+        print(table())
+        return 0
+    cfg = get(argv[0])()
+    for key, value in cfg.to_dict().items():
+        print(f"{key} = {value!r}")
+    return 0
