@@ -1,0 +1,100 @@
+"""Options owned by their algorithms: the registry drives validation and the grouped --help; a
+run's own config.json (or its directory) is a config; codecs and models have one source each."""
+
+import json
+
+import pytest
+
+from conftest import lowband
+from lowband.algorithms import ALGORITHMS, option_groups, users
+from lowband.algorithms.base import EVERY_STEP, PERIODIC
+from lowband.comm import CODEC_RECORDS, CODECS, encode, payload_bytes
+from lowband.config import COMMON_GROUPS, GROUPS, Config, ConfigError, fields
+from lowband.flags import train_parser
+from lowband.model import MODELS, num_params
+from lowband.plan import inputs as plan_inputs
+
+
+def test_every_field_belongs_to_exactly_one_group():
+    owned = [name for g in GROUPS for name in g.names()]
+    assert sorted(owned) == sorted(f.name for f in fields())
+    assert len(owned) == len(set(owned))
+
+
+def test_registry_declares_each_algorithm():
+    for name, algo in ALGORITHMS.items():
+        assert algo.name == name and algo.kind in (EVERY_STEP, PERIODIC) and algo.summary
+        assert set(algo.defaults) <= {n for g in algo.options for n in g.names()}
+    assert {n for n, a in ALGORITHMS.items() if a.kind == EVERY_STEP} == {"ddp", "zero1", "acco"}
+    assert set(option_groups()) == set(GROUPS) - set(COMMON_GROUPS)
+
+
+@pytest.mark.parametrize("group", option_groups(), ids=lambda g: g.__name__)
+def test_an_option_of_another_algorithm_is_refused(group):
+    """Each group's first option, set on an algorithm that does not read it, is refused."""
+    outsider = next(n for n, a in ALGORITHMS.items() if group not in a.options)
+    f = next(f for f in group.__dataclass_fields__.values() if f.name in group.names())
+    value = {bool: not f.default, int: 3, float: 0.5, str: "x"}[f.metadata["type"]]
+    if f.metadata["choices"]:
+        value = next(c for c in f.metadata["choices"] if c != f.default)
+    with pytest.raises(ConfigError, match=f"applies only to --algo {' or '.join(users(group))}"):
+        Config(algo=outsider, **{f.name: value}).validate()
+
+
+def test_help_groups_options_by_algorithm():
+    text = train_parser().format_help()
+    for group in option_groups():
+        title = f"{group.title} options (--algo {', '.join(users(group))})"
+        assert title in text
+        section = text.split(title, 1)[1].split("\n\n", 1)[0]
+        for name in group.names():
+            assert "--" + name.replace("_", "-") in section
+    assert "run options:" in text and "emulated outer link" in text
+
+
+def test_a_run_config_json_and_its_directory_are_configs(tmp_path):
+    run = tmp_path / "old"
+    run.mkdir()
+    cfg = Config(algo="streaming", model="nano", fragments=2, steps=7, run_dir=str(run)).validate()
+    (run / "config.json").write_text(json.dumps({**cfg.to_dict(), "meta": {"world": 2}}))
+    for source in (run / "config.json", run):
+        again = Config.from_file(str(source)).validate()
+        assert again.algo == "streaming" and again.fragments == 2 and again.steps == 7
+        assert again.run_dir == ""  # a repeat gets its own directory
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="directory without a config.json"):
+        Config.from_file(str(tmp_path / "empty"))
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        Config.from_file(str(tmp_path / "bad.json"))
+
+
+def test_a_finished_run_repeats_from_its_record(tmp_path):
+    first = lowband("train", "--algo", "diloco", "--model", "nano", "--steps", 4, "--sync-every", 2,
+                    "--eval-every", 0, "--no-progress", "--run-dir", tmp_path / "a", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    again = lowband("train", "--config", tmp_path / "a", "--no-progress", "--run-dir",
+                    tmp_path / "b", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in "ab")
+    assert b["algorithm"] == "diloco" and b["final_loss"] == a["final_loss"]
+
+
+def test_codec_records_are_the_one_source():
+    import torch
+
+    assert CODECS == tuple(CODEC_RECORDS)
+    assert plan_inputs.CODECS == {n: c.value_bytes for n, c in CODEC_RECORDS.items()}
+    x = torch.randn(1000)
+    for name, codec in CODEC_RECORDS.items():
+        n = encode(x, name, 64).numel()
+        assert n == payload_bytes(name, 1000, 64) == codec.payload_bytes(1000, 64)
+        assert abs(n / 1000 - codec.bytes_per_value(64)) < 0.01  # what the planner counts
+
+
+def test_model_registry_counts_what_it_builds():
+    for name, spec in MODELS.items():
+        assert plan_inputs.MODELS[name] == (spec.param_count(), spec.n_layer)
+        if name != "gpt2":  # building GPT-2 takes a second; its formula is the same
+            assert spec.param_count(seq_len=64) == num_params(spec.build(seq_len=64))
+    assert Config(model="nano", n_layer=5).n_blocks() == 5
