@@ -45,6 +45,8 @@ from pathlib import Path
 
 from machine import describe  # benchmarks/machine.py
 
+from lowband import recipes
+
 _WORKER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                "MASTER_PORT", "TORCHELASTIC_RUN_ID", "LOWBAND_WORKER")
 
@@ -107,13 +109,15 @@ def common(a, batch_size: int) -> list:
 
 
 def part_a(a, out: Path) -> dict:
+    """Each row starts from its recipe (lowband.recipes.stragglers_NAME); flags give this run's
+    values (whose defaults are the recipes')."""
     link = [*common(a, a.batch_size), "--link-bandwidth", f"{a.rate_mbit:g}Mbit", "--straggler", "1:4"]
     outer = ["--outer-lr", a.a_outer_lr, "--outer-momentum", a.a_outer_momentum]
     algos = {
-        "ddp": ["--algo", "ddp"],
-        "diloco": ["--algo", "diloco", "--sync-every", a.sync_every, *outer],
-        "edit": ["--algo", "edit", "--sync-every", a.sync_every, *outer],
-        "aedit": ["--algo", "aedit", "--sync-seconds", a.sync_seconds, *outer],
+        "ddp": ["--recipe", "stragglers_ddp"],
+        "diloco": ["--recipe", "stragglers_diloco", "--sync-every", a.sync_every, *outer],
+        "edit": ["--recipe", "stragglers_edit", "--sync-every", a.sync_every, *outer],
+        "aedit": ["--recipe", "stragglers_aedit", "--sync-seconds", a.sync_seconds, *outer],
     }
     res = {}
     for name, flags in algos.items():
@@ -160,14 +164,15 @@ def part_b(a, out: Path) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="micro")
-    p.add_argument("--steps", type=int, default=100, help="steps of ddp/diloco/edit; aedit's --steps")
-    p.add_argument("--sync-every", type=int, default=20, help="H of diloco and edit")
-    p.add_argument("--sync-seconds", type=float, default=2.0, help="aedit's window")
-    p.add_argument("--batch-size", type=int, default=8, help="(a): sequences a rank per step")
+    base, outer = recipes.stragglers_diloco(), recipes.stragglers_aedit()  # the defaults below
+    p.add_argument("--model", default=base.model)
+    p.add_argument("--steps", type=int, default=base.steps, help="steps of ddp/diloco/edit; aedit's --steps")
+    p.add_argument("--sync-every", type=int, default=base.sync_every, help="H of diloco and edit")
+    p.add_argument("--sync-seconds", type=float, default=outer.sync_seconds, help="aedit's window")
+    p.add_argument("--batch-size", type=int, default=base.batch_size, help="(a): sequences a rank per step")
     p.add_argument("--spike-batch-size", type=int, default=4, help="(b): sequences a rank per step")
-    p.add_argument("--a-outer-lr", type=float, default=1.0, help="(a): outer lr of diloco/edit/aedit")
-    p.add_argument("--a-outer-momentum", type=float, default=0.0, help="(a): their outer momentum")
+    p.add_argument("--a-outer-lr", type=float, default=base.outer_lr, help="(a): outer lr of diloco/edit/aedit")
+    p.add_argument("--a-outer-momentum", type=float, default=base.outer_momentum, help="(a): their outer momentum")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rate-mbit", type=float, default=100.0)

@@ -86,9 +86,23 @@ slow_link_streaming = Recipe(
     "alpha 0.5, fp4-e3m0)", {"algo": "streaming", "sync_every": 18, "fragments": 3, "overlap": 1,
                              "alpha": 0.5, "codec": "fp4-e3m0", **_SLOW_LINK})
 
+_STRAGGLERS = {"model": "micro", "replicas": 2, "steps": 100, "batch_size": 8, "seq_len": 128,
+               "eval_every": 0, "eval_batches": 8, "link_bandwidth": "100Mbit",
+               "straggler": "1:4"}
+_STRAGGLER_OUTER = {"outer_lr": 1.0, "outer_momentum": 0.0}
+stragglers = {name: Recipe(f"stragglers_{name}", f"benchmarks/stragglers_and_spikes.py (a): {name} "
+                           "with replica 1 four times slower over 100 Mbit/s", {**_STRAGGLERS, **v})
+              for name, v in {"ddp": {"algo": "ddp"},
+                              "diloco": {"algo": "diloco", "sync_every": 20, **_STRAGGLER_OUTER},
+                              "edit": {"algo": "edit", "sync_every": 20, **_STRAGGLER_OUTER},
+                              "aedit": {"algo": "aedit", "sync_seconds": 2.0,
+                                        **_STRAGGLER_OUTER}}.items()}
+stragglers_ddp, stragglers_diloco = stragglers["ddp"], stragglers["diloco"]
+stragglers_edit, stragglers_aedit = stragglers["edit"], stragglers["aedit"]
+
 RECIPES = {r.name: r for r in (main, ddp, quickstart, diloco_paper, streaming_paper, edit_atorch,
                                aedit_atorch, acco_authors, slow_link_ddp, slow_link_diloco,
-                               slow_link_streaming)}
+                               slow_link_streaming, *stragglers.values())}
 
 
 def get(name: str) -> Recipe:
