@@ -25,7 +25,8 @@ import torchx.specs as specs
 from torchx.components import dist
 from torchx.specs import macros
 
-# the node agent: torchrun behind lowband's rendezvous check (lowband.launch, "torchrun" mode)
+# the node agent: torchrun behind lowband's rendezvous check (lowband/launch/node.py, run by
+# lowband/launch/__main__.py when its first argument is "torchrun")
 AGENT = "python3 -m lowband.launch torchrun"
 
 

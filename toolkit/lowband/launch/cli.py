@@ -1,0 +1,126 @@
+"""`lowband launch`: its flags, and following a local job's output to the end.
+
+`python -m lowband.launch torchrun ARGS` goes on to the node agent (node.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from lowband.config import ArgParser, ConfigError
+from lowband.launch.handle import LOCAL_SCHEDULERS, TERMINAL, LaunchHandle
+from lowband.launch.job import launch
+from lowband.launch.node import agent
+from lowband.summary import one_line
+
+
+def launch_parser() -> argparse.ArgumentParser:
+    p = ArgParser(prog="lowband launch", allow_abbrev=False, description=(
+        "Run `lowband train` as a TorchX job: local_cwd here, or slurm, kubernetes, ... Every "
+        "flag not listed here is a `lowband train` flag, passed through (e.g. --algo streaming "
+        "--replicas 4 --model mini). By default each node holds one replica group (nnodes = "
+        "replicas, nproc-per-node = shards). Local jobs are followed to the end (Ctrl-C cancels "
+        "them); remote ones are submitted and their handle printed."),
+        epilog="`python -m lowband.launch torchrun ARGS` is the per-node agent the job runs.")
+    p.add_argument("-s", "--scheduler", default="local_cwd", help="TorchX scheduler (default: "
+                   "local_cwd)")
+    p.add_argument("--scheduler-args", "--cfg", default="", metavar="K=V,...",
+                   help="scheduler run options, over .torchxconfig (e.g. partition=gpu,time=60)")
+    p.add_argument("--nnodes", type=int, default=0, help="nodes (default: replicas / "
+                   "replicas-per-node)")
+    p.add_argument("--nproc-per-node", type=int, default=0, help="processes per node (default: "
+                   "replicas-per-node x shards)")
+    p.add_argument("--replicas-per-node", type=int, default=1, help="replica groups per node "
+                   "(default: 1)")
+    p.add_argument("--image", help="container image with lowband installed (kubernetes)")
+    p.add_argument("--resource", dest="h", help="a TorchX named resource (instead of cpu/gpu/mem)")
+    p.add_argument("--cpu", type=int, default=2, help="CPUs per node (default: 2)")
+    p.add_argument("--gpu", type=int, default=0, help="GPUs per node (default: 0)")
+    p.add_argument("--mem-mb", type=int, default=4096, dest="memMB", help="memory per node in "
+                   "MB (default: 4096)")
+    p.add_argument("--env", action="append", default=[], metavar="K=V[,K=V]",
+                   help="environment variables of the workers")
+    p.add_argument("--mount", action="append", default=[], metavar="type=bind,src=..,dst=..",
+                   help="a mount for the nodes' containers")
+    p.add_argument("--rdzv-port", type=int, default=0, help="rendezvous port on the first node "
+                   "(default: 29500; a free one locally)")
+    p.add_argument("--rdzv-timeout", type=int, default=300, help="seconds a node waits for the "
+                   "rendezvous before it fails (default: 300)")
+    p.add_argument("--name", default="lowband", help="job name (default: lowband)")
+    p.add_argument("--max-retries", type=int, default=0)
+    p.add_argument("--dryrun", action="store_true", help="print the request; submit nothing")
+    p.add_argument("--wait", action="store_true", help="remote schedulers: wait for the end")
+    return p
+
+
+def _pairs(items: list[str], what: str) -> dict:
+    out = {}
+    for item in ",".join(items).split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{what} '{item}' is not KEY=VALUE.")
+        out[key.strip()] = value
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "torchrun":
+        return agent(argv[1:])
+    args, train_flags = launch_parser().parse_known_args(argv)
+    if "--" in train_flags:  # everything after it is lowband train's
+        train_flags.remove("--")
+    mounts = [tok for m in args.mount for tok in m.split(",") if tok]
+    handle = launch(train_flags, scheduler=args.scheduler,
+                    cfg=_pairs([args.scheduler_args], "scheduler option"),
+                    replicas_per_node=args.replicas_per_node, nnodes=args.nnodes,
+                    nproc_per_node=args.nproc_per_node, name=args.name, image=args.image,
+                    h=args.h, cpu=args.cpu, gpu=args.gpu, memMB=args.memMB,
+                    env=_pairs(args.env, "--env"), mounts=mounts, rdzv_port=args.rdzv_port,
+                    rdzv_timeout=args.rdzv_timeout, max_retries=args.max_retries,
+                    start=False)
+    if args.dryrun:
+        print(handle.dryrun_info)
+        return 0
+    handle.start()
+    print(f"launched {handle.app_handle}\nrun directory: {handle.run_dir}", flush=True)
+    if handle.scheduler not in LOCAL_SCHEDULERS and not args.wait:
+        print(f"status: torchx status {handle.app_handle}\nlogs: torchx log {handle.app_handle}")
+        return 0
+    return _follow(handle)
+
+
+def _follow(handle: LaunchHandle) -> int:
+    """Print node 0's output as it comes, until the job ends; Ctrl-C cancels it."""
+    files, offset = handle.log_files(), 0
+    try:
+        while True:
+            state = handle.status()
+            if files and files[0].is_file():
+                with open(files[0], "rb") as f:
+                    f.seek(offset)
+                    chunk = f.read()
+                offset += len(chunk)
+                sys.stdout.write(chunk.decode(errors="replace"))
+                sys.stdout.flush()
+            if state in TERMINAL or state == "unknown":
+                break
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        handle.cancel()
+        print("lowband: interrupted; the job was cancelled.", file=sys.stderr)
+        return 130
+    if state != "succeeded":
+        others = [handle.logs(node=k, tail=5) for k in range(1 if files else 0, handle.nnodes)]
+        where = files[0].parents[2] if files else f"torchx log {handle.app_handle}"
+        print("".join(f"(node {k}) {line}\n" for k, text in enumerate(others, 1 if files else 0)
+                      for line in text.splitlines()) +
+              f"lowband: error: {handle.app_handle} {state}; its logs: {where}", file=sys.stderr)
+        return 1
+    summary = handle.summary()
+    if summary:
+        print(one_line(summary))
+    return 0

@@ -1,0 +1,182 @@
+"""Building and submitting a lowband TorchX job: launch() and the component it builds it from.
+
+launch() checks the `lowband train` flags here (one sentence on bad input, before anything is
+submitted), fills in the component's parameters (launchers/lowband_components.py), asks TorchX
+for the request (dryrun) and returns a LaunchHandle, started unless start=False.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from lowband.config import ConfigError
+from lowband.launch.handle import LOCAL_SCHEDULERS, LaunchHandle, _get_runner, _keep_signals
+
+_COMPONENTS_FILE = Path(__file__).resolve().parents[3] / "launchers" / "lowband_components.py"
+
+
+# -- the component ---------------------------------------------------------------------------------
+
+_components = None
+
+
+def components():
+    """The module of lowband's TorchX components (launchers/lowband_components.py).
+
+    Also the target of the `torchx.components` entry point, so `torchx run lowband.train` finds it.
+    """
+    global _components
+    if _components is None:
+        path = Path(os.environ.get("LOWBAND_COMPONENTS", _COMPONENTS_FILE))
+        if not path.is_file():
+            raise ConfigError(f"lowband's TorchX components are not at {path}: install lowband "
+                              "from its source tree (pip install -e .) or set LOWBAND_COMPONENTS "
+                              "to the path of lowband_components.py.")
+        spec = importlib.util.spec_from_file_location("lowband_components", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules.setdefault("lowband_components", module)
+        spec.loader.exec_module(module)
+        _components = module
+    return _components
+
+
+# -- launching -------------------------------------------------------------------------------------
+
+def _flag_args(options: dict) -> list[str]:
+    out = []
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def _pop_flags(argv: list[str], names: Sequence[str]) -> tuple[list[str], dict]:
+    """argv without `--name value` / `--name=value` for these names, and their (last) values."""
+    rest, found, i = [], {}, 0
+    while i < len(argv):
+        tok = argv[i]
+        name, eq, value = tok[2:].partition("=") if tok.startswith("--") else ("", "", "")
+        if name in names:
+            if eq:
+                found[name] = value
+            elif i + 1 < len(argv):
+                found[name] = argv[i + 1]
+                i += 1
+            else:
+                rest.append(tok)  # a flag without its value: the parser will say so
+        else:
+            rest.append(tok)
+        i += 1
+    return rest, found
+
+
+def _check_flags(argv: list[str], remote: bool):
+    """Parse and validate the `lowband train` flags here, before anything is submitted. For
+    remote schedulers, data and config paths live on the cluster: checked there, not here."""
+    from lowband.config import Config
+    from lowband.flags import train_parser
+
+    args = vars(train_parser().parse_args(argv))
+    path = args.pop("config", None)
+    if path and (not remote or Path(path).is_file()):
+        cfg = Config.from_toml(path)
+    else:
+        cfg = Config()
+    for key, value in args.items():
+        setattr(cfg, key, value)
+    data = cfg.data
+    if remote and data != "builtin" and not Path(data).exists():
+        cfg.data = "builtin"
+    cfg.validate()
+    cfg.data = data
+    return cfg
+
+
+def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict | None = None,
+           algo: str | None = None, replicas: int | None = None, shards: int | None = None,
+           run_dir: str | os.PathLike | None = None, config: str | None = None,
+           replicas_per_node: int = 1, nnodes: int = 0, nproc_per_node: int = 0,
+           name: str = "lowband", image: str | None = None, h: str | None = None, cpu: int = 2,
+           gpu: int = 0, memMB: int = 4096, env: dict | None = None,
+           mounts: Sequence[str] | None = None, rdzv_port: int = 0, rdzv_timeout: int = 300,
+           max_retries: int = 0, progress: bool = False, start: bool = True,
+           **options) -> LaunchHandle:
+    """Run `lowband train` as a TorchX job and return its LaunchHandle at once.
+
+    flags: `lowband train` flags as a list (["--model", "nano"]); options: the same as keywords
+    (model="nano", steps=20, sync_every=4; True/False for on/off flags). scheduler: local_cwd,
+    slurm, kubernetes or any TorchX scheduler; cfg: its run options (merged over .torchxconfig).
+    The rest are the component's parameters (see launchers/lowband_components.py): by default
+    one replica group per node. rdzv_port 0 picks a free port for local schedulers, 29500
+    elsewhere. start=False returns the handle unsubmitted: inspect .dryrun_info, then start().
+    Bad flags raise ConfigError with one sentence, before anything is submitted.
+    """
+    from torchx.runner.config import apply
+    from torchx.specs.api import InvalidRunConfigException
+
+    local = scheduler in LOCAL_SCHEDULERS
+    # the component passes these itself: take them out of the pass-through flags
+    flags, given = _pop_flags([*flags, *_flag_args(options)],
+                              ("algo", "replicas", "shards", "run-dir", "config"))
+    algo = algo if algo is not None else given.get("algo")
+    config = config if config is not None else given.get("config")
+    run_dir = run_dir if run_dir is not None else given.get("run-dir")
+    argv = list(flags)
+    for key, value in (("algo", algo), ("replicas", replicas if replicas is not None else
+                                        given.get("replicas")),
+                       ("shards", shards if shards is not None else given.get("shards")),
+                       ("config", config)):
+        if value is not None:
+            argv += [f"--{key}", str(value)]
+    train_cfg = _check_flags(argv, remote=not local)
+    if run_dir is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        run_dir = train_cfg.run_dir or os.path.join(
+            "runs", f"{train_cfg.algo}-{stamp}-{secrets.token_hex(2)}")
+    run_dir = str(run_dir)
+    local_run_dir = Path(run_dir).resolve() if not os.path.isabs(run_dir) else Path(run_dir)
+    if local:
+        run_dir = str(local_run_dir)
+    env = dict(env or {})
+    if local:  # the nodes run this interpreter's python3 and torchrun, as the agent expects
+        env["PATH"] = os.pathsep.join(p for p in (os.path.dirname(sys.executable),
+                                                  env.get("PATH")) if p)
+        if not rdzv_port:
+            from lowband.local import free_port
+
+            rdzv_port = free_port()
+        # the local nodes share this machine's cores: no OpenMP threads spinning on them
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        app = components().train(
+            *flags, algo=algo, replicas=train_cfg.replicas,
+            shards=train_cfg.shards, replicas_per_node=replicas_per_node, nnodes=nnodes,
+            nproc_per_node=nproc_per_node, run_dir=run_dir, config=config, name=name,
+            h=h, cpu=cpu, gpu=gpu, memMB=memMB, env=env, mounts=list(mounts) if mounts else None,
+            rdzv_port=rdzv_port or 29500, rdzv_timeout=rdzv_timeout, max_retries=max_retries,
+            progress=progress, **({"image": image} if image else {}))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    run_cfg = dict(cfg or {})
+    with _keep_signals():
+        apply(scheduler, run_cfg)  # .torchxconfig in the home and working directories
+    if local and "log_dir" not in run_cfg:
+        run_cfg["log_dir"] = str(local_run_dir / "logs" / "torchx")
+    runner = _get_runner()
+    try:
+        with _keep_signals():
+            info = runner.dryrun(app, scheduler, cfg=run_cfg)
+    except (InvalidRunConfigException, ValueError, KeyError) as e:
+        raise ConfigError(f"TorchX's {scheduler} scheduler refused the job ({e}): give its run "
+                          "options with cfg= (--scheduler-args K=V,...) or in .torchxconfig.")
+    handle = LaunchHandle(runner, info, local_run_dir, scheduler, app.roles[0].num_replicas)
+    return handle.start() if start else handle

@@ -1,0 +1,105 @@
+"""The node agent, `python -m lowband.launch torchrun ARGS`: torchrun behind a rendezvous check.
+
+Each node of a job runs it (launchers/lowband_components.py): it waits, bounded, for the first
+node's rendezvous to accept connections, then runs torchrun, and turns torchrun's rendezvous
+failures into one sentence and an exit status instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+
+
+def _is_this_host(host: str, conf: dict) -> bool:
+    flag = conf.get("is_host")
+    if flag is not None:
+        return flag.lower() in ("1", "true", "yes", "y")
+    try:  # torch's own test, so that we agree with it on who hosts the store
+        from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+        return _matches_machine_hostname(host)
+    except Exception:
+        return host in ("localhost", "127.0.0.1", "::1", socket.gethostname())
+
+
+def _wait_reachable(host: str, port: int, timeout: float) -> str | None:
+    """None once host:port accepts a TCP connection; else why not, after `timeout` seconds."""
+    deadline, why = time.monotonic() + timeout, "no answer"
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(min(left, 2.0), 0.1)):
+                return None
+        except socket.gaierror:
+            why = f"{host} does not resolve"
+        except OSError as e:
+            why = e.strerror or str(e) or type(e).__name__
+        if left <= 0:
+            return why.lower()
+        time.sleep(min(0.5, max(left, 0)))
+
+
+def agent(argv: list[str]) -> int:
+    """torchrun with a bounded, clear failure when the rendezvous cannot be reached or not every
+    node joins it in time. A node never trains in a world of its own: the node count is fixed and
+    the workers check that the world is replicas x shards."""
+    # the agent's own C++ warnings (a peer agent's store closing first at the end of a failed
+    # job prints a stack trace) stay quiet; the workers keep the level they would have had
+    quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ
+    if quiet:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    import torch  # noqa: F401  (reads the level once, here)
+
+    if quiet:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import (RendezvousConnectionError,
+                                                          RendezvousError,
+                                                          RendezvousTimeoutError)
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    args = torchrun.parse_args(argv)
+    _, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
+    conf = dict(kv.split("=", 1) for kv in (args.rdzv_conf or "").split(",") if "=" in kv)
+    timeout = float(conf.get("join_timeout", 600))
+    host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+    where = f"the rendezvous at {host}:{port}"
+    me = socket.gethostname()
+    if max_nodes > 1 and args.rdzv_backend == "c10d" and not _is_this_host(host, conf):
+        why = _wait_reachable(host, port, timeout)
+        if why is not None:
+            print(f"lowband: error: this node ({me}) could not reach {where} within "
+                  f"{timeout:g} s ({why}): check that the job's first node is running, that "
+                  f"{host} resolves here and that port {port} is open between the nodes.",
+                  file=sys.stderr, flush=True)
+            return 3
+    try:
+        torchrun.main(argv)
+    except RendezvousTimeoutError:
+        print(f"lowband: error: not all {max_nodes} nodes joined {where} within {timeout:g} s "
+              f"(this node: {me}): check that every node of the job started and that its rank-0 "
+              "host variable names the first node.", file=sys.stderr, flush=True)
+        return 3
+    except RendezvousConnectionError:
+        print(f"lowband: error: this node ({me}) lost or could not open its connection to "
+              f"{where}: check that the job's first node is running and that port {port} is "
+              "open between the nodes.", file=sys.stderr, flush=True)
+        return 3
+    except RendezvousError as e:
+        print(f"lowband: error: {where} failed ({type(e).__name__}: {e}); the job's other nodes "
+              "may have stopped.", file=sys.stderr, flush=True)
+        return 3
+    except ChildFailedError as e:
+        if all(f.exitcode == 2 for f in e.failures.values()):
+            return 2  # lowband's bad-input status: the workers said why in one sentence
+        print(e, file=sys.stderr, flush=True)
+        return 1
+    except SignalException as e:
+        return 128 + int(e.sigval)
+    return 0
+
