@@ -1,7 +1,8 @@
 """Live JupyterLab dashboard of lowband runs: `Dashboard(run_dir)` (see docs/dashboard.md).
 
-lowband.dashboard.model (event aggregation) and .figures (plotly builders shared with
-lowband.report) import without ipywidgets; Dashboard itself needs the `ui` extra.
+lowband.dashboard.model (event aggregation), .figures (plotly builders shared with the report)
+and .export (the offline HTML report) import without ipywidgets; Dashboard itself needs the
+`ui` extra. The modules of this package import each other, never this file.
 """
 
 from __future__ import annotations

@@ -6,7 +6,17 @@ config); the marks are drawn on the loss figure and the sync timeline.
 
 from __future__ import annotations
 
+from lowband.algorithms import ALGORITHMS
+from lowband.algorithms.base import EVERY_STEP
+
 from .records import SyncMark
+
+
+def every_step(algo) -> bool:
+    """Whether the algorithm named `algo` sends over the outer link at every step (its kind in
+    the registry, lowband.algorithms); a name the registry does not know counts as periodic."""
+    cls = ALGORITHMS.get(str(algo or "").lower())
+    return cls is not None and cls.kind == EVERY_STEP
 
 
 class SyncMarks:
@@ -22,7 +32,7 @@ class SyncMarks:
     def _sync_marks(self) -> list[SyncMark]:
         """Outer syncs, one mark per (step, fragment/block): from sync events when the run has
         them, else from outer comm events merged where they overlap in time. Runs whose every
-        step talks over the outer group (ddp, acco) get no marks from comm events."""
+        step talks over the outer group (every_step) get no marks from comm events."""
         if self.syncs:
             seen: dict = {}
             for m in self.syncs:
@@ -32,7 +42,7 @@ class SyncMarks:
                     seen[key] = m._replace(t=max(m.t, prev.t) if prev else m.t,
                                            anomaly=m.anomaly or (prev.anomaly if prev else False))
             return sorted(seen.values(), key=lambda m: m.t)
-        if str(self.config.get("algo", "")).lower() in ("ddp", "acco") or not self.outer:
+        if every_step(self.config.get("algo")) or not self.outer:
             return []
         marks: list[SyncMark] = []
         cur_end, cur_tags, cur_rank, cur_replica = None, set(), 0, 0

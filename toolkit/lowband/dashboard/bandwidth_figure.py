@@ -1,0 +1,79 @@
+"""The outer-link bandwidth figure: bytes per second over time (RunModel.bandwidth binned),
+its peak and mean, and the emulated link's capacity."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .model import RunModel
+from .style import (ANOMALY_COLOR, BASE_LAYOUT, PALETTE, Spec, empty_note, figure_title,
+                    fmt_bits, fmt_rate)
+
+
+def bandwidth_spec(models: list[RunModel], max_bins: int = 300) -> Spec:
+    """Bytes per second on the outer link over time, its mean and peak and the capacity: a
+    line per link for one run, a line per run (its mean per link) for several."""
+    multi = len(models) > 1
+    traces: list[dict] = []
+    capacities = {}
+    any_data = False
+    for ri, m in enumerate(models):
+        if m.capacity():
+            capacities.setdefault(m.capacity(), m.name)
+        bw = m.bandwidth(max_bins=max_bins, by="total" if multi else "link")
+        if not bw["series"]:
+            continue
+        any_data = True
+        if multi:
+            traces += _run_traces(m.name, bw, PALETTE[ri % len(PALETTE)])
+        else:
+            traces += _link_traces(bw)
+    if any_data:
+        x_end = max((float(t["x"][-1]) for t in traces if len(t["x"])), default=1.0)
+        for cap, name in capacities.items():
+            label = f"capacity {fmt_bits(cap)}" + (f" ({name})" if multi else "")
+            traces.append(dict(type="scatter", mode="lines", x=[0, x_end], y=[cap, cap],
+                               name=label, line=dict(color=ANOMALY_COLOR, dash="dot", width=1.5)))
+    layout = dict(BASE_LAYOUT, title=figure_title("outer-link bandwidth"),
+                  xaxis=dict(title=dict(text="seconds since start")),
+                  yaxis=dict(title=dict(text="bytes/s"), tickformat="~s", rangemode="tozero"),
+                  annotations=[] if any_data else [empty_note("no outer-link traffic yet")])
+    return traces, layout
+
+
+def _run_traces(name: str, bw: dict, color: str) -> list[dict]:
+    """One run among several: its mean rate per link, and its peak."""
+    edges = bw["edges"]
+    rate = bw["series"]["all links"] / max(bw["links"], 1)
+    i = int(np.argmax(rate))
+    return [
+        dict(type="scatter", mode="lines", line_shape="hv", name=f"{name} (mean per link)",
+             legendgroup=name, x=edges, y=np.append(rate, rate[-1]),
+             line=dict(color=color, width=1.5)),
+        dict(type="scatter", mode="markers", legendgroup=name,
+             name=f"{name} peak {fmt_rate(rate[i])}", x=[edges[i] + bw["width"] / 2],
+             y=[rate[i]], marker=dict(color=color, size=9, symbol="triangle-up")),
+    ]
+
+
+def _link_traces(bw: dict) -> list[dict]:
+    """One run alone: a line per link (or direction), the peak, the busiest link's mean."""
+    edges = bw["edges"]
+    traces = []
+    for k, (key, rate) in enumerate(bw["series"].items()):
+        traces.append(dict(type="scatter", mode="lines", line_shape="hv", name=key,
+                           x=edges, y=np.append(rate, rate[-1]),
+                           fill="tozeroy" if len(bw["series"]) == 1 else None,
+                           line=dict(color=PALETTE[k % len(PALETTE)], width=1.5)))
+    best_key = max(bw["series"], key=lambda k: bw["series"][k].max())
+    rate = bw["series"][best_key]
+    i = int(np.argmax(rate))
+    traces.append(dict(type="scatter", mode="markers", name=f"peak {fmt_rate(rate[i])}",
+                       x=[edges[i] + bw["width"] / 2], y=[rate[i]],
+                       text=[f"peak {fmt_rate(rate[i])} ({best_key}, {bw['width']:g} s bins)"],
+                       hoverinfo="text", marker=dict(color="#333", size=9, symbol="triangle-up")))
+    traces.append(dict(type="scatter", mode="lines", x=[edges[0], edges[-1]],
+                       y=[bw["mean"], bw["mean"]],
+                       name=f"mean {fmt_rate(bw['mean'])} (busiest link)",
+                       line=dict(color="#333", dash="dash", width=1)))
+    return traces

@@ -1,0 +1,198 @@
+"""The offline HTML report of one or more runs: write_report (Dashboard.export_html and the
+`lowband report` command, lowband/report.py, both call it).
+
+One self-contained file: plotly.js is embedded inline (no CDN, nothing fetched when opened),
+with the dashboard's figures (built by the same code), the summary and config of every run side
+by side. Runs that have not finished are reported as they stand.
+
+For tests in a browser, the page has stable hooks: figure divs #lowband-loss,
+#lowband-bandwidth and #lowband-timeline-<i>, sections #summary, #config, and the report's
+numbers as JSON in <script type="application/json" id="lowband-report-data">.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import html
+import json
+import math
+import os
+from pathlib import Path
+
+from .bandwidth_figure import bandwidth_spec
+from .loss_figure import loss_figure_static
+from .model import RunModel, is_run_dir
+from .specs import make_figure
+from .tables import config_table, run_record, summary_table
+from .timeline_figure import timeline_spec
+
+
+class ReportError(ValueError):
+    """Bad input a user can fix (a missing or wrong directory, an unwritable output)."""
+
+
+def _source_dir(source) -> Path:
+    path = getattr(source, "run_dir", source)
+    if path is None:
+        raise ReportError("a launch handle has no run directory yet; start it first.")
+    return Path(path)
+
+
+def load_runs(run_dirs) -> list[RunModel]:
+    """A loaded RunModel per run directory (or launch handle), checking each is a run."""
+    if isinstance(run_dirs, (str, os.PathLike)) or hasattr(run_dirs, "run_dir"):
+        run_dirs = [run_dirs]
+    run_dirs = list(run_dirs)
+    if not run_dirs:
+        raise ReportError("give at least one run directory.")
+    models = []
+    for src in run_dirs:
+        p = _source_dir(src)
+        if not p.exists():
+            raise ReportError(f"{p} does not exist; give the directory of a run "
+                              f"(the one holding config.json and events/).")
+        if not is_run_dir(p):
+            raise ReportError(f"{p} is not a lowband run directory: it has neither config.json "
+                              f"nor events/ inside it.")
+        models.append(RunModel(p).load())
+    return models
+
+
+def _figure_html(fig, div_id: str, height: int) -> str:
+    fig.update_layout(height=height)
+    return fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id,
+                       default_width="100%", default_height=f"{height}px",
+                       config={"displaylogo": False, "responsive": True})
+
+
+CSS = """
+body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:0;color:#222;
+background:#fafafa}
+header{padding:18px 28px 6px;background:#fff;border-bottom:1px solid #e5e5e5}
+h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:24px 0 8px}h3{font-size:14px;
+margin:16px 0 4px;color:#444}
+main{padding:0 28px 40px;max-width:1500px}
+.meta{color:#777;font-size:13px;margin:0 0 10px}
+section{background:#fff;border:1px solid #e5e5e5;border-radius:6px;padding:6px 16px 12px;
+margin-top:16px}
+table.grid{border-collapse:collapse;font-size:13px;font-variant-numeric:tabular-nums}
+table.grid th,table.grid td{padding:4px 12px;border-bottom:1px solid #eee;text-align:right;
+vertical-align:top}
+table.grid th:first-child{text-align:left;font-weight:600;color:#444}
+table.grid thead th{border-bottom:2px solid #ccc;text-align:right}
+table.grid tr.diff td{background:#fff4d6}
+.ratio{color:#888;font-size:11px}
+.scroll{overflow-x:auto}
+"""
+
+
+def render_report(run_dirs, *, title: str | None = None, window_s: float | None = None,
+                  max_points: int = 2000, max_spans: int = 5000) -> str:
+    """The report's HTML as a string (see write_report)."""
+    from plotly.offline import get_plotlyjs
+
+    models = load_runs(run_dirs)
+    names = [m.name for m in models]
+    title = title or "lowband report · " + ", ".join(names)
+    records = [run_record(m) for m in models]
+    loss = loss_figure_static(models, max_points=max_points)
+    bandwidth = make_figure(bandwidth_spec(models))
+    lines = ("one line per rank (each rank sends over its own link)" if len(models) == 1
+             else "each run's mean per link")
+    parts = [
+        f'<section id="summary"><h2>Summary</h2><div class="scroll">{summary_table(records)}'
+        f"</div></section>",
+        f'<section id="loss-section"><h2>Loss</h2><p class="meta">Mean over each replica\'s '
+        f"ranks; validation loss, loss spikes (EWMA z-score, z &gt; {models[0].spike_params[0]:g})"
+        f" and outer syncs (vertical lines). The buttons switch the x axis.</p>"
+        f"{_figure_html(loss, 'lowband-loss', 460)}</section>",
+        f'<section id="bandwidth-section"><h2>Outer-link bandwidth</h2><p class="meta">Bytes on '
+        f"the wire per second, each transfer spread evenly over its transmission window; {lines}"
+        f"; the peak is the highest bin, so it depends on the bin width.</p>"
+        f"{_figure_html(bandwidth, 'lowband-bandwidth', 340)}</section>",
+    ]
+    plan = _plan_section([m.run_dir for m in models if m.finished])
+    if plan:
+        parts.append(plan)
+    tl_parts = []
+    for i, m in enumerate(models):
+        spec = timeline_spec(m, window_s, max_spans=max_spans, follow=window_s is not None)
+        fig = make_figure(spec)
+        tl_parts.append(f"<h3>{html.escape(m.name)}</h3>"
+                        + _figure_html(fig, f"lowband-timeline-{i}", spec[1]["height"]))
+    parts.append('<section id="timeline-section"><h2>Sync timeline</h2><p class="meta">One lane '
+                 "per rank: step windows (light), inner transfers (above the lane's middle), "
+                 "outer transfers and outer steps (below; colour tells fragments apart). Drag to "
+                 "zoom, double-click to see everything.</p>" + "".join(tl_parts) + "</section>")
+    parts.append(f'<section id="config"><h2>Config</h2><div class="scroll">'
+                 f"{config_table(models)}</div></section>")
+    data = {"title": title, "runs": [
+        {"name": m.name, "dir": str(m.run_dir), "finished": m.finished,
+         "stats": rec, "config": m.config} for m, rec in zip(models, records)]}
+    data_json = json.dumps(_clean(data), allow_nan=False).replace("</", "<\\/")
+    generated = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
+        f"<title>{html.escape(title)}</title><style>{CSS}</style>"
+        f'<script type="text/javascript">{get_plotlyjs()}</script></head><body>'
+        f"<header><h1>{html.escape(title)}</h1><p class=\"meta\">{len(models)} run"
+        f"{'s' if len(models) > 1 else ''} · generated {html.escape(generated)} by lowband"
+        "</p></header><main>" + "".join(parts) + "</main>"
+        f'<script type="application/json" id="lowband-report-data">{data_json}</script>'
+        "</body></html>\n")
+
+
+def _plan_section(run_dirs) -> str:
+    """lowband plan's utilization-against-bandwidth curves with the runs on an emulated link as
+    measured points; empty when no run had an emulated link or the plan cannot read a run."""
+    from lowband.plan import PlanError, measured_figure
+
+    try:
+        fig = measured_figure(run_dirs)
+    except (PlanError, KeyError, ValueError):
+        return ""
+    if fig is None:
+        return ""
+    return ('<section id="plan-section"><h2>Compute utilization against bandwidth</h2>'
+            '<p class="meta">Curves: lowband plan for the first run\'s model and measured compute '
+            "time per step; diamonds: the runs on an emulated link, as measured.</p>"
+            f"{_figure_html(fig, 'lowband-plan', 420)}</section>")
+
+
+def _clean(o):
+    """JSON that a browser's JSON.parse reads: NaN and infinities become null."""
+    if isinstance(o, dict):
+        return {str(k): _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    if isinstance(o, bool) or o is None or isinstance(o, (int, str)):
+        return o
+    try:
+        f = float(o)
+    except (TypeError, ValueError):
+        return str(o)
+    return f if math.isfinite(f) else None
+
+
+def write_report(run_dirs, path, *, title: str | None = None, window_s: float | None = None,
+                 max_points: int = 2000, max_spans: int = 5000) -> Path:
+    """Write one self-contained offline HTML report of the runs in run_dirs (a run directory,
+    a launch handle, or a list of them) to path. Several runs are overlaid and compared side by
+    side. window_s: show the last window_s seconds of each timeline at first (default: all).
+    Raises ReportError for input a user can fix."""
+    path = Path(path)
+    if path.is_dir():
+        raise ReportError(f"cannot write {path}: it is a directory; give a file name like "
+                          f"{path / 'report.html'}.")
+    if not path.parent.is_dir():
+        raise ReportError(f"cannot write {path}: the directory {path.parent} does not exist.")
+    text = render_report(run_dirs, title=title, window_s=window_s, max_points=max_points,
+                         max_spans=max_spans)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise ReportError(f"cannot write {path}: {e.strerror or e}.") from None
+    return path

@@ -1,0 +1,132 @@
+"""The loss figure: loss per replica, validation loss, loss spikes and outer-sync marks, against
+steps, tokens or wall time (loss_spec); and the report's version with x-axis buttons."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .model import RunModel
+from .specs import make_figure
+from .style import (ANOMALY_COLOR, BASE_LAYOUT, DASHES, PALETTE, XAXES, Spec, empty_note,
+                    figure_title)
+
+
+def downsample(n: int, max_points: int) -> np.ndarray:
+    """Indices of at most max_points evenly strided points, always keeping the last one."""
+    if n <= max_points:
+        return np.arange(n)
+    idx = np.linspace(0, n - 1, max_points).round().astype(int)
+    return np.unique(idx)
+
+
+def _x(model: RunModel, xaxis: str, step, t, replica_tokens):
+    if xaxis == "tokens":
+        return None if replica_tokens is None else model.run_tokens(replica_tokens)
+    if xaxis == "time":
+        return None if t is None else t - (model.t0 or 0.0)
+    return step
+
+
+def _tokens_at(m: RunModel, replica: int, step: int | None):
+    rs = m.replicas.get(replica)
+    return rs.tokens_at(step) if rs is not None and step is not None else None
+
+
+def loss_spec(models: list[RunModel], xaxis: str = "step", max_points: int = 2000,
+              max_marks: int = 500) -> Spec:
+    """Loss per replica (mean over its ranks), validation loss, spikes and outer syncs."""
+    multi = len(models) > 1
+    traces: list[dict] = []
+    for ri, m in enumerate(models):
+        run_color = PALETTE[ri % len(PALETTE)]
+        prefix = f"{m.name} · " if multi else ""
+        group = m.name if multi else None
+        for k, rep in enumerate(sorted(m.replicas)):
+            rs = m.replicas[rep]
+            idx = downsample(len(rs.steps), max_points)
+            xs = [_x(m, xaxis, rs.steps[i], rs.t[i], rs.tokens[i]) for i in idx]
+            traces.append(dict(
+                type="scatter", mode="lines", name=f"{prefix}replica {rep}",
+                x=xs, y=[rs.loss[i] for i in idx], legendgroup=group,
+                line=dict(color=run_color if multi else PALETTE[k % len(PALETTE)],
+                          dash=DASHES[k % len(DASHES)] if multi else "solid", width=1.5)))
+        vsteps, vals, vts, vtoks = m.val_series()
+        traces.append(dict(
+            type="scatter", mode="lines+markers", name=f"{prefix}val loss",
+            x=(vtoks if xaxis == "tokens" else
+               [t - (m.t0 or 0.0) for t in vts] if xaxis == "time" else vsteps),
+            y=vals, legendgroup=group,
+            line=dict(color=run_color if multi else "#222", width=2),
+            marker=dict(size=6, symbol="circle")))
+        spikes = m.detected_spikes()[-max_marks:]
+        z = m.spike_params[0]
+        traces.append(dict(
+            type="scatter", mode="markers", name=f"{prefix}loss spike (z>{z:g})",
+            x=[_x(m, xaxis, s.step, s.t, s.tokens) for s in spikes], y=[s.loss for s in spikes],
+            text=[f"replica {s.replica} step {s.step}: z={s.z:.1f}" for s in spikes],
+            legendgroup=group,
+            marker=dict(symbol="x", size=11, color=ANOMALY_COLOR, line=dict(width=1))))
+        ev = m.spike_events[-max_marks:]
+        traces.append(dict(
+            type="scatter", mode="markers", name=f"{prefix}spike events",
+            x=[_x(m, xaxis, s.step, s.t, _tokens_at(m, s.replica, s.step)) for s in ev],
+            y=[s.loss for s in ev], legendgroup=group,
+            text=[f"trainer spike, replica {s.replica} step {s.step}: z={s.z:.1f}" for s in ev],
+            marker=dict(symbol="star", size=11, color="#ff7f0e", line=dict(width=1)),
+            visible=True if ev else "legendonly"))
+        traces += _sync_traces(m, xaxis, max_marks, prefix, group,
+                               run_color if multi else "#999")
+    layout = dict(BASE_LAYOUT, title=figure_title("loss"),
+                  xaxis=dict(title=dict(text=XAXES.get(xaxis, xaxis))),
+                  yaxis=dict(title=dict(text="loss")),
+                  yaxis2=dict(overlaying="y", range=[0, 1], visible=False, fixedrange=True),
+                  annotations=[] if any(m.replicas for m in models)
+                  else [empty_note("no step events yet")])
+    return traces, layout
+
+
+def _sync_traces(m: RunModel, xaxis: str, max_marks: int, prefix: str, group, color: str):
+    """A faint vertical line per outer sync, and a red triangle on each anomalous one."""
+    sx, sy, stext = [], [], []
+    ax, atext = [], []
+    for mk in m.sync_marks()[-max_marks:]:
+        step = mk.step
+        rs = m.replicas.get(mk.replica)
+        if step is None and rs is not None:
+            step = rs.step_at(mk.t)
+        x = _x(m, xaxis, step, mk.t, _tokens_at(m, mk.replica, step))
+        if x is None:
+            continue
+        label = f"outer sync {mk.label}" + (f" step {step}" if step is not None else "")
+        sx += [x, x, None]
+        sy += [0, 1, None]
+        stext += [label, label, None]
+        if mk.anomaly:
+            ax.append(x)
+            atext.append(f"anomaly: {mk.label} step {step}")
+    return [
+        dict(type="scatter", mode="lines", name=f"{prefix}outer sync", x=sx, y=sy, yaxis="y2",
+             text=stext, hoverinfo="text", legendgroup=group,
+             line=dict(color=color, width=1), opacity=0.35),
+        dict(type="scatter", mode="markers", name=f"{prefix}anomalous sync", x=ax,
+             y=[0.97] * len(ax), yaxis="y2", text=atext, hoverinfo="text", legendgroup=group,
+             marker=dict(symbol="triangle-down", size=10, color=ANOMALY_COLOR),
+             visible=True if ax else "legendonly"),
+    ]
+
+
+def loss_figure_static(models: list[RunModel], max_points: int = 2000):
+    """The loss figure with buttons that switch the x axis (step, tokens, wall time) in the
+    browser: every axis's x data is embedded, nothing needs a kernel."""
+    import plotly.graph_objects as go
+    specs = {ax: loss_spec(models, ax, max_points) for ax in XAXES}
+    fig = make_figure(specs["step"])
+    buttons = [dict(label=ax if ax != "time" else "wall time", method="update",
+                    args=[{"x": [t["x"] for t in specs[ax][0]]},
+                          {"xaxis.title.text": XAXES[ax], "xaxis.autorange": True}])
+               for ax in XAXES]
+    fig.update_layout(updatemenus=[go.layout.Updatemenu(
+        type="buttons", direction="right", buttons=buttons, showactive=True, active=0,
+        x=1.0, xanchor="right", y=1.12, yanchor="bottom", pad=dict(r=0, t=0))],
+        margin=dict(t=70))
+    return fig

@@ -1,0 +1,155 @@
+"""Runs' numbers as HTML tables: the dashboard's summary panel (a row per run) and the
+report's summary and config tables (a column per run)."""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+
+from .model import RunModel
+from .style import fmt_value
+
+# the dashboard's summary panel
+SUMMARY_COLUMNS = [
+    ("status", "status"), ("step", "step"), ("tokens_per_s", "tokens/s"),
+    ("compute_utilization", "compute util."), ("bytes_per_token", "outer bytes/token"),
+    ("peak_outer_bytes_per_s", "outer peak"), ("anomalies", "anomalies"), ("spikes", "spikes"),
+    ("loss", "loss"), ("val_loss", "val loss"),
+]
+STATUS_COLORS = {"running": "#2ca02c", "finished": "#1f77b4", "stalled": "#d62728",
+                 "waiting": "#888", "ended": "#1f77b4", "failed": "#d62728",
+                 "cancelled": "#ff7f0e"}
+
+# the report's summary table
+SUMMARY_ROWS = [
+    ("status", "status"), ("algorithm", "algorithm"), ("replicas", "replicas"),
+    ("shards", "shards per replica"), ("steps", "steps"), ("tokens", "tokens"),
+    ("wall_s", "wall time"), ("tokens_per_s", "tokens/s"),
+    ("compute_utilization", "compute utilization"), ("outer_wire_bytes", "outer bytes (wire)"),
+    ("inner_wire_bytes", "inner bytes (wire)"),
+    ("peak_outer_payload_bytes", "peak outer payload"), ("bytes_per_token", "outer bytes/token"),
+    ("peak_outer_bytes_per_s", "outer peak bandwidth"),
+    ("mean_outer_bytes_per_s", "outer mean bandwidth (busiest link)"),
+    ("link_capacity_bytes_per_s", "outer link capacity"), ("anomalies", "anomalous syncs"),
+    ("spikes", "loss spikes"), ("final_loss", "final loss"),
+    ("final_val_loss", "final validation loss"),
+]
+# rows where a comparison with the first run is worth a ratio
+RATIO_ROWS = {"wall_s", "tokens_per_s", "outer_wire_bytes", "inner_wire_bytes",
+              "peak_outer_payload_bytes", "bytes_per_token", "peak_outer_bytes_per_s",
+              "mean_outer_bytes_per_s"}
+
+
+def summary_html(stats: list[dict], extra: list[str] | None = None) -> str:
+    """A compact table of headline numbers, one row per run (the dashboard's summary panel)."""
+    head = "".join(f"<th>{html.escape(label)}</th>" for _, label in SUMMARY_COLUMNS)
+    rows = []
+    for i, s in enumerate(stats):
+        cells = []
+        for key, _ in SUMMARY_COLUMNS:
+            v = s.get(key)
+            if key == "status":
+                color = STATUS_COLORS.get(str(v).split()[0], "#555")
+                text = f'<b style="color:{color}">{html.escape(str(v))}</b>'
+                if i < len(extra or []) and extra[i]:
+                    text += f' <span style="color:#888">({html.escape(extra[i])})</span>'
+                cells.append(f"<td>{text}</td>")
+            elif key == "step":
+                total = s.get("steps")
+                txt = fmt_value(key, v) + (f" / {total:,}" if total else "")
+                cells.append(f"<td>{txt}</td>")
+            else:
+                cells.append(f"<td>{html.escape(fmt_value(key, v))}</td>")
+        rows.append(f"<tr><td><b>{html.escape(str(s.get('name')))}</b>"
+                    f"<br><span style='color:#888'>{html.escape(str(s.get('algorithm') or ''))}"
+                    f"</span></td>{''.join(cells)}</tr>")
+    style = ("border-collapse:collapse;font-size:13px;font-family:sans-serif;"
+             "font-variant-numeric:tabular-nums")
+    return (f'<table class="lowband-summary" style="{style}"><thead><tr><th>run</th>{head}'
+            f"</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+            "<style>.lowband-summary td,.lowband-summary th{padding:3px 10px;"
+            "border-bottom:1px solid #ddd;text-align:right}"
+            ".lowband-summary td:first-child,.lowband-summary th:first-child"
+            "{text-align:left}</style>")
+
+
+def run_record(m: RunModel) -> dict:
+    """What the report shows about a run: summary.json values where they exist, the live
+    estimates of RunModel.stats otherwise, and any other summary fields after those."""
+    stats = m.stats()
+    summary = m.summary or {}
+    rec = dict(stats)
+    rec["final_loss"] = stats["loss"]
+    rec["final_val_loss"] = stats["val_loss"]
+    for key in ("replicas", "shards", "steps"):
+        v = summary.get(key, m.config.get(key))
+        if v is not None:
+            rec[key] = v
+    for key, v in summary.items():
+        if key not in rec and key != "algorithm":
+            rec[key] = v
+    if not m.finished:
+        rec["status"] = f"{stats['status']} (no summary.json yet: live estimates)"
+    return rec
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _cell(v) -> str:
+    if isinstance(v, (dict, list)):
+        return html.escape(json.dumps(v))
+    if v is None:
+        return "–"
+    return html.escape(str(v))
+
+
+def summary_table(records: list[dict]) -> str:
+    """The report's summary: a row per number, a column per run (records from run_record),
+    sizes and rates also as a ratio to the first run."""
+    names = [r["name"] for r in records]
+    head = "".join(f"<th>{html.escape(n)}</th>" for n in names)
+    keys = [k for k, _ in SUMMARY_ROWS]
+    extra = sorted({k for r in records for k in r} - set(keys)
+                   - {"name", "loss", "val_loss", "step"})
+    rows = []
+    for key, label in SUMMARY_ROWS + [(k, k) for k in extra]:
+        cells = []
+        base = records[0].get(key)
+        for i, r in enumerate(records):
+            v = r.get(key)
+            text = html.escape(fmt_value(key, v))
+            if (i and key in RATIO_ROWS and isinstance(v, (int, float))
+                    and isinstance(base, (int, float)) and base and math.isfinite(v)):
+                text += f' <span class="ratio">×{v / base:.3g}</span>'
+            cells.append(f'<td data-key="{html.escape(key)}">{text}</td>')
+        rows.append(f"<tr><th>{html.escape(label)}</th>{''.join(cells)}</tr>")
+    return (f'<table class="grid"><thead><tr><th></th>{head}</tr></thead>'
+            f"<tbody>{''.join(rows)}</tbody></table>")
+
+
+def config_table(models: list[RunModel]) -> str:
+    """Every run's config.json side by side, nested keys flattened; rows that differ marked."""
+    flat = [_flatten(m.config) for m in models]
+    keys = sorted({k for f in flat for k in f})
+    head = "".join(f"<th>{html.escape(m.name)}</th>" for m in models)
+    rows = []
+    for k in keys:
+        values = [f.get(k) for f in flat]
+        differs = len(models) > 1 and len({json.dumps(v, sort_keys=True) for v in values}) > 1
+        cls = ' class="diff"' if differs else ""
+        rows.append(f"<tr{cls}><th>{html.escape(k)}</th>"
+                    + "".join(f"<td>{_cell(v)}</td>" for v in values) + "</tr>")
+    if not rows:
+        rows.append(f'<tr><td colspan="{len(models) + 1}">no config.json</td></tr>')
+    return (f'<table class="grid"><thead><tr><th></th>{head}</tr></thead>'
+            f"<tbody>{''.join(rows)}</tbody></table>")

@@ -1,0 +1,109 @@
+"""The sync timeline: one lane per rank on a seconds axis, with its step windows (compute),
+inner and outer transfers (outer ones coloured by fragment or block) and outer steps."""
+
+from __future__ import annotations
+
+import math
+
+from .model import RunModel
+from .records import _natural
+from .style import (ANOMALY_COLOR, BASE_LAYOUT, COMPUTE_COLOR, INNER_COLOR, MAX_TAGS, Spec,
+                    empty_note, figure_title, fmt_bytes, fragment_colors)
+
+
+def timeline_spec(model: RunModel, window_s: float | None = 30.0, keep_s: float | None = None,
+                  max_spans: int = 3000, follow: bool = True) -> Spec:
+    """One lane per rank: step windows (compute), inner and outer transfers and outer steps.
+
+    Spans ending more than keep_s before the latest event are left out (all kept when None),
+    then at most max_spans per trace, the latest. With follow, the x range shows the last
+    window_s seconds.
+    """
+    t0 = model.t0 or 0.0
+    t_hi = (model.t_last or t0) - t0
+    if model.outer:
+        t_hi = max(t_hi, max(x.end for x in model.outer[-200:]) - t0)
+    cut = -math.inf if keep_s is None else t_hi - keep_s
+    ranks = sorted(set(model.ranks) | {x.rank for x in model.outer[-1000:]}
+                   | {x.rank for x in list(model.inner)[-1000:]})
+    lane = {r: i for i, r in enumerate(ranks)}
+    replica_of = {r: s.replica for r, s in model.ranks.items()}
+
+    def recent(items, end_attr="end"):
+        out = [x for x in items if getattr(x, end_attr) - t0 >= cut]
+        return out[-max_spans:]
+
+    traces: list[dict] = []
+    steps = recent(model.steps)
+    traces.append(dict(
+        type="bar", orientation="h", name="step (compute)", width=0.8,
+        base=[s.start - t0 for s in steps], x=[s.end - s.start for s in steps],
+        y=[lane[s.rank] for s in steps],
+        customdata=[f"rank {s.rank} step {s.step}: {s.end - s.start:.3f} s, "
+                    f"compute {s.compute_s:.3f} s" for s in steps],
+        hovertemplate="%{customdata}<extra></extra>", marker=dict(color=COMPUTE_COLOR)))
+    inner = recent(model.inner)
+    traces.append(dict(
+        type="bar", orientation="h", name="inner comm", width=0.3,
+        base=[x.start - t0 for x in inner], x=[x.end - x.start for x in inner],
+        y=[lane[x.rank] + 0.22 for x in inner],
+        customdata=[_transfer_text(x) for x in inner],
+        hovertemplate="%{customdata}<extra></extra>", marker=dict(color=INNER_COLOR)))
+    outer = recent(model.outer[-(max_spans * 4):])
+    syncs = [s for s in model.syncs[-(max_spans * 2):] if s.t - t0 >= cut][-max_spans:]
+    tags = sorted({x.tag for x in outer}, key=_natural)
+    shown = tags[:MAX_TAGS]
+    colors = fragment_colors(list(shown) + [s.label for s in syncs])
+    for tag in shown + (["other"] if len(tags) > MAX_TAGS else []):
+        group = [x for x in outer if (x.tag == tag if tag != "other" else x.tag not in shown)]
+        traces.append(dict(
+            type="bar", orientation="h", name=f"outer {tag or 'comm'}", width=0.3,
+            base=[x.start - t0 for x in group], x=[x.end - x.start for x in group],
+            y=[lane[x.rank] - 0.22 for x in group],
+            customdata=[_transfer_text(x) for x in group],
+            hovertemplate="%{customdata}<extra></extra>",
+            marker=dict(color=colors.get(tag, "#555"))))
+    ok = [s for s in syncs if not s.anomaly and s.rank in lane]
+    bad = [s for s in syncs if s.anomaly and s.rank in lane]
+    for name, group, symbol in (("outer step", ok, "diamond"), ("anomalous outer step", bad, "x")):
+        traces.append(dict(
+            type="scatter", mode="markers", name=name,
+            x=[s.t - t0 for s in group], y=[lane[s.rank] - 0.22 for s in group],
+            text=[_sync_text(s) for s in group], hoverinfo="text",
+            marker=dict(symbol=symbol, size=9, line=dict(width=1, color="#222"),
+                        color=[ANOMALY_COLOR if s.anomaly else colors.get(s.label, "#555")
+                               for s in group]),
+            visible=True if group or name == "outer step" else "legendonly"))
+    xaxis = dict(title=dict(text="seconds since start"))
+    if follow and window_s:
+        lo = max(t_hi - window_s, 0.0)
+        xaxis.update(range=[lo, t_hi + 0.02 * max(t_hi - lo, 1e-3)], autorange=False)
+    n = max(len(ranks), 1)
+    layout = dict(BASE_LAYOUT, barmode="overlay", height=min(120 + 46 * n, 760),
+                  title=figure_title(f"sync timeline · {model.name}"),
+                  xaxis=xaxis,
+                  yaxis=dict(tickvals=list(range(len(ranks))),
+                             ticktext=[f"rank {r} (rep {replica_of.get(r, '?')})" for r in ranks],
+                             autorange="reversed", showgrid=False, zeroline=False),
+                  annotations=[] if ranks else [empty_note("no events yet")])
+    return traces, layout
+
+
+def _transfer_text(x) -> str:
+    text = (f"rank {x.rank} {x.op} {x.tag}: {fmt_bytes(x.wire_bytes)} on the wire "
+            f"({fmt_bytes(x.payload_bytes)} payload{', ' + x.codec if x.codec else ''}) "
+            f"in {x.end - x.start:.3f} s")
+    return text + (f", {x.direction}" if x.direction else "")
+
+
+def _sync_text(s) -> str:
+    parts = [f"rank {s.rank} outer step {s.label}"]
+    if s.step is not None:
+        parts.append(f"step {s.step}")
+    if s.norm is not None:
+        parts.append(f"‖Δ‖={s.norm:.3g}")
+    if s.weight is not None:
+        parts.append(f"weight {s.weight:.3g}")
+    if s.anomaly:
+        parts.append("ANOMALY")
+    return ", ".join(parts)
