@@ -30,15 +30,37 @@ def test_registry_declares_each_algorithm():
 
 
 @pytest.mark.parametrize("group", option_groups(), ids=lambda g: g.__name__)
-def test_an_option_of_another_algorithm_is_refused(group):
-    """Each group's first option, set on an algorithm that does not read it, is refused."""
+def test_an_option_of_another_algorithm_is_refused_or_noted(group):
+    """Each group's first option, set on an algorithm that does not read it, is refused; a
+    shared knob (--sync-every, --codec...) is instead ignored with a note, so one sweep can pass
+    it to every algorithm."""
     outsider = next(n for n, a in ALGORITHMS.items() if group not in a.options)
     f = next(f for f in group.__dataclass_fields__.values() if f.name in group.names())
     value = {bool: not f.default, int: 3, float: 0.5, str: "x"}[f.metadata["type"]]
     if f.metadata["choices"]:
         value = next(c for c in f.metadata["choices"] if c != f.default)
+    cfg = Config(algo=outsider, **{f.name: value})
+    if group.shared_knob:
+        assert cfg.validate().ignored() == [
+            f"--{f.name.replace('_', '-')} is read only by --algo {' or '.join(users(group))}: "
+            f"--algo {outsider} ignores it."]
+        return
     with pytest.raises(ConfigError, match=f"applies only to --algo {' or '.join(users(group))}"):
-        Config(algo=outsider, **{f.name: value}).validate()
+        cfg.validate()
+
+
+def test_a_sweep_passes_sync_every_to_every_algorithm(tmp_path):
+    """A shared knob set for ddp: the run goes on and the CLI notes once that ddp ignores it."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "lowband.cli", "train", "--algo", "ddp",
+                           "--model", "nano", "--steps", "2", "--eval-every", "0",
+                           "--eval-batches", "1", "--no-progress", "--sync-every", "8",
+                           "--run-dir", str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("--sync-every is read only by --algo diloco") == 1, proc.stderr
 
 
 def test_help_groups_options_by_algorithm():

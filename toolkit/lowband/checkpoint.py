@@ -6,16 +6,23 @@ runs/<name>/checkpoints/step-00000040/
     rank<r>.pt              this rank's algorithm state (outer parameters, momentum, exchanges
                             in flight already landed, ...), step, RNG states, counters of the
                             summary, and the size of its event file at this step
+    manifest.json           {"sha256": {file: hex digest}} of every file above
 
 A checkpoint is written into step-XXXXXXXX.tmp and made current by one rename on rank 0, so a
 crash mid-write leaves the previous checkpoint as the latest loadable one; a leftover .tmp is
 ignored and cleared by the next save. The last `keep` checkpoints are kept. Everything is
 loaded with weights_only=True (DCP's own non-tensor items too, see _WeightsOnlyPlanner).
+
+Before a resume, `newest_intact` checks each checkpoint's files against its manifest, newest
+first, and passes over damaged ones; checkpoints written before manifests existed are taken as
+they are (a damaged one then fails in `load` with one sentence).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import os
 import shutil
 from pathlib import Path
@@ -23,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -40,13 +48,61 @@ class _WeightsOnlyPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, io.BytesIO(data))
 
 
+MANIFEST = "manifest.json"
+
+
+def complete(run: RunDir) -> list[Path]:
+    """A run's complete checkpoints (made current by their rename), oldest first."""
+    if not run.checkpoints.is_dir():
+        return []
+    return sorted(p for p in run.checkpoints.glob("step-*")
+                  if p.is_dir() and not p.name.endswith(".tmp") and (p / ".metadata").exists())
+
+
 def latest(run: RunDir) -> Path | None:
     """The newest complete checkpoint of a run, or None."""
-    if not run.checkpoints.is_dir():
-        return None
-    done = sorted(p for p in run.checkpoints.glob("step-*")
-                  if p.is_dir() and not p.name.endswith(".tmp") and (p / ".metadata").exists())
+    done = complete(run)
     return done[-1] if done else None
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _write_manifest(path: Path) -> None:
+    digests = {p.name: _sha256(p) for p in sorted(path.iterdir()) if p.is_file()}
+    (path / MANIFEST).write_text(json.dumps({"sha256": digests}, indent=1) + "\n")
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with a checkpoint's files (a few words), or None when each matches the
+    checksum its manifest recorded, or when it has no manifest (written before them)."""
+    if not (path / MANIFEST).exists():
+        return None
+    try:
+        digests = json.loads((path / MANIFEST).read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its {MANIFEST} cannot be read"
+    for name, digest in digests.items():
+        try:
+            if _sha256(path / name) != digest:
+                return f"{name} does not match its checksum"
+        except OSError:
+            return f"{name} is missing"
+    return None
+
+
+def newest_intact(run: RunDir) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint whose files match their checksums (None if there is none), and
+    the newer ones passed over, each with what is wrong with it."""
+    damaged = []
+    for path in reversed(complete(run)):
+        why = damage(path)
+        if why is None:
+            return path, damaged
+        damaged.append((path, why))
+    return None, damaged
 
 
 def _model_state(model, optimizer, replica: int) -> dict:
@@ -71,6 +127,7 @@ def save(run: RunDir, step: int, model, optimizer, algo, replica: int, extra: di
     if crash_before_rename:  # --crash-checkpoint: the fault the atomic rename protects against
         os._exit(17)
     if rank == 0:
+        _write_manifest(tmp)  # every rank's files are complete after the barrier
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in sorted(p for p in run.checkpoints.glob("step-*") if p.is_dir())[:-keep]:
@@ -95,7 +152,7 @@ def load(path: Path, model, optimizer, algo, replica: int, rank_state: dict) -> 
     state = _model_state(model, optimizer, replica)
     try:
         dcp.load(state, checkpoint_id=path, planner=_WeightsOnlyPlanner())
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise ConfigError(f"checkpoint {path} cannot be loaded ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:200]}): remove it to resume from the one "
                           "before.") from None

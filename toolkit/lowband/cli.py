@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 from lowband.config import Config, ConfigError
 from lowband.flags import parse_train, train_parser  # noqa: F401 (train_parser: lowband.launch)
@@ -30,27 +29,55 @@ def cmd_train(argv: list[str]) -> int:
 
         from lowband.train import TrainingStopped, train
 
+        def leave(code: int):
+            """Flush what this process wrote, wait for the other ranks when it finished
+            (the final barrier), then leave at once: tearing down live gloo groups and their
+            threads at interpreter exit can abort a finished worker (SIGABRT, "terminate
+            called without an active exception")."""
+            import logging
+
+            logging.shutdown()
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError):
+                    pass
+            if code == 0 and dist.is_initialized():
+                try:
+                    dist.barrier()
+                except Exception:  # a peer vanished: this rank's work is done and written
+                    pass
+            os._exit(code)
+
         try:
-            train(cfg, resume=resume)
+            train(cfg, resume=resume)  # its files (events, summary, weights) are closed
         except (ConfigError, TrainingStopped) as e:
             error = "error: " if isinstance(e, ConfigError) else ""
-            print(f"lowband: {error}{e}", file=sys.stderr, flush=True)
-            # leave at once: tearing down a live gloo group at interpreter exit can abort
-            os._exit(2 if isinstance(e, ConfigError) else 3)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return 0
-    return launch_local(cfg, argv, main_job)
+            print(f"lowband: {error}{e}", file=sys.stderr)
+            leave(2 if isinstance(e, ConfigError) else 3)
+        except KeyboardInterrupt:
+            leave(130)
+        except BaseException:  # a bug: its traceback, then the same direct exit
+            import traceback
+
+            traceback.print_exc()
+            leave(1)
+        leave(0)
+    return launch_local(cfg, argv, main_job, resume)
 
 
-def launch_local(cfg: Config, argv: list[str], main_job: bool = False) -> int:
+def launch_local(cfg: Config, argv: list[str], main_job: bool = False, resume: bool = False) -> int:
     from lowband.data import load_tokens
     from lowband.local import LocalJob, describe_exit, last_line
-    from lowband.telemetry import RunDir
+    from lowband.telemetry import RunDir, new_run_dir
 
+    for note in cfg.ignored():
+        print(f"lowband: note: {note}", file=sys.stderr)
+    if cfg.run_dir:  # refused before any worker starts if it holds another run (see RunDir.claim)
+        run = RunDir(cfg.run_dir).create() if resume else RunDir(cfg.run_dir).claim(cfg.overwrite)
+    else:
+        run = new_run_dir(cfg.algo)
     load_tokens(cfg.data)  # build the corpus cache once, before the workers all want it
-    run = RunDir(cfg.run_dir or os.path.join("runs", f"{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}"))
-    run.create()
     code, rank = LocalJob(argv, cfg.world, run).wait()
     if code == 130:
         print("lowband: interrupted; the workers were stopped.", file=sys.stderr)

@@ -135,13 +135,23 @@ class Config(*reversed(GROUPS)):
             choices, value = f.metadata["choices"], getattr(self, f.name)
             if choices and value is not None and value not in choices:
                 raise ConfigError(f"{flag(f.name)} '{value}' is not one of {', '.join(choices)}.")
-        for group in GROUPS:
-            if group not in COMMON_GROUPS and group not in algorithm.options:
+        for group in self._foreign_groups():
+            if not group.shared_knob:
                 _refuse_foreign(self, group)
         for group in COMMON_GROUPS + algorithm.options:
             group.check(self)
         algorithm.check(self)
         return self
+
+    def _foreign_groups(self) -> list[type[Options]]:
+        return [g for g in GROUPS if g not in COMMON_GROUPS and g not in ALGORITHMS[self.algo].options]
+
+    def ignored(self) -> list[str]:
+        """One note per option set for another algorithm that this one ignores (a shared knob
+        such as --sync-every, passed to every algorithm of a sweep)."""
+        return [f"{flag(name)} is read only by --algo {' or '.join(users(g))}: --algo {self.algo} "
+                "ignores it." for g in self._foreign_groups() if g.shared_knob
+                for name in _set_away_from_default(self, g)]
 
     def n_blocks(self) -> int:
         return MODELS[self.model].blocks(self.n_layer)
@@ -207,15 +217,19 @@ class Config(*reversed(GROUPS)):
     from_toml = from_file
 
 
+def _set_away_from_default(cfg: Config, group: type[Options]) -> list[str]:
+    return [f.name for f in dataclasses.fields(group)
+            if f.name in group.names() and getattr(cfg, f.name) != f.default]
+
+
 def _refuse_foreign(cfg: Config, group: type[Options]) -> None:
     """ConfigError when an option of a group cfg's algorithm does not read is set."""
-    for f in dataclasses.fields(group):
-        if f.name in group.names() and getattr(cfg, f.name) != f.default:
-            who = users(group)
-            article = "an" if who[0][0] in "aeiou" else "a"
-            raise ConfigError(f"{flag(f.name)} applies only to --algo {' or '.join(who)} "
-                              f"({flag(f.name)} is {article} {'/'.join(who)} option): remove it "
-                              f"for --algo {cfg.algo}.")
+    for name in _set_away_from_default(cfg, group)[:1]:
+        who = users(group)
+        article = "an" if who[0][0] in "aeiou" else "a"
+        raise ConfigError(f"{flag(name)} applies only to --algo {' or '.join(who)} "
+                          f"({flag(name)} is {article} {'/'.join(who)} option): remove it "
+                          f"for --algo {cfg.algo}.")
 
 
 def _flag(name: str) -> str:

@@ -39,8 +39,11 @@ def flag(name: str) -> str:
 
 
 class Options:
-    """A group of options. Subclasses are dataclasses; `title` heads the group in --help."""
+    """A group of options. Subclasses are dataclasses; `title` heads the group in --help.
+    `shared_knob`: set for an algorithm that does not read the group, its options are ignored
+    with a note (a sweep passes --sync-every to every algorithm) rather than refused."""
     title: ClassVar[str] = ""
+    shared_knob: ClassVar[bool] = False
 
     @classmethod
     def names(cls) -> list[str]:

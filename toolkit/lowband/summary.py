@@ -11,8 +11,11 @@ def summarize(cfg, ranks: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in ranks)
     compute = sum(r["compute_s"] for r in ranks) / len(ranks)
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    per_replica = [r["steps"] for r in ranks if r["shard"] == 0]  # ranks in rank order
+    run = sum(per_replica) / len(per_replica)  # aedit's replicas run different step counts
     return {
         "algorithm": cfg.algo, "replicas": cfg.replicas, "shards": cfg.shards, "steps": cfg.steps,
+        "steps_run": int(run) if run == int(run) else round(run, 2), "steps_run_per_replica": per_replica,
         "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "compute_s": compute, "compute_utilization": mean([r["compute_s"] / r["wall_s"] for r in ranks]),
         "outer_wire_bytes": sum(r["outer_wire"] for r in ranks),

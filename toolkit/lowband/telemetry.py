@@ -4,6 +4,11 @@ runs/<name>/config.json            the validated config
 runs/<name>/events/rank<r>.jsonl   append-only, one JSON object a line
 runs/<name>/summary.json           written at the end: totals and final metrics
 runs/<name>/logs/rank<r>.log       what a worker printed (ranks other than 0, local launches)
+runs/<name>/model.pt, outer.pt     final weights; checkpoints/ with --checkpoint-every
+
+A directory holds a run once it has a config, a summary, weights, an event file or a
+checkpoint; a new run starts only in one that holds none (RunDir.claim), so two runs never
+share event files.
 
 Every event carries v (schema version), t (unix seconds), rank, replica and kind. Kinds:
   step  step, loss, lr, tokens (cumulative, this rank), step_s, compute_s
@@ -11,7 +16,7 @@ Every event carries v (schema version), t (unix seconds), rank, replica and kind
   sync  step, fragment/block, pseudo_grad_norm, weight, anomaly, outer_lr
   eval  step, val_loss
   spike step, loss, z
-  run   phase (start/end), world, config_hash
+  run   phase (start, resume or end: one start or resume a rank), world, config_hash, step
   fault step, what (e.g. corrupt), scale       (injected faults, lowband/faults.py)
   skip  step, what (gradient/pseudo-gradient), fragment: an update skipped for NaN or inf
   checkpoint step, path
@@ -23,9 +28,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
+
+from lowband.options import ConfigError
 
 SCHEMA_VERSION = 1
 KINDS = ("step", "comm", "sync", "eval", "spike", "run", "fault", "skip", "checkpoint",
@@ -66,11 +74,54 @@ class RunDir:
             d.mkdir(parents=True, exist_ok=True)
         return self
 
+    # what a run leaves at the top of its directory (report.html: the main job's report)
+    RUN_FILES = ("config.json", "summary.json", "model.pt", "outer.pt", "report.html")
+
+    def holds_run(self) -> bool:
+        """Whether a run has written here. Empty directories, and logs/ alone (a launcher
+        makes both before its workers start), are no run."""
+        return (any((self.root / name).exists() for name in self.RUN_FILES)
+                or any(self.events.glob("rank*.jsonl"))
+                or (self.checkpoints.is_dir() and any(self.checkpoints.iterdir())))
+
+    def clear(self) -> None:
+        """Remove what a run left here: its files, events, checkpoints and workers' logs."""
+        for name in self.RUN_FILES:
+            (self.root / name).unlink(missing_ok=True)
+        for d in (self.events, self.checkpoints):
+            shutil.rmtree(d, ignore_errors=True)
+        for log in self.logs.glob("rank*.log"):
+            log.unlink(missing_ok=True)
+
+    def claim(self, overwrite: bool) -> "RunDir":
+        """Make this the directory of a new run: refused (ConfigError) where a run already
+        is, unless `overwrite`, which removes that run first."""
+        if self.holds_run():
+            if not overwrite:
+                raise ConfigError(f"{self.root} already holds a run: pass --overwrite to replace "
+                                  f"it, --resume {self.root} to continue it, or another --run-dir.")
+            self.clear()
+        return self.create()
+
     def read_json(self, path: Path) -> dict | None:
         try:
             return json.loads(path.read_text())
         except (OSError, ValueError):
             return None
+
+
+def new_run_dir(algo: str) -> RunDir:
+    """A fresh runs/<algo>-<time> (with -2, -3, ... when that name is taken), created at once
+    so that two runs started in the same second never share it."""
+    base = os.path.join("runs", f"{algo}-{time.strftime('%Y%m%d-%H%M%S')}")
+    for n in range(1, 1000):
+        root = Path(base if n == 1 else f"{base}-{n}")
+        try:
+            root.mkdir(parents=True)
+        except FileExistsError:
+            continue
+        return RunDir(root).create()
+    raise ConfigError(f"runs/ has no free name like {base}: pass --run-dir.")
 
 
 def write_json_atomic(path: Path, obj) -> None:

@@ -12,6 +12,7 @@ import itertools
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 import sys
 import time
 
@@ -32,7 +33,7 @@ from lowband.model import GPT, compile_blocks, find_blocks, gpt_config, lm_loss,
 from lowband.params import flatten, write_flat
 from lowband.schedule import lr_at
 from lowband.summary import summarize
-from lowband.telemetry import EventWriter, RunDir, write_json_atomic
+from lowband.telemetry import EventWriter, RunDir, new_run_dir, write_json_atomic
 
 
 def make_optimizer_factory(cfg: Config, device: torch.device):
@@ -65,13 +66,58 @@ def _set_threads() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(topo_mod.local_world_size(), 1)))
 
 
-def _resolve_run_dir(cfg: Config, rank: int) -> RunDir:
-    """Rank 0 picks the run directory (default runs/<algo>-<time>) and tells the others."""
-    name = [cfg.run_dir or os.path.join("runs", f"{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}")]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(name, src=0)
-    cfg.run_dir = name[0]
+def _resolve_run_dir(cfg: Config, resume: bool) -> RunDir:
+    """Rank 0 picks the run directory (default: a fresh runs/<algo>-<time>), refuses one that
+    holds another run unless --overwrite (or --resume) says what to do with it, and tells the
+    others."""
+
+    def pick():
+        if not cfg.run_dir:
+            return str(new_run_dir(cfg.algo).root)
+        if not resume:
+            RunDir(cfg.run_dir).claim(cfg.overwrite)
+        return cfg.run_dir
+
+    cfg.run_dir = _decided_by_rank0(pick)
     return RunDir(cfg.run_dir).create()
+
+
+def _decided_by_rank0(decide):
+    """decide() run on rank 0 and its result given to every rank; a ConfigError it raises is
+    raised on every rank, so all of them stop with the same sentence."""
+    box = [None, None]  # result, error
+    if dist.get_rank() == 0:
+        try:
+            box[0] = decide()
+        except ConfigError as e:
+            box[1] = str(e)
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise ConfigError(box[1])
+    return box[0]
+
+
+def _resume_point(run: RunDir) -> Path:
+    """The newest checkpoint of the run whose files match their checksums, chosen by rank 0;
+    each newer, damaged one is named on rank 0's stderr."""
+
+    def pick():
+        path, damaged = checkpoint.newest_intact(run)
+        if path is None and not damaged:
+            raise ConfigError(f"{run.root} has no checkpoint to resume from: train with "
+                              "--checkpoint-every N to write them.")
+        if path is None:
+            bad, why = damaged[0]
+            raise ConfigError(f"every checkpoint of {run.root} is damaged (the newest, {bad.name}: "
+                              f"{why}), so nothing can be resumed: start the run again with "
+                              "--overwrite.")
+        for bad, why in damaged:
+            print(f"lowband: checkpoint {bad} is damaged ({why}), so the run resumes from "
+                  f"{path.name}.", file=sys.stderr, flush=True)
+        return str(path)
+
+    return Path(_decided_by_rank0(pick))
 
 
 def evaluate(model, batches: Batches, cfg: Config) -> float:
@@ -93,13 +139,10 @@ def train(cfg: Config, model: nn.Module | None = None, blocks: nn.ModuleList | N
     cfg.validate()
     _set_threads()
     topo = topo_mod.init(cfg.replicas, cfg.shards, cfg.device, cfg.backend)
-    run = _resolve_run_dir(cfg, topo.rank)
+    run = _resolve_run_dir(cfg, resume)
     resume_from = None
     if resume:
-        path = checkpoint.latest(run)
-        if path is None:
-            raise ConfigError(f"{run.root} has no checkpoint to resume from: train with "
-                              "--checkpoint-every N to write them.")
+        path = _resume_point(run)
         resume_from = (path, checkpoint.read_rank_state(path, topo.rank))
         with open(run.event_file(topo.rank), "r+b") as f:  # drop events after the checkpoint
             f.truncate(resume_from[1]["events_offset"])
@@ -134,7 +177,6 @@ def _train(cfg, topo, run, events, model, blocks, resume_from):
         write_json_atomic(run.config, {**cfg.to_dict(), "meta": {
             "world": topo.world, "n_params": num_params(model), "torch": torch.__version__,
             "device": device.type, "backend": dist.get_backend()}})
-    events.emit("run", phase="start", world=topo.world, config_hash=cfg.hash())
 
     faults = Faults(cfg, topo.replica, cfg.seed)
     done = Progress()
@@ -143,6 +185,7 @@ def _train(cfg, topo, run, events, model, blocks, resume_from):
         done = Progress(**resume_from[1]["progress"])
         comm.totals.restore(resume_from[1]["comm"])
         torch.set_rng_state(resume_from[1]["rng"])
+    # one run event a rank: where this process starts (a resumed run continues the same files)
     events.emit("run", phase="start" if resume_from is None else "resume", world=topo.world,
                 config_hash=cfg.hash(), step=done.step)
 
@@ -193,8 +236,8 @@ def _train(cfg, topo, run, events, model, blocks, resume_from):
     my_tokens, wall_s, compute_s = done.tokens, done.wall_s, done.compute_s
     last_loss, val_loss = done.loss, done.val_loss
 
-    mine = {"tokens": my_tokens, "wall_s": wall_s, "compute_s": compute_s, "loss": last_loss,
-            "val_loss": val_loss, "replica": topo.replica, "shard": topo.shard,
+    mine = {"tokens": my_tokens, "steps": done.step, "wall_s": wall_s, "compute_s": compute_s,
+            "loss": last_loss, "val_loss": val_loss, "replica": topo.replica, "shard": topo.shard,
             "outer_wire": comm.totals.wire_bytes["outer"], "inner_wire": comm.totals.wire_bytes["inner"],
             "peak_outer": comm.totals.peak_outer_payload}
     everyone = [None] * topo.world
@@ -207,8 +250,9 @@ def _train(cfg, topo, run, events, model, blocks, resume_from):
     summary = summarize(cfg, everyone) if topo.rank == 0 else None
     if summary is not None:  # the baseline's bytes for the same model and steps, computed
         sizes = [p.numel() for p in model.parameters() if p.requires_grad]
-        summary["ddp_outer_wire_bytes"] = ddp_outer_wire_bytes(sizes, cfg.replicas, cfg.shards,
-                                                               done.step, cfg.bucket_mb)
+        one_step = ddp_outer_wire_bytes(sizes, cfg.replicas, cfg.shards, 1, cfg.bucket_mb)
+        inner_steps = sum(summary["steps_run_per_replica"])  # R x steps_run
+        summary["ddp_outer_wire_bytes"] = one_step * inner_steps // cfg.replicas
     if summary is not None:
         write_json_atomic(run.summary, summary)
     dist.barrier()

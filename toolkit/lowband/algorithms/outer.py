@@ -11,6 +11,7 @@ from lowband.options import ConfigError, Options, option
 @dataclass
 class OuterOptions(Options):
     title = "outer loop"
+    shared_knob = True
     sync_every: int = option(20, "H: inner steps between two syncs of the same fragment or block")
     outer_lr: float = option(0.7, "outer SGD learning rate")
     outer_momentum: float = option(0.9, "outer SGD Nesterov momentum")
