@@ -322,6 +322,23 @@ def test_aedit_step_budget(train_run):
     assert 120 <= last["total_steps"] <= 144
 
 
+
+def test_aedit_budget_holds_and_the_summary_tells_the_steps_run(train_run):
+    """The issue's case: a 2 x 30 budget with a 1 s window once ran 91 steps while summary.json
+    said 30. The budget now holds within one step per replica, and the summary tells each
+    replica's steps and their mean."""
+    for steps, window, straggler in ((30, 1.0, "1:1"), (100, 0.3, "1:3")):
+        run = train_run("--algo", "aedit", "--model", "nano", "--replicas", 2, "--steps", steps,
+                        "--sync-seconds", window, "--warmup-sync-steps", 2, "--straggler",
+                        straggler, "--batch-size", BATCH, "--seq-len", SEQ, "--eval-every", 0,
+                        name=f"run-{steps}")
+        ran = [max(e["step"] for e in read_events(run, ("step",)) if e["rank"] == r) for r in (0, 1)]
+        assert 2 * steps <= sum(ran) <= 2 * steps + 2, ran
+        summary = run.read_json(run.summary)
+        assert summary["steps"] == steps and summary["steps_run_per_replica"] == ran
+        assert summary["steps_run"] == sum(ran) / 2
+    assert ran[0] > ran[1], ran  # the straggler's windows held fewer of its steps
+
 ROUND_TRIP = textwrap.dedent("""
     import io, torch
     from lowband import topology

@@ -7,7 +7,8 @@ A new algorithm: its own file (its class, its option groups beside it), one line
 from lowband.algorithms.acco import ACCO
 from lowband.algorithms.base import Algorithm
 from lowband.algorithms.ddp import DDP
-from lowband.algorithms.edit import AEDiT, EDiT
+from lowband.algorithms.aedit import AEDiT
+from lowband.algorithms.edit import EDiT
 from lowband.algorithms.streaming import DiLoCo, Streaming
 from lowband.algorithms.zero1 import ZeRO1
 

@@ -1,5 +1,6 @@
-"""edit and aedit (EDiT and A-EDiT, arXiv 2412.07210): local SGD over FSDP2-sharded replicas,
-synced layer by layer during the forward pass, with the pseudo-gradient penalty.
+"""edit (EDiT, arXiv 2412.07210): local SGD over FSDP2-sharded replicas, synced layer by layer
+during the forward pass, with the pseudo-gradient penalty (applied in edit_plan.py, its math in
+penalty.py). aedit (aedit.py) is this class with syncs triggered by wall-clock time.
 
 Sharding. Each replica group shards its model with FSDP2 over the "shard" dimension of the
 R x S DeviceMesh (topology.py): `fully_shard` on every block, then on the root, with the
@@ -19,14 +20,13 @@ Warm-up. The first --warmup-sync-steps steps are synchronous data-parallel train
 ranks: after FSDP's reduce-scatter (the inner mean), the gradient shards are averaged over the
 outer group. The outer parameters are then taken from the (identical) replicas.
 
-A sync (edit: after every H local steps; aedit: see below) happens in the forward pass of the
-next step, layer by layer:
+A sync (after every H local steps; aedit: by time) happens in the forward pass of the next
+step, layer by layer:
   prepare (before the forward)  every rank computes ||outer - local||^2 of its shard of every
                                 unit; one small all-gather over all ranks gives each replica's
-                                whole-unit norms (and, for aedit, each replica's steps since
-                                the last sync); every rank runs the same penalty on the same
-                                numbers (penalty.py): flags, weights, statistics. The root
-                                unit's exchange is started.
+                                whole-unit norms (and the numbers aedit adds); every rank
+                                decides the same from the same numbers (edit_plan.py): flags,
+                                weights, statistics. The root unit's exchange is started.
   pre-forward hook of unit u    first starts unit u+1's exchange, then waits for unit u's and
                                 applies it, so unit u+1's bytes travel while unit u computes.
   exchange of unit u            all-reduce of w_i x (outer - local) over the outer group (the
@@ -40,33 +40,12 @@ next step, layer by layer:
 The hooks are prepended to FSDP2's, so a unit is synced before FSDP all-gathers it. A unit the
 forward never reached is applied before the backward. A sync due after the last step is done
 in finish(), unit after unit. Everything crosses the links through lowband's Comm.
-
-aedit: syncs are triggered by wall-clock time. After the warm-up every replica trains as fast
-as it can; its rank with shard index 0 checks before each step whether the window (started when
-the last sync was agreed, --sync-seconds long) ends nearer this step boundary than the next
-one (elapsed + half its usual step time >= window), and tells its inner group (a broadcast of two
-numbers over the fast link). A replica whose window has ended enters the prepare all-gather at
-once, so a fast replica waits at most for the nearest step boundary of a slow one, never for
-it to reach a step number. The all-gather carries every replica's steps since the last sync,
-window length and elapsed time, so every rank computes the same: the penalty on per-step norms
-(||delta_i|| / the replica's steps: a replica that did more steps is not more suspicious), the
-weights (optionally times each replica's share of the steps, --edit-step-weights), the total
-of inner steps done, whether the run is over (total >= R x --steps, or --max-seconds reached:
-then the sync is applied at once and the loop stops, see `should_stop`), and the next window,
-shortened where the step or time budget ends sooner. No clocks need to agree: each replica
-measures its own window from the moment the last sync was agreed. The learning rate
-follows the schedule at the run's global progress: (total at the last sync)/R plus this
-replica's steps since, scaled by its share of the last window's steps; with --max-seconds, at
-least the elapsed fraction of the budget times --steps, so a time-bound run decays in time.
-(The trainer's `step` events still show the schedule at the replica's own step.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
-import time
 from dataclasses import dataclass
 
 import torch
@@ -75,11 +54,12 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from lowband.algorithms.base import PERIODIC, Algorithm
-from lowband.algorithms.penalty import EWMA, Decision, PenaltyConfig, clip_scale, decide
+from lowband.algorithms.edit_plan import (Plan, decide_sync, event_fields, penalty_config,
+                                         plan_from_state, plan_state)
 from lowband.algorithms.outer import OuterOptions
-from lowband.options import (ConfigError, Options, flag, non_negative, option, positive,
-                             require)
-from lowband.schedule import lr_at
+from lowband.algorithms.penalty import EWMA, clip_scale
+from lowband.options import ConfigError, Options, non_negative, option, positive, require
+
 
 @dataclass
 class EditOptions(Options):
@@ -105,25 +85,6 @@ class EditOptions(Options):
         require(cfg, ("edit_z",), positive, "positive")
         require(cfg, ("edit_anomaly_warmup", "edit_temperature", "edit_clip"), non_negative,
                 "zero or positive")
-
-
-@dataclass
-class AEditOptions(Options):
-    title = "aedit timing"
-    sync_seconds: float = option(5.0, "seconds of training between two syncs")
-    max_seconds: float = option(0.0, "wall-clock budget; the run ends at the sync where it is "
-                                "spent or where all replicas' steps reach --steps x R (0: no limit)")
-    edit_step_weights: bool = option(True, "also weigh replicas by their share of the steps "
-                                     "since the last sync")
-
-    @classmethod
-    def check(cls, cfg) -> None:
-        require(cfg, ("sync_seconds",), positive, "positive")
-        require(cfg, ("max_seconds",), non_negative, "zero or positive")
-        for name in ("checkpoint_every", "stop_after"):
-            if getattr(cfg, name, 0):
-                raise ConfigError(f"aedit replicas run different numbers of steps, so there is no "
-                                  f"common step for {flag(name)}: remove it.")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -202,16 +163,12 @@ class EDiT(Algorithm):
         allocated = _allocated(outer_device) - before
         for module, u in self.unit_of.items():  # before FSDP's own pre-forward hook
             module.register_forward_pre_hook(functools.partial(self._hook, u), prepend=True)
-        self.penalty = PenaltyConfig(
-            anomaly=c.edit_anomaly, rate=c.edit_ewma_rate, z=c.edit_z, warmup=c.edit_anomaly_warmup,
-            weighted=c.edit_weighted, temperature=c.edit_temperature,
-            step_weights=self.timed and c.edit_step_weights, clip=c.edit_clip)
+        self.penalty = penalty_config(c, per_step=self.timed)
         self.anchored = False     # outer parameters taken from the replicas after the warm-up
         self.steps_done = 0
         self.last_prepared = -1   # steps done at the last sync
         self.syncs = 0
-        self.plan: list[Decision] | None = None  # the sync being applied
-        self.raw_norms: list[list[float]] = []   # its replicas' ||delta|| per unit
+        self.plan: Plan | None = None  # the sync being applied
         self.started = self.applied = 0
         self.sync_info: dict = {}
         self._report_memory(allocated, outer_device)
@@ -293,38 +250,26 @@ class EDiT(Algorithm):
         return (steps_done > W and (steps_done - W) % H == 0 and steps_done != self.last_prepared)
 
     def _prepare(self, steps_done: int, extra: list[float] | None = None) -> list[list[float]]:
-        """Exchange every unit's pseudo-gradient norms (and `extra` numbers), run the penalty,
-        start the first unit's exchange. Returns each replica's `extra`."""
+        """Exchange every unit's pseudo-gradient norms (and `extra` numbers), decide the sync
+        (edit_plan.py), start the first unit's exchange. Returns each replica's `extra`."""
         t = self.topo
         sq = torch.stack([(u.outer.to(self.device) - u.local_flat()).double().pow(2).sum()
                           for u in self.units])
         mine = torch.cat([sq, torch.tensor(extra or [], dtype=torch.float64, device=self.device)])
         rows = [r.cpu().tolist() for r in self.comm.all_gather(mine, "world", tag="norms").wait()]
-        n = len(self.units)
-        extras = [rows[i * t.shards][n:] for i in range(t.replicas)]
-        shares = None
-        if extra:
-            steps = [e[0] for e in extras]
-            shares = [s / sum(steps) if sum(steps) > 0 else 1 / t.replicas for s in steps]
-        self.plan, self.raw_norms = [], []
-        for j, u in enumerate(self.units):
-            norms = [math.sqrt(sum(rows[i * t.shards + k][j] for k in range(t.shards)))
-                     for i in range(t.replicas)]
-            self.raw_norms.append(norms)
-            if extra:  # aedit: replicas did different numbers of steps; score the norm per step
-                norms = [x / max(e[0], 1.0) for x, e in zip(norms, extras)]
-            d = decide(norms, u.ewma, self.penalty, shares)
+        self.plan = decide_sync(rows, [u.ewma for u in self.units], t.replicas, t.shards,
+                                self.penalty, per_step=self.timed)
+        for u, d in zip(self.units, self.plan.decisions):
             u.ewma = d.ewma
-            self.plan.append(d)
         self.last_prepared = steps_done
         self.syncs += 1
         self.sync_info = {"step": steps_done}
         self.started = self.applied = 0
         self._start(0)
-        return extras
+        return self.plan.extras
 
     def _start(self, j: int) -> None:
-        u, d = self.units[j], self.plan[j]
+        u, d = self.units[j], self.plan.decisions[j]
         self.started = j + 1
         if d.all_flagged:
             return
@@ -354,7 +299,7 @@ class EDiT(Algorithm):
     @torch.no_grad()
     def _apply(self, j: int) -> None:
         c, t = self.config, self.topo
-        u, d = self.units[j], self.plan[j]
+        u, d = self.units[j], self.plan.decisions[j]
         self.applied = j + 1
         avg_norm, scale = None, 1.0
         if not d.all_flagged:
@@ -371,19 +316,15 @@ class EDiT(Algorithm):
             u.momentum.mul_(c.outer_momentum).add_(avg)
             u.outer.sub_(c.outer_lr * (avg + c.outer_momentum * u.momentum))
         u.write(u.outer.to(self.device))
-        if self.applied == len(self.units):
-            self.plan = None
         if self.comm.events is not None:
-            r = t.replica
-            fields = dict(self.sync_info, block=u.name, pseudo_grad_norm=self.raw_norms[j][r],
-                          weight=d.weights[r], anomaly=d.flags[r], z=d.z[r],
-                          flagged=[i for i, f in enumerate(d.flags) if f], all_flagged=d.all_flagged,
+            fields = dict(self.sync_info, block=u.name,
+                          **event_fields(self.plan, j, t.replica, per_step=self.timed),
                           clip_scale=scale, outer_lr=c.outer_lr)
             if avg_norm is not None:
                 fields["avg_norm"] = avg_norm
-            if self.timed:
-                fields["per_step_norm"] = d.norms[r]
             self.comm.events.emit("sync", **fields)
+        if self.applied == len(self.units):
+            self.plan = None
 
     # -- outer parameters, evaluation, state --------------------------------------------------
 
@@ -428,11 +369,7 @@ class EDiT(Algorithm):
                 u.pending = Landed(u.pending.wait())
             units.append({"outer": u.outer, "momentum": u.momentum, "ewma": u.ewma.state(),
                           "pending": None if u.pending is None else u.pending.value})
-        plan = None
-        if self.plan is not None:
-            plan = [{"z": d.z, "flags": d.flags, "weights": d.weights, "norms": d.norms,
-                     "all_flagged": d.all_flagged, "raw_norms": raw}
-                    for d, raw in zip(self.plan, self.raw_norms)]
+        plan = None if self.plan is None else plan_state(self.plan)
         return {"units": units, "plan": plan, "started": self.started, "applied": self.applied,
                 "anchored": self.anchored, "steps_done": self.steps_done,
                 "last_prepared": self.last_prepared, "syncs": self.syncs,
@@ -444,136 +381,12 @@ class EDiT(Algorithm):
             u.momentum.copy_(s["momentum"])
             u.ewma = EWMA.from_state(s["ewma"])
             u.pending = None if s["pending"] is None else Landed(s["pending"].to(self.device))
-        self.plan = None
-        if state["plan"] is not None:
-            self.plan, self.raw_norms = [], [list(p["raw_norms"]) for p in state["plan"]]
-            for p in state["plan"]:
-                self.plan.append(Decision(
-                    z=list(p["z"]), flags=list(p["flags"]), weights=list(p["weights"]),
-                    all_flagged=bool(p["all_flagged"]), norms=list(p["norms"])))
+        self.plan = None if state["plan"] is None else plan_from_state(state["plan"])
         self.started, self.applied = state["started"], state["applied"]
         self.anchored, self.steps_done = state["anchored"], state["steps_done"]
         self.last_prepared, self.syncs = state["last_prepared"], state["syncs"]
         self.sync_info = dict(state["sync_info"])
         self.skips = state.get("skips", 0)
-
-
-class AEDiT(EDiT):
-    name = "aedit"
-    options = (OuterOptions, EditOptions, AEditOptions)
-    summary = "A-EDiT: edit with syncs every --sync-seconds of wall-clock time"
-    timed = True
-
-    def setup(self, model, blocks, make_optimizer, topology, comm, config):
-        optimizer = super().setup(model, blocks, make_optimizer, topology, comm, config)
-        self.t0 = None             # this replica's clock starts at its first step
-        self.window_start = None   # when the current window began (this replica's clock)
-        self.window_len = config.sync_seconds
-        self.window_steps = 0      # this replica's steps since the last sync
-        self.step_s = 0.0          # this replica's step time (EWMA), for the nearest boundary
-        self.last_boundary = None
-        self.elapsed = 0.0         # seconds since the replica's first step, as its shard 0 saw it
-        self.total = 0             # inner steps of all replicas, as of the last sync
-        self.share = 1 / topology.replicas  # this replica's share of the last window's steps
-        self.stopped = False
-        return optimizer
-
-    def should_stop(self, step: int) -> bool:
-        """Consulted by the trainer before each step: agrees on syncs by time and ends the run
-        after the sync at which the step or time budget ran out."""
-        c = self.config
-        if self.stopped:
-            return True
-        now = time.monotonic()
-        if self.t0 is None:
-            self.t0 = now
-        if self.last_boundary is not None:
-            gap = now - self.last_boundary
-            self.step_s = gap if self.step_s == 0 else 0.7 * self.step_s + 0.3 * gap
-        self.last_boundary = now
-        self.elapsed = now - self.t0
-        if step < c.warmup_sync_steps:
-            return False
-        if self.window_start is None:  # the warm-up is over: the first window starts
-            self._anchor(step)
-            self.total = c.warmup_sync_steps * self.topo.replicas
-            self.window_start, self.window_steps = now, 0
-            self.window_len = self._next_window(c.sync_seconds, now - self.t0)
-        # the step boundary nearest the window's end: a slow replica may enter up to half a step
-        # early, so a fast one waits about half as long for it
-        due = now - self.window_start + 0.5 * self.step_s >= self.window_len
-        if self.topo.shards > 1:  # the replica's shard 0 decides for its inner group
-            flag = torch.tensor([float(due), self.elapsed], dtype=torch.float64, device=self.device)
-            flag = self.comm.broadcast(flag, src=0, group="inner", tag="clock").wait().tolist()
-            due, self.elapsed = bool(flag[0]), flag[1]
-        if not due:
-            return False
-        self.model.reshard()
-        extra = [float(self.window_steps), now - self.window_start, now - self.t0]
-        extras = self._prepare(step, extra)
-        steps = [e[0] for e in extras]
-        total = self.total + int(sum(steps))
-        elapsed = max(e[2] for e in extras)
-        self.sync_info.update(window=self.syncs, replica_steps=[int(s) for s in steps],
-                              total_steps=total)
-        if sum(steps) > 0:
-            self.share = steps[self.topo.replica] / sum(steps)
-        rate = sum(steps) / max(max(e[1] for e in extras), 1e-9)
-        self.total, self.window_steps = total, 0
-        if total >= c.steps * self.topo.replicas or (c.max_seconds and elapsed >= c.max_seconds):
-            self._drain()  # the last sync lands at once, and the loop ends
-            self.stopped = True
-            return True
-        remaining = c.steps * self.topo.replicas - total
-        self.window_len = self._next_window(remaining / rate if rate > 0 else c.sync_seconds,
-                                            elapsed)
-        self.window_start = time.monotonic()
-        return False
-
-    def _next_window(self, by_steps: float, elapsed: float) -> float:
-        """--sync-seconds, or less where the step budget (at the last window's rate) or the
-        time budget ends sooner."""
-        c = self.config
-        length = min(c.sync_seconds, by_steps)
-        if c.max_seconds:
-            length = min(length, c.max_seconds - elapsed)
-        return max(length, 0.0)
-
-    def before_forward(self, step):
-        super().before_forward(step)
-        c = self.config
-        if step >= c.warmup_sync_steps:  # the schedule at the run's global progress
-
-            R = self.topo.replicas
-            progress = self.total / R + self.window_steps / (R * self.share if self.share > 0 else 1)
-            if c.max_seconds:  # a time budget: the schedule spans it
-                progress = max(progress, self.elapsed / c.max_seconds * c.steps)
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr_at(c, progress)
-
-    def after_step(self, step):
-        super().after_step(step)
-        self.window_steps += 1
-
-    def finish(self):
-        if self.plan is not None:
-            self._drain()
-
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "aedit": {
-            "window_steps": self.window_steps, "total": self.total, "share": self.share,
-            "stopped": self.stopped, "window_len": self.window_len, "step_s": self.step_s,
-            "window_elapsed": None if self.window_start is None else time.monotonic() - self.window_start,
-            "elapsed": None if self.t0 is None else time.monotonic() - self.t0}}
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        a, now = state["aedit"], time.monotonic()
-        self.window_steps, self.total, self.share = a["window_steps"], a["total"], a["share"]
-        self.stopped, self.window_len = a["stopped"], a["window_len"]
-        self.window_start = None if a["window_elapsed"] is None else now - a["window_elapsed"]
-        self.t0 = None if a["elapsed"] is None else now - a["elapsed"]
-        self.elapsed, self.step_s, self.last_boundary = a["elapsed"] or 0.0, a["step_s"], None
 
 
 def _allocated(device: torch.device) -> int:

@@ -1,0 +1,188 @@
+"""aedit (A-EDiT): edit (edit.py) with syncs triggered by wall-clock time instead of a step count.
+
+Windows. After the warm-up every replica trains as fast as it can. A window starts when a sync
+was agreed and lasts --sync-seconds (less where --max-seconds ends sooner). Before each step the
+replica's rank with shard index 0 decides whether the replica enters the next sync now, and
+tells its inner group (a broadcast of two numbers over the fast link, so the S ranks agree on
+the same step). It enters when the window ends nearer this step boundary than the next one
+(elapsed + half its usual step time >= window, an EWMA of its step times), or when it has done
+its quota of the step budget (below). A replica that entered waits in the prepare all-gather
+for the others, so a fast replica waits at most until a slow one's step boundary nearest its
+window's end, never for it to reach a step number. No clocks need to agree: each replica
+measures its own window from the moment the last sync was agreed.
+
+The step budget (R x --steps inner steps over all replicas). The all-gather carries every
+replica's steps since the last sync and its elapsed time, so every rank computes the same: the
+penalty on per-step norms (edit_plan.py), the total of inner steps done, whether the run is
+over, and each replica's quota: what is left of the budget split in proportion to the
+replicas' steps in the last window (`split`; evenly for the first window). A replica that has
+done its quota enters the next sync at once. So the replicas' steps never add up to more than
+the budget, and the sync at which they reach it (every quota done) is the last: it is applied
+at once and the trainer's loop stops (`should_stop`). A window that ends by time first is an
+ordinary sync, after which what is left is split again. With --max-seconds the run also ends at
+the first sync at which that much time has passed.
+
+The learning rate follows the schedule at the run's global progress: (total at the last sync)/R
+plus this replica's steps since, scaled by its share of the last window's steps; with
+--max-seconds, at least the elapsed fraction of the budget times --steps, so a time-bound run
+decays in time. (The trainer's `step` events still show the schedule at the replica's own step.)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lowband.algorithms.edit import EDiT, EditOptions
+from lowband.algorithms.outer import OuterOptions
+from lowband.options import ConfigError, Options, flag, non_negative, option, positive, require
+from lowband.schedule import lr_at
+
+
+@dataclass
+class AEditOptions(Options):
+    title = "aedit timing"
+    sync_seconds: float = option(5.0, "seconds of training between two syncs")
+    max_seconds: float = option(0.0, "wall-clock budget; the run ends at the sync where it is "
+                                "spent or where all replicas' steps reach --steps x R (0: no limit)")
+    edit_step_weights: bool = option(True, "also weigh replicas by their share of the steps "
+                                     "since the last sync")
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        require(cfg, ("sync_seconds",), positive, "positive")
+        require(cfg, ("max_seconds",), non_negative, "zero or positive")
+        for name in ("checkpoint_every", "stop_after"):
+            if getattr(cfg, name, 0):
+                raise ConfigError(f"aedit replicas run different numbers of steps, so there is no "
+                                  f"common step for {flag(name)}: remove it.")
+
+
+def split(total: int, weights: list[int]) -> list[int]:
+    """`total` steps split in proportion to positive whole `weights`: whole numbers adding up to
+    `total`, what rounding down leaves going one each to the largest remainders (ties: the
+    lower replica). Integer arithmetic, so every rank gets the same."""
+    whole = sum(weights)
+    parts = [total * w // whole for w in weights]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (-(total * weights[i] % whole), i))
+    for i in by_remainder[: total - sum(parts)]:
+        parts[i] += 1
+    return parts
+
+
+class AEDiT(EDiT):
+    name = "aedit"
+    options = (OuterOptions, EditOptions, AEditOptions)
+    summary = "A-EDiT: edit with syncs every --sync-seconds of wall-clock time"
+    timed = True
+
+    def setup(self, model, blocks, make_optimizer, topology, comm, config):
+        optimizer = super().setup(model, blocks, make_optimizer, topology, comm, config)
+        self.t0 = None             # this replica's clock starts at its first step
+        self.window_start = None   # when the current window began (this replica's clock)
+        self.window_len = config.sync_seconds
+        self.window_steps = 0      # this replica's steps since the last sync
+        self.quota = 0             # this replica's share of the budget left at the last sync
+        self.step_s = 0.0          # this replica's step time (EWMA), for the nearest boundary
+        self.last_boundary = None
+        self.elapsed = 0.0         # seconds since the replica's first step, as its shard 0 saw it
+        self.total = 0             # inner steps of all replicas, as of the last sync
+        self.share = 1 / topology.replicas  # this replica's share of the last window's steps
+        self.stopped = False
+        return optimizer
+
+    def should_stop(self, step: int) -> bool:
+        """Consulted by the trainer before each step: agrees on syncs by time or quota and ends
+        the run after the sync at which the step or time budget ran out."""
+        c, R = self.config, self.topo.replicas
+        if self.stopped:
+            return True
+        now = time.monotonic()
+        if self.t0 is None:
+            self.t0 = now
+        if self.last_boundary is not None:
+            gap = now - self.last_boundary
+            self.step_s = gap if self.step_s == 0 else 0.7 * self.step_s + 0.3 * gap
+        self.last_boundary = now
+        self.elapsed = now - self.t0
+        if step < c.warmup_sync_steps:
+            return False
+        if self.window_start is None:  # the warm-up is over: the first window starts
+            self._anchor(step)
+            self.total = c.warmup_sync_steps * R
+            self._open_window([1] * R, now - self.t0, now)
+        # the step boundary nearest the window's end: a slow replica may enter up to half a step
+        # early, so a fast one waits about half as long for it
+        due = (now - self.window_start + 0.5 * self.step_s >= self.window_len
+               or self.window_steps >= self.quota)
+        if self.topo.shards > 1:  # the replica's shard 0 decides for its inner group
+            flag = torch.tensor([float(due), self.elapsed], dtype=torch.float64, device=self.device)
+            flag = self.comm.broadcast(flag, src=0, group="inner", tag="clock").wait().tolist()
+            due, self.elapsed = bool(flag[0]), flag[1]
+        if not due:
+            return False
+        self.model.reshard()
+        extras = self._prepare(step, [float(self.window_steps), now - self.t0])
+        steps = [int(e[0]) for e in extras]
+        total = self.total + sum(steps)
+        elapsed = max(e[1] for e in extras)
+        self.sync_info.update(window=self.syncs, replica_steps=steps, total_steps=total)
+        if sum(steps) > 0:
+            self.share = steps[self.topo.replica] / sum(steps)
+        self.total = total
+        if total >= c.steps * R or (c.max_seconds and elapsed >= c.max_seconds):
+            self._drain()  # the last sync lands at once, and the loop ends
+            self.stopped = True
+            return True
+        self._open_window([max(s, 1) for s in steps], elapsed, time.monotonic())
+        return False
+
+    def _open_window(self, weights: list[int], elapsed: float, now: float) -> None:
+        """A window of --sync-seconds (or what is left of --max-seconds), and this replica's
+        quota: its part of the steps left, split by `weights`."""
+        c = self.config
+        length = c.sync_seconds
+        if c.max_seconds:
+            length = min(length, c.max_seconds - elapsed)
+        self.window_len = max(length, 0.0)
+        self.quota = split(c.steps * self.topo.replicas - self.total, weights)[self.topo.replica]
+        self.window_start, self.window_steps = now, 0
+
+    def before_forward(self, step):
+        super().before_forward(step)
+        c = self.config
+        if step >= c.warmup_sync_steps:  # the schedule at the run's global progress
+            R = self.topo.replicas
+            progress = self.total / R + self.window_steps / (R * self.share if self.share > 0 else 1)
+            if c.max_seconds:  # a time budget: the schedule spans it
+                progress = max(progress, self.elapsed / c.max_seconds * c.steps)
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr_at(c, progress)
+
+    def after_step(self, step):
+        super().after_step(step)
+        self.window_steps += 1
+
+    def finish(self):
+        if self.plan is not None:
+            self._drain()
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "aedit": {
+            "window_steps": self.window_steps, "quota": self.quota, "total": self.total,
+            "share": self.share, "stopped": self.stopped, "window_len": self.window_len,
+            "step_s": self.step_s,
+            "window_elapsed": None if self.window_start is None else time.monotonic() - self.window_start,
+            "elapsed": None if self.t0 is None else time.monotonic() - self.t0}}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        a, now = state["aedit"], time.monotonic()
+        self.window_steps, self.quota = a["window_steps"], a["quota"]
+        self.total, self.share = a["total"], a["share"]
+        self.stopped, self.window_len = a["stopped"], a["window_len"]
+        self.window_start = None if a["window_elapsed"] is None else now - a["window_elapsed"]
+        self.t0 = None if a["elapsed"] is None else now - a["elapsed"]
+        self.elapsed, self.step_s, self.last_boundary = a["elapsed"] or 0.0, a["step_s"], None

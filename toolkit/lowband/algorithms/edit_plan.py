@@ -1,0 +1,77 @@
+"""The pseudo-gradient penalty applied at one edit/aedit sync: from the numbers every rank
+gathered, each unit's decision (flags, weights, the statistics after it), identically on every
+rank, so no further message is needed. The math of one unit is in penalty.py.
+
+The all-gather gives one row per rank, in rank order (replica i, shard k at i x S + k): its
+shard's ||outer - local||^2 for every unit, then the numbers the algorithm adds (aedit: the
+replica's steps since the last sync first). A replica's norm of a unit is the square root of
+the sum over its S ranks. aedit's replicas do different numbers of steps, so there the penalty
+scores norms per step (||delta_i|| / n_i: a replica that did more steps is not more suspicious)
+and may weigh each replica by its share of the steps (--edit-step-weights).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lowband.algorithms.penalty import EWMA, Decision, PenaltyConfig, decide
+
+
+@dataclass
+class Plan:
+    decisions: list[Decision]     # one per unit
+    raw_norms: list[list[float]]  # per unit, each replica's ||delta|| over the whole unit
+    extras: list[list[float]]     # per replica, the numbers it added to its row
+
+
+def penalty_config(c, per_step: bool) -> PenaltyConfig:
+    """The penalty's settings from the run's options (per_step: aedit)."""
+    return PenaltyConfig(
+        anomaly=c.edit_anomaly, rate=c.edit_ewma_rate, z=c.edit_z, warmup=c.edit_anomaly_warmup,
+        weighted=c.edit_weighted, temperature=c.edit_temperature,
+        step_weights=per_step and c.edit_step_weights, clip=c.edit_clip)
+
+
+def decide_sync(rows: list[list[float]], stats: list[EWMA], replicas: int, shards: int,
+                cfg: PenaltyConfig, per_step: bool) -> Plan:
+    """Every unit's decision from the gathered rows and each unit's statistics so far."""
+    n = len(stats)
+    extras = [rows[i * shards][n:] for i in range(replicas)]
+    shares = None
+    if per_step:
+        steps = [e[0] for e in extras]
+        shares = [s / sum(steps) if sum(steps) > 0 else 1 / replicas for s in steps]
+    decisions, raw_norms = [], []
+    for j, ewma in enumerate(stats):
+        norms = [math.sqrt(sum(rows[i * shards + k][j] for k in range(shards)))
+                 for i in range(replicas)]
+        raw_norms.append(norms)
+        if per_step:
+            norms = [x / max(e[0], 1.0) for x, e in zip(norms, extras)]
+        decisions.append(decide(norms, ewma, cfg, shares))
+    return Plan(decisions, raw_norms, extras)
+
+
+def event_fields(plan: Plan, j: int, replica: int, per_step: bool) -> dict:
+    """What the `sync` event of unit j says about the penalty, from this replica's side."""
+    d = plan.decisions[j]
+    fields = dict(pseudo_grad_norm=plan.raw_norms[j][replica], weight=d.weights[replica],
+                  anomaly=d.flags[replica], z=d.z[replica],
+                  flagged=[i for i, f in enumerate(d.flags) if f], all_flagged=d.all_flagged)
+    if per_step:
+        fields["per_step_norm"] = d.norms[replica]
+    return fields
+
+
+def plan_state(plan: Plan) -> list[dict]:
+    return [{"z": d.z, "flags": d.flags, "weights": d.weights, "norms": d.norms,
+             "all_flagged": d.all_flagged, "raw_norms": raw}
+            for d, raw in zip(plan.decisions, plan.raw_norms)]
+
+
+def plan_from_state(state: list[dict]) -> Plan:
+    decisions = [Decision(z=list(p["z"]), flags=list(p["flags"]), weights=list(p["weights"]),
+                          all_flagged=bool(p["all_flagged"]), norms=list(p["norms"]))
+                 for p in state]
+    return Plan(decisions, [list(p["raw_norms"]) for p in state], [])
