@@ -46,7 +46,7 @@ quickstart = Recipe("quickstart", "notebook 01: a short streaming run of a tiny 
 
 # each seed algorithm as its reference sets it (see docs/fidelity.md)
 diloco_paper = Recipe(
-    "diloco_paper", "DiLoCo as its paper (arXiv 2311.08455): outer Nesterov SGD lr 0.7, "
+    "diloco_paper", "DiLoCo as its paper (arXiv 2311.08105): outer Nesterov SGD lr 0.7, "
     "momentum 0.9, fp32 average every H steps (the paper's H is 500; here 50 for a CPU run)",
     {"algo": "diloco", "model": "micro", "steps": 200, "sync_every": 50, "outer_lr": 0.7,
      "outer_momentum": 0.9})
@@ -58,13 +58,16 @@ streaming_paper = Recipe(
      "outer_lr": 0.7, "outer_momentum": 0.9})
 edit_atorch = Recipe(
     "edit_atorch", "EDiT with atorch's penalty settings: temperature 1 on the raw norms, "
-    "EWMA rate 0.02, z-score 3, outer Nesterov SGD; 2 replicas of 2 shards",
+    "EWMA rate 0.02, z-score 3, anomaly warm-up 10 syncs (its README example; its default 120 "
+    "outlasts a CPU run), outer Nesterov SGD lr 0.7 momentum 0.8 (its training example); 2 "
+    "replicas of 2 shards",
     {"algo": "edit", "model": "micro", "replicas": 2, "shards": 2, "steps": 120,
      "sync_every": 10, "warmup_sync_steps": 10, "edit_temperature": 1.0, "edit_ewma_rate": 0.02,
-     "edit_z": 3.0, "edit_anomaly_warmup": 10, "outer_lr": 0.7, "outer_momentum": 0.9})
+     "edit_z": 3.0, "edit_anomaly_warmup": 10, "outer_lr": 0.7, "outer_momentum": 0.8})
 aedit_atorch = Recipe(
-    "aedit_atorch", "A-EDiT with atorch's settings: syncs by wall-clock time, raw norms, no step "
-    "weights, temperature 1",
+    "aedit_atorch", "A-EDiT with atorch's settings: syncs by wall-clock time, no step weights, "
+    "temperature 1, EWMA rate 0.02 (norms stay per step: lowband's aedit has no raw-norm mode, "
+    "see docs/fidelity.md)",
     {"algo": "aedit", "model": "micro", "replicas": 2, "steps": 120, "sync_seconds": 2.0,
      "max_seconds": 120.0, "warmup_sync_steps": 10, "edit_temperature": 1.0,
      "edit_ewma_rate": 0.02, "edit_anomaly_warmup": 10, "edit_step_weights": False})
