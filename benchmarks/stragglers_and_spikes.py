@@ -62,8 +62,8 @@ def _die_with_parent() -> None:
 
 def train(run_dir: Path, args: list[str], timeout: float) -> dict:
     """`lowband train ARGS` into run_dir; returns its summary plus the events' loss curves."""
-    cmd = [sys.executable, "-m", "lowband.cli", "train", "--no-progress", "--run-dir", str(run_dir),
-           *map(str, args)]
+    cmd = [sys.executable, "-m", "lowband.cli", "train", "--no-progress", "--overwrite", "--run-dir",
+           str(run_dir), *map(str, args)]
     env = {k: v for k, v in os.environ.items() if k not in _WORKER_ENV}
     t0 = time.time()
     with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
