@@ -87,6 +87,9 @@ def codec_throughput(device, numel: int, codecs=("int8", "fp4-e3m0", "fp4-e2m1")
                                      and torch.equal(_bits(y), _bits(eager[1]))),
                 "equals_cpu": bool(torch.equal(payload.cpu(), cpu_payload)
                                    and torch.equal(_bits(y.cpu()), _bits(cpu_y))),
+                # where the device's bytes differ from the CPU's: scale bytes, code bytes
+                "differ_cpu": [int((payload.cpu() != cpu_payload)[: 2 * -(-numel // block)].sum()),
+                               int((payload.cpu() != cpu_payload)[2 * -(-numel // block):].sum())],
             })
             del payload, y
         del eager, cpu_payload, cpu_y

@@ -22,7 +22,8 @@ def test_gpu_benchmark_smoke(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["ratio_to_plain"] > 0 for r in inner.values())
 
     overhead = {r["algo"]: r for r in result["overhead"]}
-    assert set(overhead) == {"ddp", "streaming", "edit", "acco", "zero1", "ddp again"}
+    assert set(overhead) == {"ddp", "streaming", "streaming, outer on cpu", "edit", "acco", "zero1",
+                             "ddp again"}
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in overhead.values()), overhead
 
     for row in result["e2e"]:
@@ -32,4 +33,5 @@ def test_gpu_benchmark_smoke(tmp_path):
 
     codecs = result["codecs"]
     assert {r["codec"] for r in codecs} >= {"int8", "fp4-e3m0", "fp4-e2m1"}
+    assert all(r["equals_eager"] and r["equals_cpu"] and r["differ_cpu"] == [0, 0] for r in codecs)
     assert "[inner]" in proc.stdout and "[e2e]" in proc.stdout

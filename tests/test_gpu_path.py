@@ -119,3 +119,39 @@ def test_comm_times_come_from_the_device_clock():
         assert total == 3.0
         assert (record["start"], record["end"], record["clock"]) == (10.0, 12.5, "cuda")
         assert wire == 4000
+
+
+def test_fused_step_skips_itself_on_the_device_when_a_gradient_is_not_finite():
+    """On CUDA the trainer queues the fused AdamW step with found_inf instead of waiting for the
+    gradient norm on the host; a non-finite gradient must still leave parameters, moments and
+    step counts as they were, and count as a skip. CPU's fused AdamW takes the same path."""
+    from lowband.algorithms.base import Algorithm
+    from lowband.config import Config
+    from lowband.train import _skips_on_device, standard_step
+
+    torch.manual_seed(0)
+    model = GPT(gpt_config("nano", seq_len=16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    assert _skips_on_device(opt)
+    cfg = Config(model="nano", seq_len=16, batch_size=2, steps=3, warmup_steps=0)
+
+    class Batches:
+        def train(self, step, micro):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randint(0, 64, (2, 16), generator=g)
+            return x, x.roll(-1, 1)
+
+    algo = Algorithm()
+    standard_step(algo, model, opt, Batches(), cfg, 0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    hook = model.blocks[0].attn.qkv.weight.register_hook(lambda g: g * float("nan"))
+    standard_step(algo, model, opt, Batches(), cfg, 1)
+    hook.remove()
+    assert algo.skips == 1
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(m, opt.state[p]["exp_avg"]) for m, p in zip(moments, model.parameters()))
+    assert all(int(opt.state[p]["step"]) == 1 for p in model.parameters())
+    standard_step(algo, model, opt, Batches(), cfg, 2)
+    assert algo.skips == 0 and not torch.equal(before["blocks.0.attn.qkv.weight"],
+                                               model.blocks[0].attn.qkv.weight)

@@ -277,8 +277,14 @@ def standard_step(algo, model, optimizer, batches: Batches, cfg: Config, step: i
         loss_sum += loss.detach()
     algo.after_backward(step)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
-    if torch.isfinite(norm):
+    finite = torch.isfinite(norm)
+    on_device = _skips_on_device(optimizer)
+    if on_device:  # queued before the host waits on `finite`, so the GPU does not idle
+        optimizer.found_inf = (~finite).float()
         optimizer.step()
+    if finite:
+        if not on_device:
+            optimizer.step()
         algo.skips = 0
     else:  # NaN or inf in the loss or a gradient: this update is skipped, the weights stay
         algo.skips += 1
@@ -287,6 +293,16 @@ def standard_step(algo, model, optimizer, batches: Batches, cfg: Config, step: i
     optimizer.zero_grad(set_to_none=True)
     algo.after_step(step)
     return loss_sum.item(), cfg.grad_accum
+
+
+def _skips_on_device(optimizer) -> bool:
+    """Whether the optimizer's step can skip itself on the device: a fused AdamW reads
+    `found_inf` as under a GradScaler and leaves parameters, moments and step counts as they
+    were when it is 1 (plain tensors only: DTensor parameters take the host's decision)."""
+    from torch.distributed.tensor import DTensor
+
+    params = optimizer.param_groups[0]["params"]
+    return bool(optimizer.defaults.get("fused")) and bool(params) and not isinstance(params[0], DTensor)
 
 
 class TrainingStopped(RuntimeError):

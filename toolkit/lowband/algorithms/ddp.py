@@ -4,7 +4,9 @@ Parameters are packed into buckets of about `bucket_mb` MiB in reverse registrat
 order their gradients become ready in backward). A hook on each parameter copies its gradient
 into its bucket once it has been accumulated on the last micro-batch; a full bucket is
 all-reduced asynchronously at once, so communication overlaps the rest of the backward pass.
-after_backward waits for every bucket and writes the averages back into the gradients.
+after_backward waits for every bucket and writes the averages back into the gradients. A group
+of one rank (a world of one; a replica of one shard) has nothing to average: no buckets, no
+hooks, no copies.
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ class DDP(Algorithm):
 
     def setup(self, model, blocks, make_optimizer, topology, comm, config):
         optimizer = super().setup(model, blocks, make_optimizer, topology, comm, config)
+        self.buckets = []
+        if dist.get_world_size(topology.group(self.group)) == 1:
+            return optimizer  # a group of one: its gradients are the average, nothing to copy
         params = [p for p in model.parameters() if p.requires_grad][::-1]
         groups = [[params[i] for i in g]
                   for g in pack([p.numel() for p in params], int(config.bucket_mb * 2**20))]
@@ -94,6 +99,8 @@ class DDP(Algorithm):
         bucket.transfer = self.comm.all_reduce(bucket.flat, self.group, tag=f"bucket{bucket.index}")
 
     def after_backward(self, step):
+        if not self.buckets:
+            return
         for bucket in self.buckets:
             if bucket.transfer is None:  # some parameter got no gradient this step
                 for p in bucket.params:

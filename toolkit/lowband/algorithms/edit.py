@@ -49,6 +49,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -56,7 +57,7 @@ from torch.distributed.tensor import DTensor
 from lowband.algorithms.base import PERIODIC, Algorithm
 from lowband.algorithms.edit_plan import (Plan, decide_sync, event_fields, penalty_config,
                                          plan_from_state, plan_state)
-from lowband.algorithms.outer import OuterOptions
+from lowband.algorithms.outer import OuterOptions, kept_at, nesterov_step, outer_home, settle
 from lowband.algorithms.penalty import EWMA, clip_scale
 from lowband.options import ConfigError, Options, non_negative, option, positive, require
 
@@ -113,8 +114,9 @@ class Unit:
         self.name, self.params = name, params
         self.tag = name if isinstance(name, str) else f"block{name}"
         self.numel = sum(p.numel() for p in params)  # whole unit, all shards
-        self.outer = self.local_flat().to(device)
-        self.momentum = torch.zeros_like(self.outer)
+        flat = self.local_flat()
+        self.outer = kept_at(flat, device)
+        self.momentum = kept_at(torch.zeros_like(flat), device)
         self.ewma = EWMA()
         self.pending = None  # the exchange in flight (Transfer or Landed)
 
@@ -144,6 +146,10 @@ class EDiT(Algorithm):
     def setup(self, model, blocks, make_optimizer, topology, comm, config):
         self.model, self.blocks, self.topo, self.comm, self.config = model, blocks, topology, comm, config
         c = config
+        if topology.shards > 1 and topology.device.type == "cuda" and dist.get_backend() == "gloo":
+            raise ConfigError(f"edit with --shards {topology.shards} on GPUs shared by several ranks "
+                              "cannot run: FSDP2's collectives crash in gloo with CUDA tensors "
+                              "(NCCL needs one GPU a rank), so use --shards 1 or one GPU per rank.")
         mesh = topology.mesh["shard"]
         for block in blocks:
             fully_shard(block, mesh=mesh)
@@ -152,7 +158,7 @@ class EDiT(Algorithm):
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         root = [p for p in model.parameters() if id(p) not in in_blocks]
         self.device = topology.device
-        outer_device = torch.device("cpu") if c.outer_state_device == "cpu" else topology.device
+        outer_device = outer_home(c, topology.device)
         before = _allocated(outer_device)
         candidates = [("root", model, root)] + [(i, b, list(b.parameters())) for i, b in enumerate(blocks)]
         self.units, self.unit_of = [], {}
@@ -253,7 +259,7 @@ class EDiT(Algorithm):
         """Exchange every unit's pseudo-gradient norms (and `extra` numbers), decide the sync
         (edit_plan.py), start the first unit's exchange. Returns each replica's `extra`."""
         t = self.topo
-        sq = torch.stack([(u.outer.to(self.device) - u.local_flat()).double().pow(2).sum()
+        sq = torch.stack([(u.outer.to(self.device, non_blocking=True) - u.local_flat()).double().pow(2).sum()
                           for u in self.units])
         mine = torch.cat([sq, torch.tensor(extra or [], dtype=torch.float64, device=self.device)])
         rows = [r.cpu().tolist() for r in self.comm.all_gather(mine, "world", tag="norms").wait()]
@@ -274,7 +280,7 @@ class EDiT(Algorithm):
         if d.all_flagged:
             return
         w = d.weights[self.topo.replica]
-        delta = (u.outer.to(self.device) - u.local_flat()).mul_(w)
+        delta = (u.outer.to(self.device, non_blocking=True) - u.local_flat()).mul_(w)
         u.pending = self.comm.all_reduce(delta, "outer", tag=u.tag)
 
     def _hook(self, j: int, module, args) -> None:
@@ -303,19 +309,19 @@ class EDiT(Algorithm):
         self.applied = j + 1
         avg_norm, scale = None, 1.0
         if not d.all_flagged:
-            avg = u.pending.wait().to(u.outer.device)
+            avg = u.pending.wait().to(self.device)
             u.pending = None
             if self.penalty.clip > 0:
-                sq = avg.double().pow(2).sum().reshape(1).to(self.device)
+                sq = avg.double().pow(2).sum().reshape(1)
                 if t.shards > 1:
                     sq = self.comm.all_reduce(sq, "inner", tag="clip").wait()
                 avg_norm = float(sq.sqrt())
                 scale = clip_scale(avg_norm, self.penalty.clip)
                 if scale != 1.0:
                     avg.mul_(scale)
-            u.momentum.mul_(c.outer_momentum).add_(avg)
-            u.outer.sub_(c.outer_lr * (avg + c.outer_momentum * u.momentum))
-        u.write(u.outer.to(self.device))
+            u.write(nesterov_step(u.outer, u.momentum, avg, c.outer_lr, c.outer_momentum))
+        else:
+            u.write(u.outer.to(self.device, non_blocking=True))
         if self.comm.events is not None:
             fields = dict(self.sync_info, block=u.name,
                           **event_fields(self.plan, j, t.replica, per_step=self.timed),
@@ -364,6 +370,7 @@ class EDiT(Algorithm):
         """This rank's state: outer shards, momentum, statistics, counters; an exchange in
         flight is waited for and kept as landed."""
         units = []
+        settle(self.device)
         for u in self.units:
             if u.pending is not None and not isinstance(u.pending, Landed):
                 u.pending = Landed(u.pending.wait())
@@ -376,6 +383,7 @@ class EDiT(Algorithm):
                 "sync_info": dict(self.sync_info), "skips": getattr(self, "skips", 0)}
 
     def load_state_dict(self, state: dict) -> None:
+        settle(self.device)
         for u, s in zip(self.units, state["units"]):
             u.outer.copy_(s["outer"])
             u.momentum.copy_(s["momentum"])

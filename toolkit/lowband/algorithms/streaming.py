@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from lowband.algorithms.base import PERIODIC, Algorithm
 from lowband.algorithms.ddp import DDP
-from lowband.algorithms.outer import OuterOptions
+from lowband.algorithms.outer import OuterOptions, kept_at, nesterov_step, outer_home, settle
 from lowband.comm.codecs import CODECS
 from lowband.options import ConfigError, Options, option
 from lowband.params import flatten, split_fragments, write_flat
@@ -46,8 +46,8 @@ class Fragment:
         self.chunk = math.ceil(self.numel / shards)
         self.lo = min(shard * self.chunk, self.numel)
         self.hi = min(self.lo + self.chunk, self.numel)
-        self.outer = self.local_slice().to(device)  # theta_outer, this rank's slice
-        self.momentum = torch.zeros_like(self.outer)
+        self.outer = kept_at(self.local_slice(), device)  # theta_outer, this rank's slice
+        self.momentum = kept_at(torch.zeros_like(self.outer, device=params[0].device), device)
         self.residual = None  # error feedback: what quantization left out of the last send
         self.pending = None  # (apply after step, start step, Average in flight)
 
@@ -123,7 +123,7 @@ class Streaming(Algorithm):
             optimizer = make_optimizer(model.parameters())
         self.model, self.blocks, self.topo, self.comm, self.config = model, blocks, topology, comm, c
         self.optimizer = optimizer
-        device = torch.device("cpu") if c.outer_state_device == "cpu" else topology.device
+        device = outer_home(c, topology.device)
         self.period = c.sync_every // c.fragments
         self.fragments = [Fragment(i, ps, topology.shard, topology.shards, device)
                           for i, ps in enumerate(split_fragments(model, blocks, c.fragments,
@@ -155,7 +155,7 @@ class Streaming(Algorithm):
 
     def _start(self, f: Fragment, s: int) -> None:
         c = self.config
-        delta = f.outer.to(self.topo.device) - f.local_slice()
+        delta = f.outer.to(self.topo.device, non_blocking=True) - f.local_slice()
         if f.residual is not None:
             delta += f.residual
         avg = self.comm.average(delta, "outer", c.codec, c.codec_block, tag=f"frag{f.index}")
@@ -170,16 +170,15 @@ class Streaming(Algorithm):
         c = self.config
         _, started, avg = f.pending
         f.pending = None
-        delta = avg.wait().to(f.outer.device)
+        delta = avg.wait().to(self.topo.device)
         norm = self._norm(delta)
         if not math.isfinite(norm):  # some replica's pseudo-gradient held NaN or inf
             self._skip(f, started)
             return
         self.skips = 0
-        f.momentum.mul_(c.outer_momentum).add_(delta)
-        f.outer.sub_(c.outer_lr * (delta + c.outer_momentum * f.momentum))
-        merged = c.alpha * f.local_slice().to(f.outer.device) + (1 - c.alpha) * f.outer
-        write_flat(f.params, self._gather(f, merged.to(self.topo.device)))
+        outer = nesterov_step(f.outer, f.momentum, delta, c.outer_lr, c.outer_momentum)
+        merged = c.alpha * f.local_slice() + (1 - c.alpha) * outer
+        write_flat(f.params, self._gather(f, merged))
         if self.comm.events is not None:
             self.comm.events.emit("sync", step=started, fragment=f.index, applied_step=started + c.overlap,
                                   pseudo_grad_norm=norm, weight=1 / self.topo.replicas,
@@ -197,6 +196,7 @@ class Streaming(Algorithm):
     def state_dict(self) -> dict:
         """This rank's outer state; an exchange in flight is waited for and kept as landed."""
         frags = []
+        settle(self.topo.device)
         for f in self.fragments:
             pending = None
             if f.pending is not None:
@@ -208,6 +208,7 @@ class Streaming(Algorithm):
         return {"fragments": frags, "skips": self.skips}
 
     def load_state_dict(self, state: dict) -> None:
+        settle(self.topo.device)
         for f, st in zip(self.fragments, state["fragments"]):
             f.outer.copy_(st["outer"])
             f.momentum.copy_(st["momentum"])

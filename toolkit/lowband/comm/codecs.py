@@ -23,7 +23,9 @@ quietly turned into numbers.
 
 `compiled=True` runs the quantized codecs through torch.compile: the same functions, one graph
 per codec, block and device for every size, bitwise the eager bytes and values (checked on CPU
-by tests/test_codecs_compiled.py, on a GPU by benchmarks/gpu_codecs.py).
+by tests/test_codecs_compiled.py, on a GPU by benchmarks/gpu_codecs.py). On CUDA, compiled
+means two hand-written Triton kernels (codecs_triton.py), one pass each way, and it is the
+default there (compiled=None); elsewhere the default is eager.
 """
 
 from __future__ import annotations
@@ -53,11 +55,11 @@ class Codec:
     def payload_bytes(self, n: int, block: int = 64) -> int:
         return payload_bytes(self.name, n, block)
 
-    def encode(self, x: torch.Tensor, block: int = 64, compiled: bool = False) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, block: int = 64, compiled: bool | None = None) -> torch.Tensor:
         return encode(x, self.name, block, compiled)
 
     def decode(self, payload: torch.Tensor, n: int, block: int = 64,
-               compiled: bool = False) -> torch.Tensor:
+               compiled: bool | None = None) -> torch.Tensor:
         return decode(payload, n, self.name, block, compiled)
 
 
@@ -104,7 +106,10 @@ def _encode_blocks(x: torch.Tensor, codec: str, block: int):
     n = x.numel()
     padded = F.pad(x, (0, (-n) % block)).view(-1, block)
     absmax = padded.abs().amax(dim=1)  # NaN or inf where the block holds one
-    scale = torch.clamp(absmax / _TOP[codec], max=_CAP[codec]).bfloat16()
+    # a divisor tensor, not a Python number: CUDA multiplies by the reciprocal of a scalar
+    # divisor (one bit off at times), which would make the GPU's scales differ from the CPU's
+    top = torch.full((), _TOP[codec], device=x.device)
+    scale = torch.clamp(absmax / top, max=_CAP[codec]).bfloat16()
     s = scale.float()
     s = torch.where(s > 0, s, 1.0)[:, None]
     if codec == "int8":
@@ -126,21 +131,23 @@ def _encode_blocks(x: torch.Tensor, codec: str, block: int):
 
 def _decode_blocks(payload: torch.Tensor, scale: torch.Tensor, codec: str, block: int):
     """A quantized codec's decode (`scale`: the payload's scale bytes as bf16): the values of
-    whole blocks, of which the caller keeps the first n."""
+    whole blocks, of which the caller keeps the first n. Each value's code byte is gathered by
+    index (clamped: past the last code the values are junk the caller cuts), so the compiled
+    graph holds no slice or pad whose bounds depend on the size (Inductor on CUDA could not
+    lower those) and no loop whose length is not a multiple of the block (Inductor on CPU tiled
+    such a loop into whole blocks and dropped the rest)."""
     nb = scale.numel()
-    torch._check(2 * nb <= payload.numel())  # these checks let the compiler see views, not copies
-    codes = payload[2 * nb:]
-    if codec != "int8":  # value 2i in the low nibble
-        shift = torch.arange(0, 8, 4, dtype=torch.uint8, device=codes.device)
-        codes = ((codes[:, None] >> shift) & 15).reshape(-1)
-    torch._check(nb * block <= codes.numel() + block)
-    codes = F.pad(codes, (0, block))[: nb * block].view(nb, block)  # fp4: cuts a spare nibble
-    if codec == "int8":
-        q = codes.view(torch.int8).float()
+    i = torch.arange(nb * block, device=payload.device)
+    per_byte = 1 if codec == "int8" else 2  # fp4: value 2k in the low nibble of byte k
+    byte = payload[torch.clamp(2 * nb + i // per_byte, max=payload.numel() - 1)]
+    if codec == "int8":  # two's complement by arithmetic, not a view as int8
+        u = byte.float()
+        q = torch.where(u >= 128, u - 256, u)
     else:
+        nib = (byte >> ((i % 2) * 4).to(torch.uint8)) & 15
         levels = _LEVELS[codec]
-        q = torch.tensor(levels + tuple(-v for v in levels), device=codes.device)[codes.int()]
-    return (q * scale.float()[:, None]).view(-1)
+        q = torch.tensor(levels + tuple(-v for v in levels), device=payload.device)[nib.int()]
+    return (q.view(nb, block) * scale.float()[:, None]).view(-1)
 
 
 @functools.cache
@@ -167,20 +174,42 @@ def _run(fn, codec: str, block: int, compiled: bool, *tensors: torch.Tensor):
     return _compiled(fn, codec, block)(*tensors)
 
 
-def encode(x: torch.Tensor, codec: str, block: int = 64, compiled: bool = False) -> torch.Tensor:
+def _triton(t: torch.Tensor, block: int, compiled: bool | None):
+    """The Triton codecs (codecs_triton.py) when they serve: compiled (None: on CUDA) on a
+    CUDA tensor with a power-of-two block; else None."""
+    if not t.is_cuda or compiled is False:
+        return None
+    try:
+        from lowband.comm import codecs_triton
+    except ImportError:  # no Triton: torch.compile's path
+        return None
+    return codecs_triton if codecs_triton.usable(block) else None
+
+
+def _mids(codec: str) -> tuple:
+    return tuple((lo + hi) / 2 for lo, hi in itertools.pairwise(_LEVELS[codec])) if codec in _LEVELS else ()
+
+
+def encode(x: torch.Tensor, codec: str, block: int = 64, compiled: bool | None = None) -> torch.Tensor:
+    """x's bytes in the codec. compiled: torch.compile (Triton kernels on CUDA) rather than
+    eager; None: compiled on CUDA, eager elsewhere. The bytes are the same either way."""
     x = x.detach().reshape(-1).float()
     if codec in ("fp32", "bf16"):  # one copy each, compiled or not
         finite = torch.isfinite(x).all()
         payload = (x.clone() if codec == "fp32" else x.bfloat16()).view(torch.uint8)
+    elif (fast := _triton(x, block, compiled)) is not None:
+        payload, finite = fast.encode(x.contiguous(), payload_bytes(codec, x.numel(), block),
+                                      block, _TOP[codec], _CAP[codec], _mids(codec))
     else:
-        payload, finite = _run(_encode_blocks, codec, block, compiled, x)
+        payload, finite = _run(_encode_blocks, codec, block, bool(compiled), x)
     if not finite:
         raise NonFiniteError("the tensor to encode holds NaN or inf")
     return payload
 
 
 def decode(payload: torch.Tensor, n: int, codec: str, block: int = 64,
-           compiled: bool = False) -> torch.Tensor:
+           compiled: bool | None = None) -> torch.Tensor:
+    """n fp32 values from encode()'s bytes; compiled as for encode()."""
     if payload.numel() != payload_bytes(codec, n, block):
         raise ValueError(f"a {codec} payload of {n} values has {payload_bytes(codec, n, block)} "
                          f"bytes, got {payload.numel()}")
@@ -188,5 +217,12 @@ def decode(payload: torch.Tensor, n: int, codec: str, block: int = 64,
         return payload.view(torch.float32).clone()
     if codec == "bf16":
         return payload.view(torch.bfloat16).float()
+    fast = _triton(payload, block, compiled)
+    if fast is not None:
+        table = None
+        if codec in _LEVELS:
+            levels = _LEVELS[codec]
+            table = torch.tensor(levels + tuple(-v for v in levels), device=payload.device)
+        return fast.decode(payload.contiguous(), n, block, table)
     scale = payload[: 2 * math.ceil(n / block)].view(torch.bfloat16)
-    return _run(_decode_blocks, codec, block, compiled, payload, scale)[:n]
+    return _run(_decode_blocks, codec, block, bool(compiled), payload, scale)[:n]
