@@ -1,4 +1,4 @@
-"""`lowband train | plan | report | launch | recipes`.
+"""`lowband train | plan | report | launch | recipes | prepare`.
 
 `lowband train` run plainly starts R x S local worker processes itself; under torchrun or TorchX
 (RANK and WORLD_SIZE in the environment) it is one worker and takes the world from there.
@@ -67,7 +67,7 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def launch_local(cfg: Config, argv: list[str], main_job: bool = False, resume: bool = False) -> int:
-    from lowband.data import load_tokens
+    from lowband.corpus import load_corpus
     from lowband.local import LocalJob, describe_exit, last_line
     from lowband.telemetry import RunDir, new_run_dir
 
@@ -77,7 +77,7 @@ def launch_local(cfg: Config, argv: list[str], main_job: bool = False, resume: b
         run = RunDir(cfg.run_dir).create() if resume else RunDir(cfg.run_dir).claim(cfg.overwrite)
     else:
         run = new_run_dir(cfg.algo)
-    load_tokens(cfg.data)  # build the corpus cache once, before the workers all want it
+    load_corpus(cfg.data, cfg.tokenizer, cfg.progress)  # cache the corpus once, before the workers
     code, rank = LocalJob(argv, cfg.world, run).wait()
     if code == 130:
         print("lowband: interrupted; the workers were stopped.", file=sys.stderr)
@@ -132,6 +132,7 @@ def _subcommand(module: str):
 COMMANDS["plan"] = _subcommand("lowband.plan")
 COMMANDS["report"] = _subcommand("lowband.report")
 COMMANDS["launch"] = _subcommand("lowband.launch")
+COMMANDS["prepare"] = _subcommand("lowband.corpus")
 
 
 def cmd_recipes(argv: list[str]) -> int:

@@ -43,7 +43,11 @@ class RunOptions(Options):
     vocab_size: int = _f(0, "override the vocabulary size (0: 256 for bytes, the preset's otherwise)")
     # data
     data: str = _f("builtin", "'builtin' (the Python standard library's source), a text file or "
-                   "directory of text files, or a uint16 token file (.bin)")
+                   "directory of text files, a uint16 token file (.bin), or a directory written "
+                   "by `lowband prepare`")
+    tokenizer: str = _f("", "a tokenizer.json or a tokenizer directory (save_pretrained): text "
+                        "--data is tokenized with it once (cached) and the model's vocabulary "
+                        "must cover the tokenizer's; without it, text is bytes (vocabulary 256)")
     val_fraction: float = _f(0.02, "fraction of the corpus held out for validation")
     seq_len: int = _f(128, "tokens per sequence")
     batch_size: int = _f(8, "sequences per micro-batch on each rank")
@@ -107,6 +111,9 @@ class RunOptions(Options):
         if cfg.data != "builtin" and not Path(cfg.data).exists():
             raise ConfigError(f"data path '{cfg.data}' does not exist: give an existing text file, "
                               "directory or .bin token file, or 'builtin'.")
+        if cfg.tokenizer and not Path(cfg.tokenizer).exists():
+            raise ConfigError(f"tokenizer '{cfg.tokenizer}' does not exist: give a tokenizer.json "
+                              "file or a directory saved with save_pretrained.")
 
 
 # the groups every algorithm reads, then each algorithm's own (in registry order)

@@ -1,10 +1,13 @@
 """Corpora and deterministic, disjoint per-rank batches with a held-out validation split.
 
-Three sources, all read as one flat array of token ids:
+Four sources, all read as one flat array of token ids:
   builtin      the running Python's standard library source (*.py, sorted by path), as bytes;
                cached once under ~/.cache/lowband (or $LOWBAND_CACHE)
   a text file  its bytes; a directory: the bytes of every file under it, sorted by path
   a .bin file  uint16 token ids (nanoGPT style), memory-mapped
+  a shard dir  written by `lowband prepare` (corpus.py; docs/data.md): meta.json and token
+               shards, each memory-mapped and checked against meta.json (size, sampled sha256);
+               read as their concatenation without copying it (ShardedTokens)
 
 The last `val_fraction` of the array is the validation split; the rest is cut into `world`
 contiguous, disjoint shards, one per global rank. A batch is a pure function of
@@ -15,6 +18,7 @@ the validation split.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sysconfig
 from pathlib import Path
@@ -25,6 +29,8 @@ import torch
 from lowband.options import ConfigError
 
 BYTE_VOCAB = 256
+META = "meta.json"  # of a shard directory; its shards are named shard-NNNNN.bin
+SAMPLE = 1 << 16  # sample_sha256: the first, middle and last SAMPLE bytes of a shard
 
 
 def _cache_dir() -> Path:
@@ -63,6 +69,11 @@ def load_tokens(data: str) -> np.ndarray:
     if not path.exists():
         raise ConfigError(f"data path '{data}' does not exist: give an existing text file, "
                           "directory or .bin token file, or 'builtin'.")
+    if path.is_dir() and (path / META).exists():
+        return ShardedTokens(path)
+    if path.is_dir() and (any(path.glob("shard-*.bin")) or (path / "progress.json").exists()):
+        raise ConfigError(f"'{data}' holds token shards but no {META}: finish it with `lowband "
+                          "prepare` (a rerun resumes it) or give a directory of text files.")
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file())
         if not files:
@@ -78,8 +89,72 @@ def load_tokens(data: str) -> np.ndarray:
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 
-def vocab_needed(tokens: np.ndarray) -> int:
+def vocab_needed(tokens) -> int:
+    if isinstance(tokens, ShardedTokens):
+        return tokens.vocab_size  # the tokenizer's, whether or not every id occurs
     return BYTE_VOCAB if tokens.dtype == np.uint8 else int(tokens.max()) + 1
+
+
+def sample_sha256(path: Path) -> str:
+    """sha256 of a file's first, middle and last SAMPLE bytes: cheap enough to check every shard
+    at every start (meta.json also holds each shard's full sha256)."""
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for at in sorted({0, max(size // 2 - SAMPLE // 2, 0), max(size - SAMPLE, 0)}):
+            f.seek(at)
+            h.update(f.read(SAMPLE))
+    return h.hexdigest()
+
+
+class ShardedTokens:
+    """The token shards of a `lowband prepare` directory as one flat, read-only array: len()
+    and integer-array indexing (what Batches uses), each shard memory-mapped, never loaded whole.
+    A window may cross from one shard into the next: the shards are one token stream, cut at
+    fixed token counts."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        try:
+            self.meta = json.loads((self.root / META).read_text())
+            self.dtype = np.dtype(self.meta["dtype"])
+            self.vocab_size = int(self.meta["vocab_size"])
+            shards = self.meta["shards"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{self.root / META} is damaged ({e!r}): prepare the directory "
+                              "again with `lowband prepare ... --overwrite`.") from None
+        if not shards:
+            raise ConfigError(f"{self.root / META} lists no shards: prepare it from a non-empty source.")
+        self.shards = []
+        for s in shards:
+            path = self.root / s["file"]
+            size = path.stat().st_size if path.exists() else None
+            why = ("is missing" if size is None else
+                   f"has {size} bytes where {META} says {s['bytes']}" if size != s["bytes"] else
+                   "does not match its sampled sha256" if sample_sha256(path) != s["sample_sha256"]
+                   else "")
+            if why or s["bytes"] != s["tokens"] * self.dtype.itemsize:
+                raise ConfigError(f"shard {path} {why or 'disagrees with ' + META} (corrupt or "
+                                  "truncated): prepare the directory again with `lowband prepare "
+                                  "... --overwrite`.")
+            self.shards.append(np.memmap(path, dtype=self.dtype, mode="r"))
+        self.starts = np.cumsum([0] + [len(s) for s in self.shards])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, idx) -> np.ndarray:
+        if isinstance(idx, slice):
+            idx = np.arange(*idx.indices(len(self)))
+        idx = np.asarray(idx)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"token index out of range [0, {len(self)})")
+        which = np.searchsorted(self.starts, idx, side="right") - 1  # (shard, offset) per index
+        out = np.empty(idx.shape, dtype=self.dtype)
+        for k in np.unique(which):
+            mask = which == k
+            out[mask] = self.shards[k][idx[mask] - self.starts[k]]
+        return out
 
 
 class Batches:

@@ -27,7 +27,8 @@ from lowband.algorithms.ddp import outer_wire_bytes as ddp_outer_wire_bytes
 from lowband.comm import Comm
 from lowband.comm.link import LinkOptions
 from lowband.config import Config, ConfigError
-from lowband.data import Batches, load_tokens, vocab_needed
+from lowband.corpus import load_corpus, record_tokenizer
+from lowband.data import Batches, vocab_needed
 from lowband.faults import Faults
 from lowband.model import GPT, compile_blocks, find_blocks, gpt_config, lm_loss, num_params
 from lowband.params import flatten, write_flat
@@ -155,7 +156,7 @@ def train(cfg: Config, model: nn.Module | None = None, blocks: nn.ModuleList | N
 
 def _train(cfg, topo, run, events, model, blocks, resume_from):
     device = topo.device
-    tokens = load_tokens(cfg.data)
+    tokens = load_corpus(cfg.data, cfg.tokenizer)
     batches = Batches(tokens, rank=topo.rank, world=topo.world, seq_len=cfg.seq_len,
                       batch_size=cfg.batch_size, seed=cfg.seed, val_fraction=cfg.val_fraction,
                       device=device)
@@ -173,10 +174,11 @@ def _train(cfg, topo, run, events, model, blocks, resume_from):
 
     algo = ALGORITHMS[cfg.algo]()
     optimizer = algo.setup(model, blocks, make_optimizer_factory(cfg, device), topo, comm, cfg)
-    if topo.rank == 0:
+    if topo.rank == 0:  # the tokenizer is copied into RUN/tokenizer/ for an export to ship
         write_json_atomic(run.config, {**cfg.to_dict(), "meta": {
             "world": topo.world, "n_params": num_params(model), "torch": torch.__version__,
-            "device": device.type, "backend": dist.get_backend()}})
+            "device": device.type, "backend": dist.get_backend(),
+            "tokenizer": record_tokenizer(tokens, run.root)}})
 
     faults = Faults(cfg, topo.replica, cfg.seed)
     done = Progress()

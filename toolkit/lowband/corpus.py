@@ -1,0 +1,524 @@
+"""Tokenizers and prepared corpora: `lowband prepare` and `lowband train --tokenizer`.
+
+`lowband prepare SRC -o DIR --tokenizer PATH` turns text into token shards that
+`lowband train --data DIR` reads memory-mapped (data.ShardedTokens). docs/data.md has the format.
+
+  tokenizer  a tokenizer.json (HF `tokenizers`) or a directory saved by save_pretrained
+             (transformers.AutoTokenizer, local files only); its hash covers its files' bytes
+  sources    SRC, a file or a directory (every file under it, sorted by path, dot-files left
+             out): text (TEXT_SUFFIXES; a file is one document), JSONL (.jsonl: a document a line,
+             its --text-field) or Parquet (.parquet: the --text-field column, read with pyarrow)
+  units      the sources cut into units of about UNIT_BYTES (small files grouped; a longer text
+             file cut after a line end, JSONL at line starts, Parquet by row group): fixed by the
+             sources alone, never by the number of workers
+  encoding   worker processes (--workers), each single-threaded, run the tokenizer's
+             encode_batch_fast (encode_batch before tokenizers 0.21; no special tokens) on a unit
+             and append the end-of-text id after each document; the parent takes the results in unit order, so the shards are the same
+             bytes for any number of workers
+  shards     that stream cut every --shard-tokens tokens into shard-NNNNN.bin (uint16 when the
+             vocabulary fits, else uint32), each written under a temporary name and renamed;
+             progress.json then records where the stream stands, and a rerun continues there
+  meta.json  written last: its presence means the directory is complete
+
+`--tokenizer` with raw text (`load_corpus`) prepares it once into a cache directory keyed on the
+source files and the tokenizer's hash. tokenizers, transformers and pyarrow load lazily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lowband.data import META, ShardedTokens, _cache_dir, load_tokens, sample_sha256, stdlib_files
+from lowband.options import ArgParser, ConfigError
+
+FORMAT = "lowband-shards-1"
+TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py")
+UNIT_BYTES = 1 << 20
+EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[EOS]")
+PROGRESS = "progress.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# the tokenizer
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class TokenizerRef:
+    path: Path
+    sha256: str
+    json: str  # the tokenizers.Tokenizer, serialized: what the workers load
+    vocab_size: int
+    eos_id: int | None
+
+
+def tokenizer_files(path: Path) -> list[tuple[str, Path]]:
+    """(name, file) of a tokenizer: a lone file counts as tokenizer.json."""
+    if path.is_file():
+        return [("tokenizer.json", path)]
+    return sorted((p.name, p) for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+
+
+def tokenizer_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    for name, p in tokenizer_files(path):
+        data = p.read_bytes()
+        h.update(f"{name}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+_FIX = "give a tokenizer.json file or a directory saved with save_pretrained"
+
+
+def _existing(path: str) -> Path:
+    if not Path(path).exists():
+        raise ConfigError(f"tokenizer '{path}' does not exist: {_FIX}.")
+    return Path(path)
+
+
+def load_tokenizer(path: str) -> TokenizerRef:
+    p = _existing(path)
+    try:
+        if p.is_file() or ((p / "tokenizer.json").exists() and not (p / "tokenizer_config.json").exists()):
+            from tokenizers import Tokenizer
+
+            tok, eos = Tokenizer.from_file(str(p if p.is_file() else p / "tokenizer.json")), None
+        else:
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+            tok, eos = hf.backend_tokenizer, hf.eos_token_id
+    except ImportError as e:
+        raise ConfigError(f"--tokenizer needs the hf extra ({e.name} is not installed): "
+                          "pip install 'lowband[hf]'.") from None
+    except Exception as e:
+        why = (str(e).strip().splitlines() or [""])[0][:160].rstrip(".")
+        raise ConfigError(f"tokenizer '{path}' does not load ({type(e).__name__}: {why}): {_FIX}.") from None
+    if eos is None:
+        eos = next((i for i, t in sorted(tok.get_added_tokens_decoder().items())
+                    if t.special and t.content in EOS_NAMES), None)
+    vocab = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+    return TokenizerRef(p.resolve(), tokenizer_sha256(p), tok.to_str(), vocab, eos)
+
+
+# ---------------------------------------------------------------------------------------------
+# sources and units
+# ---------------------------------------------------------------------------------------------
+
+def kind_of(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".parquet"):
+        return suffix[1:]
+    if suffix in TEXT_SUFFIXES:
+        return "text"
+    raise ConfigError(f"'{path}' is of an unknown type ({suffix or 'no suffix'}): prepare reads "
+                      f"text ({', '.join(TEXT_SUFFIXES)}), JSONL (.jsonl) and Parquet (.parquet) files.")
+
+
+def source_files(src: Path) -> list[Path]:
+    if not src.exists():
+        raise ConfigError(f"source '{src}' does not exist: give a text, JSONL or Parquet file or "
+                          "a directory of them.")
+    files = [src] if src.is_file() else sorted(
+        p for p in src.rglob("*") if p.is_file()
+        and not any(part.startswith(".") for part in p.relative_to(src).parts))
+    if not files:
+        raise ConfigError(f"source directory '{src}' has no files: put text, JSONL or Parquet files in it.")
+    for f in files:
+        kind_of(f)
+    return files
+
+
+def _line_cuts(path: Path, size: int) -> list[int]:
+    """Byte offsets cutting a file into pieces of about UNIT_BYTES, each after a line end."""
+    cuts = [0]
+    with open(path, "rb") as f:
+        while cuts[-1] + UNIT_BYTES < size:
+            f.seek(cuts[-1] + UNIT_BYTES)
+            f.readline()
+            if f.tell() >= size:
+                break
+            cuts.append(f.tell())
+    return cuts + [size]
+
+
+def plan_units(files: list[Path], text_field: str) -> tuple[list[list[tuple]], list[int]]:
+    """The units (lists of pieces (kind, path, a, b, ends_document)) and their sizes in bytes."""
+    pieces = []
+    for f in files:
+        kind = kind_of(f)
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                pf = pq.ParquetFile(f)
+            except Exception as e:
+                raise ConfigError(f"'{f}' is not a readable Parquet file ({type(e).__name__}).") from None
+            if text_field not in pf.schema_arrow.names:
+                raise ConfigError(f"'{f}' has no column '{text_field}': pass --text-field with one "
+                                  f"of {', '.join(pf.schema_arrow.names)}.")
+            md = pf.metadata
+            pieces += [(kind, str(f), i, 0, True, md.row_group(i).total_byte_size)
+                       for i in range(md.num_row_groups)]
+        else:
+            if kind == "jsonl":
+                _documents(kind, str(f), 0, _line_cuts(f, f.stat().st_size)[1], text_field)
+            size = f.stat().st_size
+            cuts = _line_cuts(f, size)
+            pieces += [(kind, str(f), a, b, kind == "jsonl" or b == size, b - a)
+                       for a, b in zip(cuts, cuts[1:])]
+    units, sizes = [], []
+    for piece in pieces:
+        if not units or sizes[-1] >= UNIT_BYTES:
+            units.append([])
+            sizes.append(0)
+        units[-1].append(piece[:5])
+        sizes[-1] += piece[5]
+    return units, sizes
+
+
+# ---------------------------------------------------------------------------------------------
+# encoding (in worker processes)
+# ---------------------------------------------------------------------------------------------
+
+_worker: dict = {}
+
+
+def _init_worker(tokenizer_json: str, eos_id: int | None, text_field: str, dtype: str) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread a worker: --workers is the cores
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(tokenizer_json)
+    # encode_batch_fast (tokenizers >= 0.21): the same ids, without computing character offsets
+    _worker.update(encode=getattr(tok, "encode_batch_fast", tok.encode_batch), field=text_field,
+                   dtype=np.dtype(dtype), eos=None if eos_id is None else np.array([eos_id], dtype))
+
+
+def _documents(kind: str, path: str, a: int, b: int, field: str) -> list[str]:
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        column = pq.ParquetFile(path).read_row_group(a, columns=[field]).column(0).to_pylist()
+        return [t for t in column if t is not None]
+    with open(path, "rb") as f:
+        f.seek(a)
+        data = f.read(b - a)
+    if kind == "text":
+        return [data.decode("utf-8", "replace")]
+    docs = []
+    for line in data.splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            raise ConfigError(f"'{path}' has a line that is no JSON object after byte {a}: fix "
+                              "or remove it.")
+        text = record.get(field)
+        if field not in record or not isinstance(text, (str, type(None))):
+            raise ConfigError(f"a record of '{path}' after byte {a} has no text field '{field}': "
+                              "pass --text-field with the field that holds the text.")
+        if text is not None:
+            docs.append(text)
+    return docs
+
+
+def _encode_unit(unit: list[tuple]) -> np.ndarray:
+    """The token ids of a unit: each document's encoding, then the end-of-text id."""
+    texts, ends = [], []
+    for kind, path, a, b, ends_document in unit:
+        docs = _documents(kind, path, a, b, _worker["field"])
+        texts += docs
+        ends += [ends_document] * len(docs)
+    parts, dtype, eos = [], _worker["dtype"], _worker["eos"]
+    for enc, end in zip(_worker["encode"](texts, add_special_tokens=False), ends):
+        parts.append(np.array(enc.ids, dtype=dtype))
+        if end and enc.ids and eos is not None:
+            parts.append(eos)
+    return np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _pool(tok: TokenizerRef, text_field: str, dtype: str, workers: int):
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    return multiprocessing.get_context(method).Pool(
+        workers, initializer=_init_worker, initargs=(tok.json, tok.eos_id, text_field, dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# shards
+# ---------------------------------------------------------------------------------------------
+
+def shard_name(k: int) -> str:
+    return f"shard-{k:05d}.bin"
+
+
+def _write_json(path: Path, value: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    os.replace(tmp, path)
+
+
+def _save_progress(out: Path, state: dict) -> None:
+    _write_json(out / PROGRESS, state)
+
+
+class _ShardWriter:
+    """The token stream into shards of shard_tokens: a shard is written under a temporary name,
+    renamed when full, then progress.json says where the stream resumes (unit, tokens to skip)."""
+
+    def __init__(self, out: Path, dtype: np.dtype, shard_tokens: int, state: dict):
+        self.out, self.dtype, self.shard_tokens, self.state = out, dtype, shard_tokens, state
+        self.file, self.n = None, 0
+
+    def add(self, ids: np.ndarray, unit: int, offset: int) -> None:
+        pos = 0
+        while pos < len(ids):
+            if self.file is None:
+                self.path = self.out / shard_name(len(self.state["shards"]))
+                self.file, self.n, self.sha = open(self.path.with_suffix(".tmp"), "wb"), 0, hashlib.sha256()
+            chunk = ids[pos:pos + self.shard_tokens - self.n]
+            self.file.write(chunk.tobytes())
+            self.sha.update(chunk.tobytes())
+            self.n, pos = self.n + len(chunk), pos + len(chunk)
+            if self.n == self.shard_tokens and pos == len(ids):
+                self.commit(unit + 1, 0)
+            elif self.n == self.shard_tokens:
+                self.commit(unit, offset + pos)
+
+    def commit(self, next_unit: int, skip: int) -> None:
+        self.file.close()
+        self.file = None
+        os.replace(self.path.with_suffix(".tmp"), self.path)
+        self.state["shards"].append({
+            "file": self.path.name, "tokens": self.n, "bytes": self.path.stat().st_size,
+            "sha256": self.sha.hexdigest(), "sample_sha256": sample_sha256(self.path)})
+        self.state.update(next_unit=next_unit, skip=skip)
+        _save_progress(self.out, self.state)
+
+    def close(self) -> None:  # an unfinished shard is dropped: a rerun writes it again
+        if self.file is not None:
+            self.file.close()
+            self.path.with_suffix(".tmp").unlink(missing_ok=True)
+            self.file = None
+
+
+def _sources(files: list[Path], root: Path) -> list[dict]:
+    return [{"path": f.name if f == root else str(f.relative_to(root)), "bytes": f.stat().st_size,
+             "mtime_ns": f.stat().st_mtime_ns} for f in files]
+
+
+def _identity(files: list[Path], root: Path, tok: TokenizerRef, text_field: str,
+              shard_tokens: int) -> dict:
+    """What the shards depend on: a rerun with another identity is refused."""
+    return {"format": FORMAT, "dtype": "uint16" if tok.vocab_size <= 1 << 16 else "uint32",
+            "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "tokenizer_sha256": tok.sha256,
+            "text_field": text_field, "shard_tokens": shard_tokens, "source": str(root.resolve()),
+            "sources": _sources(files, root)}
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def prepare_files(files: list[Path], root: Path, out: Path, tok: TokenizerRef, *,
+                  text_field: str = "text", shard_tokens: int = 100_000_000,
+                  workers: int | None = None, progress: bool = True,
+                  overwrite: bool = False) -> dict:
+    """Tokenize files (under root) into shards in out; returns the meta.json written (or found:
+    an identical, complete preparation is not redone)."""
+    ident = _identity(files, root, tok, text_field, shard_tokens)
+    units, sizes = plan_units(files, text_field)  # refuses bad sources before out is touched
+    meta, state = _read_json(out / META), _read_json(out / PROGRESS)
+    prior = meta or (state or {}).get("ident")
+    if prior is None:
+        if out.exists() and any(out.iterdir()):
+            raise ConfigError(f"'{out}' holds other files: give a new or empty directory.")
+    elif not overwrite and {k: prior.get(k) for k in ident} != ident:
+        raise ConfigError(f"'{out}' was prepared from other sources, with another tokenizer or "
+                          "other settings: pass --overwrite to prepare it again, or give another "
+                          "-o directory.")
+    elif not overwrite and meta is not None:
+        return meta  # done before, identically
+    elif overwrite:  # only what a preparation writes is removed
+        for p in [*out.glob("shard-*.bin"), *out.glob("shard-*.tmp"), out / META, out / PROGRESS]:
+            p.unlink(missing_ok=True)
+        shutil.rmtree(out / "tokenizer", ignore_errors=True)
+        state = None
+    for s in (state or {}).get("shards", []):
+        if not (out / s["file"]).exists() or (out / s["file"]).stat().st_size != s["bytes"]:
+            raise ConfigError(f"shard {out / s['file']} of an unfinished preparation is corrupt: "
+                              "pass --overwrite to start again.")
+    out.mkdir(parents=True, exist_ok=True)
+    if state is None:  # first, so that a rerun knows the directory as this preparation's
+        state = {"ident": ident, "shards": [], "next_unit": 0, "skip": 0}
+        _write_json(out / PROGRESS, state)
+    (out / "tokenizer").mkdir(exist_ok=True)
+    for name, p in tokenizer_files(tok.path):
+        shutil.copyfile(p, out / "tokenizer" / name)
+
+    from tqdm import tqdm
+
+    first, skip = state["next_unit"], state["skip"]
+    writer = _ShardWriter(out, np.dtype(ident["dtype"]), shard_tokens, state)
+    bar = tqdm(total=sum(sizes), initial=sum(sizes[:first]), unit="B", unit_scale=True,
+               desc="tokenizing", file=sys.stderr, disable=not progress,
+               mininterval=0.5, dynamic_ncols=True)
+    workers = max(1, min(workers or cores(), len(units) - first))
+    try:
+        with _pool(tok, text_field, ident["dtype"], workers) as pool:
+            for unit, ids in enumerate(pool.imap(_encode_unit, units[first:]), start=first):
+                offset = skip if unit == first else 0
+                writer.add(ids[offset:], unit, offset)
+                bar.update(sizes[unit])
+        if writer.file is not None:
+            writer.commit(len(units), 0)
+    finally:
+        writer.close()
+        bar.close()
+    if not state["shards"]:
+        raise ConfigError(f"'{root}' holds no text to tokenize: give sources with text in them.")
+    meta = {**ident, "tokenizer_path": str(tok.path), "tokens": sum(s["tokens"] for s in state["shards"]),
+            "shards": state["shards"]}
+    _write_json(out / META, meta)
+    (out / PROGRESS).unlink()
+    return meta
+
+
+# ---------------------------------------------------------------------------------------------
+# training's side: --tokenizer and the run's record of it
+# ---------------------------------------------------------------------------------------------
+
+def load_corpus(data: str, tokenizer: str = "", progress: bool = False):
+    """The tokens `lowband train` reads: data.load_tokens(data) without a tokenizer; with one,
+    a prepared directory (which must have been tokenized by it) or text prepared once into a
+    cache directory (~/.cache/lowband/tokens-KEY, or $LOWBAND_CACHE)."""
+    if not tokenizer:
+        return load_tokens(data)
+    sha, path = tokenizer_sha256(_existing(tokenizer)), Path(data)
+    if data != "builtin" and (path / META).exists():
+        tokens = ShardedTokens(path)
+        if tokens.meta.get("tokenizer_sha256") != sha:
+            raise ConfigError(f"'{data}' was prepared with another tokenizer than '{tokenizer}': "
+                              "drop --tokenizer (the directory brings its own) or prepare it again.")
+        return tokens
+    if path.suffix == ".bin":
+        raise ConfigError(f"'{data}' holds token ids already: drop --tokenizer, or give text.")
+    if data == "builtin":
+        root, files = Path(sysconfig.get_paths()["stdlib"]), stdlib_files()
+    else:
+        root, files = path, source_files(path)
+    key = json.dumps([FORMAT, sha, str(root.resolve()), _sources(files, root)])
+    cached = _cache_dir() / f"tokens-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if not (cached / META).exists():  # prepared beside, then renamed: ranks may race here
+        tok = load_tokenizer(tokenizer)
+        tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        if progress:
+            print(f"lowband: tokenizing '{data}' with '{tokenizer}' once (cached in {cached})",
+                  file=sys.stderr)
+        prepare_files(files, root, tmp, tok, progress=progress)
+        try:
+            os.replace(tmp, cached)
+        except OSError:  # another process was first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return ShardedTokens(cached)
+
+
+def record_tokenizer(tokens, run_root: Path) -> dict | None:
+    """Copy the tokenizer of prepared tokens into RUN/tokenizer/ (what an export ships); its
+    record for config.json's meta. None for bytes and .bin files."""
+    if not isinstance(tokens, ShardedTokens) or not (tokens.root / "tokenizer").is_dir():
+        return None
+    dest = Path(run_root) / "tokenizer"
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(tokens.root / "tokenizer", dest)
+    return {"sha256": tokens.meta.get("tokenizer_sha256"), "path": tokens.meta.get("tokenizer_path"),
+            "data": str(tokens.root.resolve()), "vocab_size": tokens.vocab_size, "eos_id": tokens.meta.get("eos_id")}
+
+
+# ---------------------------------------------------------------------------------------------
+# lowband prepare
+# ---------------------------------------------------------------------------------------------
+
+def parse_count(value: str) -> int:
+    """An integer count from '100M', '250k', '1G', '1e6' or '5000'."""
+    m = re.fullmatch(r"\s*(\d+\.?\d*(?:[eE]\d+)?)\s*([kKmMgG]?)\s*", str(value))
+    n = int(float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2).lower()]) if m else 0
+    if n < 1:
+        raise ConfigError(f"--shard-tokens '{value}' is not a positive count: write it like 100M, "
+                          "250k or 5000.")
+    return n
+
+
+def parser() -> argparse.ArgumentParser:
+    p = ArgParser(prog="lowband prepare", description="Tokenize text, JSONL or Parquet files into "
+                  "token shards that `lowband train --data DIR` reads (docs/data.md). Resumable: "
+                  "rerun the same command after an interruption.")
+    p.add_argument("src", metavar="SRC", help="a file or a directory of text "
+                   f"({', '.join(TEXT_SUFFIXES)}), JSONL (.jsonl) and Parquet (.parquet) files")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="the shard directory")
+    p.add_argument("--tokenizer", required=True, metavar="PATH", help="a tokenizer.json file or a "
+                   "directory saved with save_pretrained (local files only)")
+    p.add_argument("--text-field", default="text", metavar="NAME", help="the field (JSONL) or column (Parquet) "
+                   "holding the text (default: text)")
+    p.add_argument("--shard-tokens", default="100M", metavar="N", help="tokens per shard (default: 100M)")
+    p.add_argument("--workers", type=int, default=cores(), metavar="N",
+                   help="tokenizing processes (default: the cores, %(default)s here)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="a progress bar on stderr (default: on)")
+    p.add_argument("--overwrite", action="store_true", help="prepare DIR again when it holds "
+                   "another preparation (other sources, tokenizer or settings)")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    a = parser().parse_args(argv)
+    if a.workers < 1:
+        raise ConfigError(f"--workers must be a positive integer, got {a.workers}.")
+    shard_tokens = parse_count(a.shard_tokens)
+    tok = load_tokenizer(a.tokenizer)
+    src = Path(a.src)
+    files = source_files(src)
+    if tok.eos_id is None:
+        print(f"lowband: note: tokenizer '{a.tokenizer}' names no end-of-text token, so documents "
+              "are joined without a separator.", file=sys.stderr)
+    t0, done = time.perf_counter(), not a.overwrite and (Path(a.output) / META).exists()
+    try:
+        meta = prepare_files(files, src, Path(a.output), tok, text_field=a.text_field,
+                             shard_tokens=shard_tokens, workers=a.workers, progress=a.progress,
+                             overwrite=a.overwrite)
+    except KeyboardInterrupt:
+        print("lowband: interrupted; the shards done are kept: rerun the same command to "
+              "resume.", file=sys.stderr)
+        return 130
+    dt = time.perf_counter() - t0
+    if done:
+        print(f"{a.output} is prepared already, from the same sources and tokenizer: "
+              f"{meta['tokens']:,} tokens in {len(meta['shards'])} shards.")
+        return 0
+    print(f"{a.output}: {meta['tokens']:,} tokens in {len(meta['shards'])} shards ({meta['dtype']}, "
+          f"vocabulary {meta['vocab_size']}) from {len(files)} files in {dt:.1f} s "
+          f"({meta['tokens'] / max(dt, 1e-9):,.0f} tokens/s)")
+    return 0
