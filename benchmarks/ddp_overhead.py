@@ -4,7 +4,12 @@ Both train their own copy of the same model on the same batches in the same proc
 alternate between the two (ABBA order), so machine noise hits both alike. Prints the median
 step time of each and their ratio (goal: lowband / torch <= 1.10).
 
-    python benchmarks/ddp_overhead.py [--ranks 2] [--model mini] [--steps 30]
+    python benchmarks/ddp_overhead.py [--ranks 2] [--model mini | --model hf:DIR | --llama]
+        [--steps 30]
+
+--model hf:DIR trains a Hugging Face causal LM from a local config directory (its decoder layers
+are lowband's blocks); --llama writes a Llama of about mini's size (machine.LLAMA_MINI: 6 layers,
+hidden 256, 4.8M parameters) into a temp dir and uses that.
 """
 
 from __future__ import annotations
@@ -21,14 +26,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
+from machine import describe, model_line, write_llama_mini  # benchmarks/machine.py
 from lowband import topology
 from lowband.algorithms.ddp import DDP
 from lowband.comm import Comm
 from lowband.config import Config
 from lowband.data import Batches, load_tokens
 from lowband.local import free_port
+from lowband.options import ConfigError
 from lowband.model import lm_loss
 from lowband.telemetry import EventWriter, RunDir
+from lowband.sources import blocks_of
 from lowband.train import build_model, make_optimizer_factory
 
 
@@ -48,7 +56,7 @@ def worker(rank: int, args, port: int, out_dir: str, results):
     ours = build_model(cfg, 256)
     events = EventWriter(RunDir(out_dir), rank, rank)
     algo = DDP()
-    opt_ours = algo.setup(ours, ours.blocks, make_opt, topo, Comm(topo, events), cfg)
+    opt_ours = algo.setup(ours, blocks_of(ours), make_opt, topo, Comm(topo, events), cfg)
 
     torch.manual_seed(0)
     ref_model = build_model(cfg, 256)
@@ -98,7 +106,9 @@ def worker(rank: int, args, port: int, out_dir: str, results):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--model", default="mini")
+    p.add_argument("--model", default="mini", help="a preset or hf:DIR (default mini)")
+    p.add_argument("--llama", action="store_true",
+                   help="a Llama of about mini's size, written to a temp dir (replaces --model)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--bucket-mb", type=float, default=4.0)
@@ -108,15 +118,22 @@ def main(argv=None) -> int:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as out:
+        if args.llama:
+            args.model = write_llama_mini(out, args.seq_len)
+        try:  # before the workers: an unusable --model stops here, in one line
+            model = model_line(args.model, args.seq_len)
+        except ConfigError as e:
+            p.error(str(e))
+        print(f"machine: {describe(load=True)}", flush=True)
         mp.spawn(worker, args=(args, free_port(), out, results), nprocs=args.ranks)
         times, losses = results.get()
     med = {k: statistics.median(v) for k, v in times.items()}
     drift = max(abs(a - b) for a, b in zip(losses["lowband"], losses["torch"]))
-    print(f"model {args.model}, {args.ranks} ranks (gloo), batch {args.batch_size}x{args.seq_len}, "
+    print(f"model {model}, {args.ranks} ranks (gloo), batch {args.batch_size}x{args.seq_len}, "
           f"buckets {args.bucket_mb} MiB, {args.steps} steps each, alternating")
     print(f"  torch DDP      median step {1000 * med['torch']:.1f} ms")
     print(f"  lowband ddp    median step {1000 * med['lowband']:.1f} ms")
-    print(f"  ratio lowband / torch = {med['lowband'] / med['torch']:.3f}  (goal <= 1.10)")
+    print(f"  ratio lowband / torch = {med['lowband'] / med['torch']:.3f}  (goal <= 1.10, {model})")
     print(f"  largest loss difference between the two over all steps: {drift:.2e}")
     return 0
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from machine import describe  # benchmarks/machine.py
 
-from lowband import corpus
+from lowband import corpus, tokenizer
 from lowband.data import stdlib_files
 
 
@@ -61,7 +61,7 @@ def encode_batch(tok_path: Path, docs: list[str], threads: str, fn="encode_batch
 
 
 def prepare(tok_path: Path, files: list[Path], root: Path, workers: int, out: Path) -> tuple[int, float]:
-    tok = corpus.load_tokenizer(str(tok_path))
+    tok = tokenizer.load_tokenizer(str(tok_path))
     t0 = time.perf_counter()
     meta = corpus.prepare_files(files, root, out, tok, workers=workers, progress=False)
     return meta["tokens"], time.perf_counter() - t0

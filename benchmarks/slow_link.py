@@ -9,15 +9,22 @@ Two replicas (R=2, S=1) train the same model on the same data with each algorith
 Every setting is identical on both links except how the link is made. Prints, per algorithm
 and link: tokens/s, compute utilization, outer-link bytes per token, peak outer payload and the
 final validation loss, each also as a ratio to ddp on the same link; the emulated-vs-real
-tokens/s agreement; then PASS/MISS for each goal.
+tokens/s agreement; then PASS/MISS for each goal, under the name of the model trained.
 
-    python benchmarks/slow_link.py [--model mini] [--steps 72] [--sync-every 18] [--fragments 3]
-        [--batch-size 4] [--seq-len 128] [--skip-real] [--skip-emulated] [--json out.json]
+    python benchmarks/slow_link.py [--model mini | --model hf:DIR | --llama] [--steps 72]
+        [--sync-every 18] [--fragments 3] [--batch-size 4] [--seq-len 128] [--skip-real]
+        [--skip-emulated] [--json out.json]
+
+--model hf:DIR trains a Hugging Face causal LM from a local config directory (its decoder layers
+are the blocks that streaming fragments); --llama writes a Llama of about mini's size
+(machine.LLAMA_MINI: 6 layers, hidden 256, 4.81M parameters, tied embeddings) into the runs'
+directory and trains that, with the same settings.
 
 The defaults make ddp link-bound (mini: 4.8M parameters, 19.3 MB of fp32 gradients a step,
 about 1.5 s at 100 Mbit/s, against ~0.2-0.3 s of compute for 4 x 128 tokens on one core),
 give streaming 4 syncs of each fragment, and take ~7 minutes on an idle 2-core machine. P should
-divide the model's block count (mini has 6): goal 1's 6·P bound assumes equal fragments.
+divide the model's block count (mini and --llama have 6): goal 1's 6·P bound assumes equal
+fragments.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import describe  # benchmarks/machine.py
+from machine import describe, model_line, write_llama_mini  # benchmarks/machine.py
 
 from lowband import recipes
 from lowband.testbed import TestHosts
@@ -238,6 +245,10 @@ def check_goals(results: dict, a) -> list[dict]:
              f"{ddp['tokens_per_s']:,.0f} (goal >= 5x)")
         u = st["compute_utilization"]
         goal(4, link, u >= 0.9, f"streaming compute utilization {100 * u:.1f}% (goal >= 90%)")
+        dv = st["final_val_loss"] / ddp["final_val_loss"] - 1
+        goal(6, link, dv <= 0.03, f"streaming final validation loss {st['final_val_loss']:.4f} "
+             f"vs ddp's {ddp['final_val_loss']:.4f} = {100 * dv:+.2f}% (goal within 3%, "
+             "i.e. at most 3% higher)")
     if all(k in results for k in LINKS):
         for algo in ALGOS:
             e, r = results["emulated"].get(algo), results["real"].get(algo)
@@ -295,7 +306,10 @@ def revision() -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     base = recipes.slow_link_streaming()  # the defaults below are the recipes'
-    p.add_argument("--model", default=base.model, help=f"model preset (default {base.model})")
+    p.add_argument("--model", default=base.model,
+                   help=f"a preset or hf:DIR, a Hugging Face config directory (default {base.model})")
+    p.add_argument("--llama", action="store_true",
+                   help="a Llama of mini's size, written into the runs' directory (replaces --model)")
     p.add_argument("--steps", type=int, default=base.steps, help="training steps (a multiple of H)")
     p.add_argument("--sync-every", type=int, default=base.sync_every, help="H for diloco and streaming")
     p.add_argument("--fragments", type=int, default=base.fragments, help="P for streaming (divides H)")
@@ -336,15 +350,24 @@ def main(argv=None) -> int:
         return 0
 
     from lowband.data import load_tokens
-    from lowband.model import gpt_config
+    from lowband.options import ConfigError
+    from lowband.sources import spec
 
+    if a.llama:
+        a.model = write_llama_mini(out, a.seq_len)
+    try:  # an unusable --model stops here, in one line, not in every run
+        model = model_line(a.model, a.seq_len)
+        n_layer = spec(a.model).n_layer
+    except ConfigError as e:
+        if not a.out_dir:
+            shutil.rmtree(out, ignore_errors=True)
+        p.error(str(e))
     load_tokens("builtin")  # build the corpus cache once, before workers race for it
-    n_layer = gpt_config(a.model).n_layer
     print(f"command: {shlex.join([sys.executable, *sys.argv])}")
     print(f"machine: {describe()}")
     rev = revision()  # now: the tree may change while the runs go on
     print(f"lowband: {rev}")
-    print(f"settings: R=2 S=1, model {a.model} ({n_layer} blocks), batch {a.batch_size} x "
+    print(f"settings: R=2 S=1, model {model}, batch {a.batch_size} x "
           f"{a.seq_len} tokens per rank, {a.steps} steps, H={a.sync_every}, P={a.fragments}, "
           f"streaming fp4-e3m0 tau=1 alpha=0.5, link {a.rate_mbit:g} Mbit/s, runs in {out}")
     if a.steps % a.sync_every:
@@ -407,7 +430,7 @@ def main(argv=None) -> int:
                 print(f"  {algo:>9}: emulated {e['tokens_per_s']:8,.0f}, real {r['tokens_per_s']:8,.0f}"
                       f", real/emulated {r['tokens_per_s'] / e['tokens_per_s']:.3f}")
     goals = check_goals(results, a)
-    print("\ngoals:")
+    print(f"\ngoals, model {model}:")
     for g in goals:
         print(f"  {'PASS' if g['pass'] else 'MISS'}  {g['goal']}. [{g['link']}] {g['text']}")
     if not goals:
@@ -417,7 +440,7 @@ def main(argv=None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps({
             "command": shlex.join([sys.executable, *sys.argv]), "machine": describe(),
-            "lowband": rev,
+            "lowband": rev, "model": model,
             "settings": {k: v for k, v in vars(a).items() if k != "json"},
             "link_check": link_check, "results": results, "commands": commands, "goals": goals,
             "wall_s": wall}, indent=2))

@@ -6,7 +6,10 @@
 
 `train` builds on `torchx.components.dist.ddp`: one torchrun agent per node, c10d rendezvous on
 port `rdzv_port` of the first node (its address comes from the scheduler's rank-0 host variable),
-`nproc_per_node` worker processes per node, each running `lowband train` as one rank.
+`nproc_per_node` worker processes per node, each running `lowband train` as one rank, or with
+`--script PATH` the user's own training script (its arguments after `--`), which reads the layout
+from the workers' environment: LOWBAND_REPLICAS, LOWBAND_SHARDS, LOWBAND_RUN_DIR and
+LOWBAND_PROGRESS (lowband.launch.layout() and launch_config() read them back).
 
 Replicas to nodes: global rank r is shard r % S of replica r // S, and torchrun numbers ranks node
 by node, so node n holds ranks n*P .. n*P+P-1 (P = nproc_per_node). By default each node holds
@@ -25,6 +28,10 @@ import torchx.specs as specs
 from torchx.components import dist
 from torchx.specs import macros
 
+# the workers' environment that tells a job's processes their layout (lowband/launch/env.py
+# reads it back; the component file is loaded on its own, so the names are spelled out here)
+LAYOUT_ENV = ("LOWBAND_REPLICAS", "LOWBAND_SHARDS", "LOWBAND_RUN_DIR", "LOWBAND_PROGRESS")
+
 # the node agent: torchrun behind lowband's rendezvous check (lowband/launch/node.py, run by
 # lowband/launch/__main__.py when its first argument is "torchrun")
 AGENT = "python3 -m lowband.launch torchrun"
@@ -32,6 +39,7 @@ AGENT = "python3 -m lowband.launch torchrun"
 
 def train(
     *flags: str,
+    script: Optional[str] = None,
     algo: Optional[str] = None,
     replicas: int = 2,
     shards: int = 1,
@@ -54,19 +62,25 @@ def train(
     progress: bool = False,
     debug: bool = False,
 ) -> specs.AppDef:
-    """Train a language model with `lowband train` across nodes (one torchrun agent per node).
+    """Train a language model with `lowband train`, or your own training script, across nodes
+    (one torchrun agent per node).
 
     Args:
         flags: more `lowband train` flags, passed through as given (after `--` on the command
-            line, e.g. `-- --model nano --steps 20 --sync-every 4`)
+            line, e.g. `-- --model nano --steps 20 --sync-every 4`); with script, the script's
+            own arguments
+        script: a training script (a path on the nodes) to run on every rank instead of
+            `lowband train`; it reads replicas, shards and the run directory from the
+            environment (LOWBAND_REPLICAS, LOWBAND_SHARDS, LOWBAND_RUN_DIR)
         algo: training algorithm (ddp, diloco, streaming); lowband's default when not given
+            (not with script: pass it in the script's arguments)
         replicas: R, replica groups joined by the slow outer link
         shards: S, ranks inside each replica group joined by the fast inner link
         replicas_per_node: replica groups on each node when nnodes/nproc_per_node are not given
         nnodes: nodes (0: replicas / replicas_per_node, or derived from nproc_per_node)
         nproc_per_node: worker processes on each node (0: replicas_per_node x shards, or derived)
         run_dir: run directory, on a filesystem every node shares (default: runs/<app id>)
-        config: a TOML file of `lowband train` options, as seen from the nodes
+        config: a TOML file of `lowband train` options, as seen from the nodes (not with script)
         name: job name
         image: container image with lowband installed (Kubernetes, Docker; ignored by local_cwd
             and slurm)
@@ -80,21 +94,31 @@ def train(
         rdzv_timeout: seconds a node waits to reach the rendezvous and for every node to join it
             before it fails with a clear message
         max_retries: scheduler retries of the whole job
-        progress: show a progress bar on rank 0 (off for batch logs)
+        progress: show a progress bar on rank 0 (off for batch logs; LOWBAND_PROGRESS for a
+            script)
         debug: turn on torch's distributed debug variables
     """
     n, p = node_layout(replicas, shards, replicas_per_node, nnodes, nproc_per_node)
-    args = ["train", "--replicas", str(replicas), "--shards", str(shards),
-            "--run-dir", run_dir or f"runs/{macros.app_id}"]
-    if algo:
-        args += ["--algo", algo]
-    if config:
-        args += ["--config", config]
-    if not progress:
-        args += ["--no-progress"]
+    run_dir = run_dir or f"runs/{macros.app_id}"
+    if script:
+        if algo or config:
+            raise ValueError(f"--{'algo' if algo else 'config'} is a `lowband train` flag: with "
+                             "a script, pass it among the script's own arguments.")
+        args, program = [], {"script": script}
+    else:
+        args = ["train", "--replicas", str(replicas), "--shards", str(shards), "--run-dir", run_dir]
+        if algo:
+            args += ["--algo", algo]
+        if config:
+            args += ["--config", config]
+        if not progress:
+            args += ["--no-progress"]
+        program = {"m": "lowband.cli"}
+    layout = (str(replicas), str(shards), run_dir, "1" if progress else "0")
+    env = {**dict(env or {}), **dict(zip(LAYOUT_ENV, layout))}
     app = dist.ddp(
-        *args, *flags, m="lowband.cli", name=name, image=image, h=h, cpu=cpu, gpu=gpu,
-        memMB=memMB, j=f"{n}x{p}", env=dict(env or {}), max_retries=max_retries,
+        *args, *flags, **program, name=name, image=image, h=h, cpu=cpu, gpu=gpu,
+        memMB=memMB, j=f"{n}x{p}", env=env, max_retries=max_retries,
         rdzv_port=rdzv_port, mounts=mounts, debug=debug)
     role = app.roles[0]
     role.name = "node"

@@ -8,6 +8,8 @@ import pytest
 from lowband.telemetry import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
+EOS = "<|endoftext|>"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the tests may reach a hub
 
 
 def lowband(*args, cwd=None, timeout=300, env=None) -> subprocess.CompletedProcess:
@@ -15,6 +17,25 @@ def lowband(*args, cwd=None, timeout=300, env=None) -> subprocess.CompletedProce
     return subprocess.run([sys.executable, "-m", "lowband.cli", *map(str, args)], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
+
+
+@pytest.fixture
+def lowband_here(capsys, monkeypatch):
+    """Run the `lowband` CLI's main in this process (from `cwd`): (exit status, stderr). For
+    refusals made before any worker starts, without a process's ~2 s of importing torch."""
+
+    def run(*args, cwd):
+        from lowband.cli import main
+
+        monkeypatch.chdir(cwd)
+        capsys.readouterr()
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse's own refusals
+            code = e.code
+        return code, capsys.readouterr().err
+
+    return run
 
 
 @pytest.fixture
@@ -55,3 +76,45 @@ def reference_replicas(R: int, S: int, n_layer: int, seq: int, batch: int, lr: f
                                        {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}],
                                       lr=lr, betas=(0.9, 0.95)))
     return init, models, data, opts
+
+
+@pytest.fixture(scope="session")
+def tok(tmp_path_factory):
+    """(tokenizer.json path, the tokenizers.Tokenizer, a 300 kB text) of a 512-token BPE trained
+    here on the built-in corpus: nothing reaches a hub."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from lowband.data import builtin_path
+
+    root = tmp_path_factory.mktemp("tok")
+    text = builtin_path().read_bytes()[:300_000].decode("utf-8", "replace")
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer, t.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    t.train_from_iterator([text[i:i + 5000] for i in range(0, len(text), 5000)], trainers.BpeTrainer(
+        vocab_size=512, special_tokens=[EOS], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    t.save(str(root / "tokenizer.json"))
+    return root / "tokenizer.json", t, text
+
+
+def hf_config(root: Path, kind: str = "llama", layers: int = 4, vocab: int = 256) -> Path:
+    """A tiny Hugging Face causal LM's directory (config.json only: lowband initialises it from
+    the seed), built from a transformers config class, as a user's save_pretrained would."""
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+
+    if kind == "gpt2":
+        c = GPT2Config(vocab_size=vocab, n_embd=64, n_layer=layers, n_head=4, n_positions=256)
+    else:
+        cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[kind]
+        c = cls(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                tie_word_embeddings=kind == "llama")
+    out = root / f"{kind}-{layers}x64-v{vocab}"
+    c.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama(tmp_path_factory) -> Path:
+    """A 4-layer, 64-wide Llama (GQA, tied embeddings, byte vocabulary) as a config directory."""
+    return hf_config(tmp_path_factory.mktemp("hf"))

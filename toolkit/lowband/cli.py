@@ -1,4 +1,4 @@
-"""`lowband train | plan | report | launch | recipes | prepare`.
+"""`lowband train | plan | report | launch | recipes | prepare | export`.
 
 `lowband train` run plainly starts R x S local worker processes itself; under torchrun or TorchX
 (RANK and WORLD_SIZE in the environment) it is one worker and takes the world from there.
@@ -68,16 +68,20 @@ def cmd_train(argv: list[str]) -> int:
 
 def launch_local(cfg: Config, argv: list[str], main_job: bool = False, resume: bool = False) -> int:
     from lowband.corpus import load_corpus
+    from lowband.data import vocab_needed
     from lowband.local import LocalJob, describe_exit, last_line
+    from lowband.sources import check_vocab
     from lowband.telemetry import RunDir, new_run_dir
 
     for note in cfg.ignored():
         print(f"lowband: note: {note}", file=sys.stderr)
+    # the corpus is read (and cached) once, before the workers and before the run directory is
+    # touched: a model too small for its vocabulary loses nothing
+    check_vocab(cfg, vocab_needed(load_corpus(cfg.data, cfg.tokenizer, cfg.progress)))
     if cfg.run_dir:  # refused before any worker starts if it holds another run (see RunDir.claim)
         run = RunDir(cfg.run_dir).create() if resume else RunDir(cfg.run_dir).claim(cfg.overwrite)
     else:
         run = new_run_dir(cfg.algo)
-    load_corpus(cfg.data, cfg.tokenizer, cfg.progress)  # cache the corpus once, before the workers
     code, rank = LocalJob(argv, cfg.world, run).wait()
     if code == 130:
         print("lowband: interrupted; the workers were stopped.", file=sys.stderr)
@@ -133,6 +137,7 @@ COMMANDS["plan"] = _subcommand("lowband.plan")
 COMMANDS["report"] = _subcommand("lowband.report")
 COMMANDS["launch"] = _subcommand("lowband.launch")
 COMMANDS["prepare"] = _subcommand("lowband.corpus")
+COMMANDS["export"] = _subcommand("lowband.export")
 
 
 def cmd_recipes(argv: list[str]) -> int:

@@ -22,8 +22,8 @@ from pathlib import Path
 from lowband.algorithms import ALGORITHMS, option_groups, users
 from lowband.comm.link import LinkOptions
 from lowband.faults import FaultOptions
-from lowband.model import MODELS
 from lowband.options import ArgParser, ConfigError, Options, flag, option  # noqa: F401 (re-exported)
+from lowband import sources
 
 _f = option
 
@@ -36,7 +36,7 @@ class RunOptions(Options):
     replicas: int = _f(2, "R: replica groups, joined by the slow outer link")
     shards: int = _f(1, "S: ranks inside each replica group, joined by the fast inner link")
     # model
-    model: str = _f("micro", f"model ({', '.join(MODELS)})")
+    model: str = _f("micro", f"model: {sources.names()}")
     n_layer: int = _f(0, "override the preset's number of blocks (0 keeps the preset)")
     n_head: int = _f(0, "override the preset's attention heads (0 keeps the preset)")
     d_model: int = _f(0, "override the preset's width (0 keeps the preset)")
@@ -132,8 +132,7 @@ class Config(*reversed(GROUPS)):
     def validate(self) -> "Config":
         if self.algo not in ALGORITHMS:
             raise ConfigError(f"unknown algorithm '{self.algo}': use one of {', '.join(ALGORITHMS)}.")
-        if self.model not in MODELS:
-            raise ConfigError(f"unknown model '{self.model}': use one of {', '.join(MODELS)}.")
+        sources.check(self)
         algorithm = ALGORITHMS[self.algo]
         for name, value in algorithm.defaults.items():
             if getattr(self, name) is None:
@@ -160,8 +159,14 @@ class Config(*reversed(GROUPS)):
                 "ignores it." for g in self._foreign_groups() if g.shared_knob
                 for name in _set_away_from_default(self, g)]
 
+    # the block count of a model given to train() as a module (set there), else the source's
+    # (a plain attribute, not an option: it is neither a flag nor saved)
+    model_blocks = None
+
     def n_blocks(self) -> int:
-        return MODELS[self.model].blocks(self.n_layer)
+        if self.model_blocks is not None:
+            return self.model_blocks
+        return sources.spec(self.model).blocks(self.n_layer)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -3,8 +3,8 @@
 `lowband prepare SRC -o DIR --tokenizer PATH` turns text into token shards that
 `lowband train --data DIR` reads memory-mapped (data.ShardedTokens). docs/data.md has the format.
 
-  tokenizer  a tokenizer.json (HF `tokenizers`) or a directory saved by save_pretrained
-             (transformers.AutoTokenizer, local files only); its hash covers its files' bytes
+  tokenizer  a tokenizer.json or a save_pretrained directory, read by tokenizer.py; its hash
+             covers its files' bytes
   sources    SRC, a file or a directory (every file under it, sorted by path, dot-files left
              out): text (TEXT_SUFFIXES; a file is one document), JSONL (.jsonl: a document a line,
              its --text-field) or Parquet (.parquet: the --text-field column, read with pyarrow)
@@ -36,82 +36,18 @@ import shutil
 import sys
 import sysconfig
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from lowband.data import META, ShardedTokens, _cache_dir, load_tokens, sample_sha256, stdlib_files
 from lowband.options import ArgParser, ConfigError
+from lowband.tokenizer import TokenizerRef, existing, load_tokenizer, tokenizer_files, tokenizer_sha256
 
 FORMAT = "lowband-shards-1"
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py")
 UNIT_BYTES = 1 << 20
-EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[EOS]")
 PROGRESS = "progress.json"
-
-
-# ---------------------------------------------------------------------------------------------
-# the tokenizer
-# ---------------------------------------------------------------------------------------------
-
-@dataclass
-class TokenizerRef:
-    path: Path
-    sha256: str
-    json: str  # the tokenizers.Tokenizer, serialized: what the workers load
-    vocab_size: int
-    eos_id: int | None
-
-
-def tokenizer_files(path: Path) -> list[tuple[str, Path]]:
-    """(name, file) of a tokenizer: a lone file counts as tokenizer.json."""
-    if path.is_file():
-        return [("tokenizer.json", path)]
-    return sorted((p.name, p) for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
-
-
-def tokenizer_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    for name, p in tokenizer_files(path):
-        data = p.read_bytes()
-        h.update(f"{name}\0{len(data)}\0".encode())
-        h.update(data)
-    return h.hexdigest()
-
-
-_FIX = "give a tokenizer.json file or a directory saved with save_pretrained"
-
-
-def _existing(path: str) -> Path:
-    if not Path(path).exists():
-        raise ConfigError(f"tokenizer '{path}' does not exist: {_FIX}.")
-    return Path(path)
-
-
-def load_tokenizer(path: str) -> TokenizerRef:
-    p = _existing(path)
-    try:
-        if p.is_file() or ((p / "tokenizer.json").exists() and not (p / "tokenizer_config.json").exists()):
-            from tokenizers import Tokenizer
-
-            tok, eos = Tokenizer.from_file(str(p if p.is_file() else p / "tokenizer.json")), None
-        else:
-            from transformers import AutoTokenizer
-
-            hf = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-            tok, eos = hf.backend_tokenizer, hf.eos_token_id
-    except ImportError as e:
-        raise ConfigError(f"--tokenizer needs the hf extra ({e.name} is not installed): "
-                          "pip install 'lowband[hf]'.") from None
-    except Exception as e:
-        why = (str(e).strip().splitlines() or [""])[0][:160].rstrip(".")
-        raise ConfigError(f"tokenizer '{path}' does not load ({type(e).__name__}: {why}): {_FIX}.") from None
-    if eos is None:
-        eos = next((i for i, t in sorted(tok.get_added_tokens_decoder().items())
-                    if t.special and t.content in EOS_NAMES), None)
-    vocab = max(tok.get_vocab(with_added_tokens=True).values()) + 1
-    return TokenizerRef(p.resolve(), tokenizer_sha256(p), tok.to_str(), vocab, eos)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,7 +352,7 @@ def load_corpus(data: str, tokenizer: str = "", progress: bool = False):
     cache directory (~/.cache/lowband/tokens-KEY, or $LOWBAND_CACHE)."""
     if not tokenizer:
         return load_tokens(data)
-    sha, path = tokenizer_sha256(_existing(tokenizer)), Path(data)
+    sha, path = tokenizer_sha256(existing(tokenizer)), Path(data)
     if data != "builtin" and (path / META).exists():
         tokens = ShardedTokens(path)
         if tokens.meta.get("tokenizer_sha256") != sha:

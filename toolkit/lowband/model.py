@@ -134,11 +134,14 @@ def num_params(model: nn.Module) -> int:
 
 def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
             precision: str = "fp32") -> torch.Tensor:
-    """Next-token cross-entropy of any model that maps (B, T) token ids to (B, T, V) logits.
-    precision 'bf16' runs the forward (and so the backward) under bf16 autocast on x's device;
+    """Next-token cross-entropy of any model that maps (B, T) token ids to (B, T, V) logits, as
+    a tensor or as an output with `.logits` (Hugging Face models; lowband builds them with
+    use_cache=False, sources.for_training). precision 'bf16' runs the forward (and so the backward) under bf16 autocast on x's device;
     the parameters and their gradients stay fp32, the loss is computed in fp32."""
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
         logits = model(x)
+    if not isinstance(logits, torch.Tensor):
+        logits = logits.logits
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 

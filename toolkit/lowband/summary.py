@@ -21,6 +21,7 @@ def summarize(cfg, ranks: list[dict]) -> dict:
         "outer_wire_bytes": sum(r["outer_wire"] for r in ranks),
         "inner_wire_bytes": sum(r["inner_wire"] for r in ranks),
         "peak_outer_payload_bytes": max(r["peak_outer"] for r in ranks),
+        "setup_wire_bytes": sum(r.get("setup_wire", 0) for r in ranks),
         "final_loss": mean([r["loss"] for r in ranks]),
         "final_val_loss": mean([r["val_loss"] for r in ranks if r["shard"] == 0]),
         "run_dir": cfg.run_dir,
@@ -42,7 +43,9 @@ def comparison(s: dict, link_bandwidth_bps: float = 0.0) -> str:
     ddp, sent = s.get("ddp_outer_wire_bytes"), s.get("outer_wire_bytes", 0)
     if not ddp or s.get("algorithm") == "ddp":
         return ""
-    ratio = f"{ddp / sent:,.0f}x what {s.get('algorithm')} sent" if sent else "where this run sent nothing"
+    times = ddp / sent if sent else 0
+    times = f"{times:,.0f}" if times >= 10 else f"{times:.2g}"
+    ratio = f"{times}x what {s.get('algorithm')} sent" if sent else "where this run sent nothing"
     line = (f"ddp would have sent {fmt_si(ddp, 'B')} over the outer link for the same model and "
             f"{s.get('steps_run', s.get('steps'))} steps (computed from the parameter sizes): {ratio}")
     if link_bandwidth_bps > 0 and s.get("replicas") and s.get("steps"):

@@ -3,7 +3,9 @@
 Run inside a process group that torchrun, TorchX or `lowband train` set up (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT in the environment). `train(config)` builds lowband's GPT;
 `train(config, model=my_module)` trains a user's own nn.Module that maps (B, T) token ids to
-(B, T, V) logits, whose blocks are found by `find_blocks` (or passed as `blocks=`).
+(B, T, V) logits (a tensor, or an output with `.logits` as Hugging Face models return), whose
+blocks are a Hugging Face model's decoder layers or found by `find_blocks` (or passed as
+`blocks=`). `--model hf:PATH` builds a Hugging Face model from local files (sources.py).
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ from lowband.config import Config, ConfigError
 from lowband.corpus import load_corpus, record_tokenizer
 from lowband.data import Batches, vocab_needed
 from lowband.faults import Faults
-from lowband.model import GPT, compile_blocks, find_blocks, gpt_config, lm_loss, num_params
+from lowband.model import compile_blocks, lm_loss, num_params
 from lowband.params import flatten, write_flat
 from lowband.schedule import lr_at
+from lowband.sources import blocks_of, check_vocab, for_training
+from lowband.sources import build as build_model
 from lowband.summary import summarize
 from lowband.telemetry import EventWriter, RunDir, new_run_dir, write_json_atomic
 
@@ -50,17 +54,6 @@ def make_optimizer_factory(cfg: Config, device: torch.device):
                                  fused=device.type == "cuda")
 
     return make
-
-
-def build_model(cfg: Config, vocab: int) -> nn.Module:
-    mc = gpt_config(cfg.model, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.vocab_size, cfg.seq_len)
-    if mc.vocab_size < vocab:
-        raise ConfigError(f"the data has token ids up to {vocab - 1} but the model's vocabulary "
-                          f"is {mc.vocab_size}: pass --vocab-size {vocab} or more.")
-    if mc.d_model % mc.n_head:
-        raise ConfigError(f"--d-model {mc.d_model} is not divisible by --n-head {mc.n_head}: "
-                          "pick sizes where it is.")
-    return GPT(mc)
 
 
 def _set_threads() -> None:
@@ -137,9 +130,15 @@ def train(cfg: Config, model: nn.Module | None = None, blocks: nn.ModuleList | N
           resume: bool = False) -> dict | None:
     """Train on this process's rank. Returns the summary on rank 0, None elsewhere.
     resume: continue cfg.run_dir from its latest checkpoint (events continue in its files)."""
+    if model is not None:  # options sized by blocks are checked against this model's
+        blocks = blocks if blocks is not None else blocks_of(model)
+        cfg.model_blocks = len(blocks)
     cfg.validate()
     _set_threads()
     topo = topo_mod.init(cfg.replicas, cfg.shards, cfg.device, cfg.backend)
+    tokens = load_corpus(cfg.data, cfg.tokenizer)
+    if model is None:  # before the run directory is touched: bad input loses nothing
+        check_vocab(cfg, vocab_needed(tokens))
     run = _resolve_run_dir(cfg, resume)
     resume_from = None
     if resume:
@@ -149,23 +148,22 @@ def train(cfg: Config, model: nn.Module | None = None, blocks: nn.ModuleList | N
             f.truncate(resume_from[1]["events_offset"])
     events = EventWriter(run, topo.rank, topo.replica)
     try:
-        return _train(cfg, topo, run, events, model, blocks, resume_from)
+        return _train(cfg, topo, run, events, tokens, model, blocks, resume_from)
     finally:
         events.close()
 
 
-def _train(cfg, topo, run, events, model, blocks, resume_from):
+def _train(cfg, topo, run, events, tokens, model, blocks, resume_from):
     device = topo.device
-    tokens = load_corpus(cfg.data, cfg.tokenizer)
     batches = Batches(tokens, rank=topo.rank, world=topo.world, seq_len=cfg.seq_len,
                       batch_size=cfg.batch_size, seed=cfg.seed, val_fraction=cfg.val_fraction,
                       device=device)
     torch.manual_seed(cfg.seed)
     user_model = model is not None
-    if not user_model:  # built from the seed: the same on every rank by construction
+    if not user_model:  # built from the seed (or read from files): the same on every rank
         model = build_model(cfg, vocab_needed(tokens))
-    model.to(device)
-    blocks = blocks if blocks is not None else find_blocks(model)
+    model = for_training(model).to(device)
+    blocks = blocks if blocks is not None else blocks_of(model)
     if cfg.compile:
         compile_blocks(blocks)
     comm = Comm(topo, events, LinkOptions.build(cfg))
@@ -241,7 +239,7 @@ def _train(cfg, topo, run, events, model, blocks, resume_from):
     mine = {"tokens": my_tokens, "steps": done.step, "wall_s": wall_s, "compute_s": compute_s,
             "loss": last_loss, "val_loss": val_loss, "replica": topo.replica, "shard": topo.shard,
             "outer_wire": comm.totals.wire_bytes["outer"], "inner_wire": comm.totals.wire_bytes["inner"],
-            "peak_outer": comm.totals.peak_outer_payload}
+            "peak_outer": comm.totals.peak_outer_payload, "setup_wire": comm.totals.setup_wire_bytes}
     everyone = [None] * topo.world
     dist.all_gather_object(everyone, mine)
     weights = _full_weights(model, topo.rank)
@@ -345,9 +343,15 @@ def _full_weights(model: nn.Module, rank: int) -> dict | None:
     for k, v in model.state_dict().items():
         if isinstance(v, DTensor):
             v = v.full_tensor()
-        if rank == 0:
-            out[k] = v.detach().cpu()
+        if rank == 0:  # the model's own names: no torch.compile or DDP wrapper prefix
+            out[_unwrapped(k)] = v.detach().cpu()
     return out if rank == 0 else None
+
+
+def _unwrapped(key: str) -> str:
+    for prefix in ("_orig_mod.", "module."):
+        key = key.replace(prefix, "") if key.startswith(prefix) or f".{prefix}" in key else key
+    return key
 
 
 def _eval(algo, model, batches, cfg, events, step) -> float:
@@ -358,11 +362,11 @@ def _eval(algo, model, batches, cfg, events, step) -> float:
 
 
 def _broadcast_init(model: nn.Module, comm: Comm) -> None:
-    """A user's model starts from rank 0's initialisation on every rank (one flat transfer,
-    recorded as 'init')."""
+    """A user's model starts from rank 0's initialisation on every rank: one flat transfer
+    before training, recorded as a `setup` event (tag 'init'), not in the sync figures."""
     params = list(model.parameters())
     flat = flatten(params)
-    comm.broadcast(flat, src=0, tag="init").wait()
+    comm.broadcast(flat, src=0, tag="init", setup=True).wait()
     write_flat(params, flat)
     comm.take_wait_s()
 

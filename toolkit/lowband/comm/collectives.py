@@ -58,14 +58,17 @@ class Totals:
     payload_bytes: dict = field(default_factory=lambda: {"outer": 0, "inner": 0})
     peak_outer_payload: int = 0
     transfers: int = 0
+    setup_wire_bytes: int = 0  # one-time set-up (a user model's initial weights), kept apart
 
     def state(self) -> dict:
         return {"wire_bytes": dict(self.wire_bytes), "payload_bytes": dict(self.payload_bytes),
-                "peak_outer_payload": self.peak_outer_payload, "transfers": self.transfers}
+                "peak_outer_payload": self.peak_outer_payload, "transfers": self.transfers,
+                "setup_wire_bytes": self.setup_wire_bytes}
 
     def restore(self, state: dict) -> None:
         self.wire_bytes, self.payload_bytes = dict(state["wire_bytes"]), dict(state["payload_bytes"])
         self.peak_outer_payload, self.transfers = state["peak_outer_payload"], state["transfers"]
+        self.setup_wire_bytes = state.get("setup_wire_bytes", 0)
 
 
 class Transfer:
@@ -188,13 +191,15 @@ class Comm:
         return self.clock
 
     def _start(self, op, group, payload, launch, result, tag, codec, tensor,
-               root=None) -> Transfer:
+               root=None, setup=False) -> Transfer:
         pg = self.topo.group(group)
         n = dist.get_world_size(pg)
         is_root = root is not None and n > 1 and dist.get_rank(pg) == root
         record = {"op": op, "group": self.link_of(group), "tag": tag, "codec": codec,
                   "payload_bytes": int(payload), "wire_bytes": wire_bytes(op, payload, n, is_root),
                   "start": time.time()}
+        if setup:
+            record["setup"] = True
         not_before = 0.0
         if self.link is not None and record["group"] == "outer" and record["wire_bytes"]:
             record["begin"], not_before = self.link.schedule(record["start"], record["wire_bytes"])
@@ -203,6 +208,12 @@ class Comm:
         return Transfer(self, launch(pg), result, record, not_before, self._clock_for(tensor))
 
     def _record(self, rec: dict) -> None:
+        if rec.pop("setup", False):  # before training: its own event kind, out of the sync figures
+            with self._lock:
+                self.totals.setup_wire_bytes += rec["wire_bytes"]
+            if self.events is not None and rec["wire_bytes"]:
+                self.events.emit("setup", **rec)
+            return
         with self._lock:
             t = self.totals
             t.wire_bytes[rec["group"]] += rec["wire_bytes"]
@@ -246,12 +257,14 @@ class Comm:
         return self._start("reduce_scatter", group, nbytes, launch, output, tag, codec, tensor)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, group: str = "world",
-                  tag: str = "", codec: str = "fp32") -> Transfer:
-        """Copy group-rank `src`'s tensor to every rank of `group`."""
+                  tag: str = "", codec: str = "fp32", setup: bool = False) -> Transfer:
+        """Copy group-rank `src`'s tensor to every rank of `group`. setup: a one-time transfer
+        before training (recorded as a `setup` event and in Totals.setup_wire_bytes, not in
+        the outer/inner totals, the peak payload or `comm` events)."""
         nbytes = tensor.numel() * tensor.element_size()
         return self._start("broadcast", group, nbytes,
                            lambda g: dist.broadcast(tensor, group_src=src, group=g, async_op=True),
-                           tensor, tag, codec, tensor, root=src)
+                           tensor, tag, codec, tensor, root=src, setup=setup)
 
     def average(self, x: torch.Tensor, group: str, codec: str = "fp32", block: int = 64,
                 tag: str = "") -> "Average":

@@ -3,6 +3,12 @@
     h = lowband.launch(model="nano", steps=200)          # Python: returns a LaunchHandle at once
     h.status(); h.logs(); h.wait(600); h.cancel(); h.run_dir
     lowband launch -s slurm --gpu 8 --shards 8 --replicas 4 -- --algo streaming   # the CLI
+    h = lowband.launch(script="train_mine.py", script_args=["--lr", "3e-4"], replicas=4)
+    lowband launch --script train_mine.py --replicas 4 -- --lr 3e-4                # your script
+
+A launched script reads its layout from the workers' environment (LOWBAND_REPLICAS,
+LOWBAND_SHARDS, LOWBAND_RUN_DIR, LOWBAND_PROGRESS): `layout()` gives them as Config keywords and
+`launch_config(**options)` the Config itself (env.py).
 
 Both build the job from the `train` component in launchers/lowband_components.py (also registered
 as `lowband.train` for `torchx run`) and hand it to TorchX's runner. A local_cwd job's processes
@@ -14,8 +20,9 @@ after checking that the rendezvous can be reached, with one clear sentence inste
 traceback when a node cannot reach it or not every node joins within the timeout.
 
 The package, by part: job.py (launch(), the `train` component), handle.py (LaunchHandle,
-attach(), the process-wide TorchX runner), cli.py (`lowband launch`) and node.py (the node
-agent). Every public name imports from here; the submodules import each other, never this file.
+attach(), the process-wide TorchX runner), cli.py (`lowband launch`), node.py (the node
+agent) and env.py (what a launched script reads of its layout). Every public name imports from
+here; the submodules import each other, never this file.
 """
 
 from __future__ import annotations
@@ -24,12 +31,13 @@ import sys
 import types
 
 from lowband.launch.cli import launch_parser, main
+from lowband.launch.env import launch_config, layout
 from lowband.launch.handle import LOCAL_SCHEDULERS, ROLE, TERMINAL, LaunchHandle, attach
 from lowband.launch.job import components, launch
 from lowband.launch.node import agent
 
 __all__ = ["LOCAL_SCHEDULERS", "ROLE", "TERMINAL", "LaunchHandle", "agent", "attach",
-           "components", "launch", "launch_parser", "main"]
+           "components", "launch", "launch_config", "launch_parser", "layout", "main"]
 
 
 class _CallableModule(types.ModuleType):

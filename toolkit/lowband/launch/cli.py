@@ -22,12 +22,21 @@ def launch_parser() -> argparse.ArgumentParser:
         "flag not listed here is a `lowband train` flag, passed through (e.g. --algo streaming "
         "--replicas 4 --model mini). By default each node holds one replica group (nnodes = "
         "replicas, nproc-per-node = shards). Local jobs are followed to the end (Ctrl-C cancels "
-        "them); remote ones are submitted and their handle printed."),
+        "them); remote ones are submitted and their handle printed. With --script PATH, every "
+        "rank runs your training script instead, and the flags not listed here (and all after "
+        "--) are the script's; it reads the layout from LOWBAND_REPLICAS, LOWBAND_SHARDS and "
+        "LOWBAND_RUN_DIR (lowband.launch.launch_config())."),
         epilog="`python -m lowband.launch torchrun ARGS` is the per-node agent the job runs.")
     p.add_argument("-s", "--scheduler", default="local_cwd", help="TorchX scheduler (default: "
                    "local_cwd)")
     p.add_argument("--scheduler-args", "--cfg", default="", metavar="K=V,...",
                    help="scheduler run options, over .torchxconfig (e.g. partition=gpu,time=60)")
+    p.add_argument("--script", metavar="PATH", help="run this training script on every rank "
+                   "instead of `lowband train` (a path here for local_cwd, on the nodes otherwise)")
+    p.add_argument("--replicas", type=int, help="R, replica groups (default: 2)")
+    p.add_argument("--shards", type=int, help="S, ranks in each replica group (default: 1)")
+    p.add_argument("--run-dir", help="run directory, on a filesystem every node shares (default: "
+                   "runs/<algo or script>-<time>-<xxxx>)")
     p.add_argument("--nnodes", type=int, default=0, help="nodes (default: replicas / "
                    "replicas-per-node)")
     p.add_argument("--nproc-per-node", type=int, default=0, help="processes per node (default: "
@@ -71,10 +80,16 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] == "torchrun":
         return agent(argv[1:])
     args, train_flags = launch_parser().parse_known_args(argv)
-    if "--" in train_flags:  # everything after it is lowband train's
+    if "--" in train_flags:  # everything after it is lowband train's (or the script's)
         train_flags.remove("--")
     mounts = [tok for m in args.mount for tok in m.split(",") if tok]
-    handle = launch(train_flags, scheduler=args.scheduler,
+    if args.script is not None:
+        train_flags, script_args = [], train_flags
+    else:
+        script_args = []
+    handle = launch(train_flags, scheduler=args.scheduler, script=args.script,
+                    script_args=script_args, replicas=args.replicas, shards=args.shards,
+                    run_dir=args.run_dir,
                     cfg=_pairs([args.scheduler_args], "scheduler option"),
                     replicas_per_node=args.replicas_per_node, nnodes=args.nnodes,
                     nproc_per_node=args.nproc_per_node, name=args.name, image=args.image,

@@ -2,7 +2,9 @@
 
 launch() checks the `lowband train` flags here (one sentence on bad input, before anything is
 submitted), fills in the component's parameters (launchers/lowband_components.py), asks TorchX
-for the request (dryrun) and returns a LaunchHandle, started unless start=False.
+for the request (dryrun) and returns a LaunchHandle, started unless start=False. With script=,
+every rank runs the user's training script instead, with the same layout, agent and run
+directory; its arguments are its own (lowband checks only the layout it owns).
 """
 
 from __future__ import annotations
@@ -48,14 +50,43 @@ def components():
 
 # -- launching -------------------------------------------------------------------------------------
 
+_FLAG_VALUES = (str, int, float, os.PathLike)  # bool is an int
+
+
+def _refuse_objects(options: dict, flags: Sequence) -> None:
+    """One sentence for a value that cannot become a command-line flag: the job's processes get
+    only a command line, so a module object (or any object) cannot travel to them."""
+    model = options.get("model")
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise ConfigError(f"model= got a {type(model).__name__} object, and a module object "
+                          "cannot travel to the job's processes: pass model=\"hf:PATH\" (a saved "
+                          "Hugging Face directory) or script= a training script that builds it.")
+    for key, value in options.items():
+        if value is not None and not isinstance(value, _FLAG_VALUES):
+            raise ConfigError(f"{key}= got a {type(value).__name__} object, which cannot be a "
+                              "command-line flag of the job: give a string, a number or "
+                              "True/False.")
+    for tok in flags:
+        if not isinstance(tok, _FLAG_VALUES) or isinstance(tok, bool):
+            raise ConfigError(f"flags hold a {type(tok).__name__} object ({tok!r:.40}), which "
+                              "cannot be a command-line argument of the job: give strings.")
+
+
+def _arg(value) -> str:
+    return os.fspath(value) if isinstance(value, os.PathLike) else str(value)
+
+
 def _flag_args(options: dict) -> list[str]:
+    """Keywords as flags: steps=20 -> --steps 20, progress=False -> --no-progress (None: none)."""
     out = []
     for key, value in options.items():
         flag = "--" + key.replace("_", "-")
+        if value is None:
+            continue
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + flag[2:])
         else:
-            out += [flag, str(value)]
+            out += [flag, _arg(value)]
     return out
 
 
@@ -93,15 +124,28 @@ def _check_flags(argv: list[str], remote: bool):
         cfg = Config()
     for key, value in args.items():
         setattr(cfg, key, value)
-    data = cfg.data
-    if remote and data != "builtin" and not Path(data).exists():
-        cfg.data = "builtin"
+    # paths that live on the cluster: a remote job's data, tokenizer and hf:PATH model need not
+    # exist here (the nodes check them); they are set aside for the checks made here
+    saved = {}
+    if remote:
+        default = Config()
+        for key, path in (("data", None if cfg.data == "builtin" else cfg.data),
+                          ("tokenizer", getattr(cfg, "tokenizer", "") or None),
+                          ("model", cfg.model[3:] if cfg.model.startswith("hf:") else None)):
+            if path is not None and not Path(path).expanduser().exists():
+                saved[key] = getattr(cfg, key)
+                setattr(cfg, key, getattr(default, key))
+        if "model" in saved:  # its block count is the nodes' to check (--fragments against it)
+            cfg.model_blocks = sys.maxsize
     cfg.validate()
-    cfg.data = data
+    for key, value in saved.items():
+        setattr(cfg, key, value)
+    cfg.model_blocks = None
     return cfg
 
 
 def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict | None = None,
+           script: str | os.PathLike | None = None, script_args: Sequence[str] = (),
            algo: str | None = None, replicas: int | None = None, shards: int | None = None,
            run_dir: str | os.PathLike | None = None, config: str | None = None,
            replicas_per_node: int = 1, nnodes: int = 0, nproc_per_node: int = 0,
@@ -110,38 +154,40 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
            mounts: Sequence[str] | None = None, rdzv_port: int = 0, rdzv_timeout: int = 300,
            max_retries: int = 0, progress: bool = False, start: bool = True,
            **options) -> LaunchHandle:
-    """Run `lowband train` as a TorchX job and return its LaunchHandle at once.
+    """Run `lowband train` (or your own training script) as a TorchX job; return its LaunchHandle
+    at once.
 
     flags: `lowband train` flags as a list (["--model", "nano"]); options: the same as keywords
-    (model="nano", steps=20, sync_every=4; True/False for on/off flags). scheduler: local_cwd,
-    slurm, kubernetes or any TorchX scheduler; cfg: its run options (merged over .torchxconfig).
-    The rest are the component's parameters (see launchers/lowband_components.py): by default
-    one replica group per node. rdzv_port 0 picks a free port for local schedulers, 29500
-    elsewhere. start=False returns the handle unsubmitted: inspect .dryrun_info, then start().
-    Bad flags raise ConfigError with one sentence, before anything is submitted.
+    (model="nano", steps=20, sync_every=4; True/False for on/off flags; model="hf:PATH" for a
+    saved Hugging Face model: a module object cannot travel to the job's processes).
+    script: a training script every rank runs instead of `lowband train` (a path here for local
+    schedulers, on the nodes for remote ones); its arguments are script_args, then flags and the
+    keyword options (algo= and config= included) as `--key value`, passed as given. The workers'
+    environment gives it the layout lowband owns: LOWBAND_REPLICAS, LOWBAND_SHARDS,
+    LOWBAND_RUN_DIR and LOWBAND_PROGRESS (lowband.launch.layout() / launch_config() read them).
+    scheduler: local_cwd, slurm, kubernetes or any TorchX scheduler; cfg: its run options (merged
+    over .torchxconfig). The rest are the component's parameters (see
+    launchers/lowband_components.py): by default one replica group per node. rdzv_port 0 picks a
+    free port for local schedulers, 29500 elsewhere. start=False returns the handle unsubmitted:
+    inspect .dryrun_info, then start(). Bad input raises ConfigError with one sentence, before
+    anything is submitted.
     """
     from torchx.runner.config import apply
     from torchx.specs.api import InvalidRunConfigException
 
     local = scheduler in LOCAL_SCHEDULERS
-    # the component passes these itself: take them out of the pass-through flags
-    flags, given = _pop_flags([*flags, *_flag_args(options)],
-                              ("algo", "replicas", "shards", "run-dir", "config"))
-    algo = algo if algo is not None else given.get("algo")
-    config = config if config is not None else given.get("config")
-    run_dir = run_dir if run_dir is not None else given.get("run-dir")
-    argv = list(flags)
-    for key, value in (("algo", algo), ("replicas", replicas if replicas is not None else
-                                        given.get("replicas")),
-                       ("shards", shards if shards is not None else given.get("shards")),
-                       ("config", config)):
-        if value is not None:
-            argv += [f"--{key}", str(value)]
-    train_cfg = _check_flags(argv, remote=not local)
-    if run_dir is None:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        run_dir = train_cfg.run_dir or os.path.join(
-            "runs", f"{train_cfg.algo}-{stamp}-{secrets.token_hex(2)}")
+    _refuse_objects({**options, "algo": algo, "config": config}, [*flags, *script_args])
+    if script is not None:
+        flags, algo, config, run_dir, layout = _script_job(
+            script, [*script_args, *flags, *_flag_args({"algo": algo, "config": config}),
+                     *_flag_args(options)], replicas, shards, run_dir, local)
+        script = layout.pop("script")
+    else:
+        if script_args:
+            raise ConfigError("script_args= are the arguments of a training script: give "
+                              "script= too, or pass `lowband train` flags as flags= or keywords.")
+        flags, algo, config, run_dir, layout = _train_job(
+            flags, options, algo, replicas, shards, run_dir, config, local)
     run_dir = str(run_dir)
     local_run_dir = Path(run_dir).resolve() if not os.path.isabs(run_dir) else Path(run_dir)
     if local:
@@ -158,8 +204,8 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         app = components().train(
-            *flags, algo=algo, replicas=train_cfg.replicas,
-            shards=train_cfg.shards, replicas_per_node=replicas_per_node, nnodes=nnodes,
+            *flags, script=script, algo=algo, replicas=layout["replicas"],
+            shards=layout["shards"], replicas_per_node=replicas_per_node, nnodes=nnodes,
             nproc_per_node=nproc_per_node, run_dir=run_dir, config=config, name=name,
             h=h, cpu=cpu, gpu=gpu, memMB=memMB, env=env, mounts=list(mounts) if mounts else None,
             rdzv_port=rdzv_port or 29500, rdzv_timeout=rdzv_timeout, max_retries=max_retries,
@@ -180,3 +226,55 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
                           "options with cfg= (--scheduler-args K=V,...) or in .torchxconfig.")
     handle = LaunchHandle(runner, info, local_run_dir, scheduler, app.roles[0].num_replicas)
     return handle.start() if start else handle
+
+
+def _default_run_dir(label: str) -> str:
+    return os.path.join("runs", f"{label}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}")
+
+
+def _train_job(flags, options, algo, replicas, shards, run_dir, config, local):
+    """`lowband train`: its flags checked here; (flags, algo, config, run_dir, layout)."""
+    # the component passes these itself: take them out of the pass-through flags
+    flags, given = _pop_flags([*map(_arg, flags), *_flag_args(options)],
+                              ("algo", "replicas", "shards", "run-dir", "config"))
+    algo = algo if algo is not None else given.get("algo")
+    config = os.fspath(config) if config is not None else given.get("config")
+    run_dir = run_dir if run_dir is not None else given.get("run-dir")
+    argv = list(flags)
+    for key, value in (("algo", algo), ("replicas", replicas if replicas is not None else
+                                        given.get("replicas")),
+                       ("shards", shards if shards is not None else given.get("shards")),
+                       ("config", config)):
+        if value is not None:
+            argv += [f"--{key}", str(value)]
+    train_cfg = _check_flags(argv, remote=not local)
+    if run_dir is None:
+        run_dir = train_cfg.run_dir or _default_run_dir(train_cfg.algo)
+    return flags, algo, config, run_dir, {"replicas": train_cfg.replicas,
+                                          "shards": train_cfg.shards}
+
+
+def _script_job(script, argv, replicas, shards, run_dir, local):
+    """A user's training script: its arguments passed as given; only the layout lowband owns
+    (replicas, shards, run directory) is checked here. A local script must exist here; a remote
+    one lives on the nodes."""
+    from lowband.config import Config
+
+    script = os.fspath(script)
+    if local:
+        path = Path(script).expanduser().resolve()
+        if not path.is_file():
+            raise ConfigError(f"training script '{script}' is not a file: give the path of your "
+                              "script (relative to this directory or absolute).")
+        script = str(path)
+    layout = {"script": script}
+    for key, value, default in (("replicas", replicas, Config().replicas),
+                                ("shards", shards, Config().shards)):
+        value = default if value is None else value
+        if isinstance(value, bool) or not isinstance(value, (int, str)) or \
+                not str(value).strip().isdigit() or int(value) <= 0:
+            raise ConfigError(f"{key} must be a positive integer, got {value!r}.")
+        layout[key] = int(value)
+    if run_dir is None:
+        run_dir = _default_run_dir(Path(script).stem)
+    return [_arg(a) for a in argv], None, None, os.fspath(run_dir), layout

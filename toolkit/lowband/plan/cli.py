@@ -47,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     add = p.add_argument
     add("--params", help="parameter count, e.g. 1e9 or 1.3B")
     add("--layers", help="number of blocks")
-    add("--model", help=f"a preset instead of --params/--layers: {', '.join(MODELS)}")
+    add("--model", help=f"a preset instead of --params/--layers: {', '.join(MODELS)}, or hf:PATH "
+        "(a Hugging Face model directory or config.json, counted without building it)")
     add("--step-time", help="compute seconds per step, e.g. 0.1 or 100ms")
     add("--flops-per-step", help="FLOPs of one step (with --flops, instead of --step-time)")
     add("--flops", help="achieved FLOP/s of one replica")

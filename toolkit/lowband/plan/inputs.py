@@ -10,6 +10,8 @@ from lowband import units
 from lowband.algorithms import ALGORITHMS as REGISTRY
 from lowband.comm.codecs import CODEC_RECORDS, SCALE_BYTES
 from lowband.model import MODELS as MODEL_SPECS
+from lowband.options import ConfigError
+from lowband.sources import HF, spec
 
 # the algorithms whose schedule the planner models (timeline.py), in the registry's order
 ALGORITHMS = tuple(name for name in REGISTRY if name in ("ddp", "diloco", "streaming", "acco"))
@@ -91,9 +93,17 @@ def make_run(params=None, layers=None, step_time=None, *, model=None, flops_per_
              grad_dtype="bf16", bandwidth=None, latency=0.0, steps=None, block_size=BLOCK_SIZE,
              scale_bytes=SCALE_BYTES, bucket_mb=None, acco_rounds=2) -> Run:
     """Validate and normalize the inputs; raises PlanError (a ValueError) naming the fix."""
-    if model is not None:
+    if model is not None and model.startswith(HF):  # a Hugging Face config: counted, not built
+        try:
+            hf = spec(model)
+        except ConfigError as e:
+            raise PlanError(str(e)) from None
+        params = hf.param_count() if params is None else params
+        layers = hf.n_layer if layers is None else layers
+    elif model is not None:
         if model not in MODELS:
-            raise PlanError(f"unknown model '{model}': use one of {', '.join(MODELS)}.")
+            raise PlanError(f"unknown model '{model}': use one of {', '.join(MODELS)}, or "
+                            "hf:PATH (a Hugging Face model directory or config.json).")
         params = MODELS[model][0] if params is None else params
         layers = MODELS[model][1] if layers is None else layers
     if params is None or layers is None:
