@@ -82,7 +82,12 @@ def launch_local(cfg: Config, argv: list[str], main_job: bool = False, resume: b
         run = RunDir(cfg.run_dir).create() if resume else RunDir(cfg.run_dir).claim(cfg.overwrite)
     else:
         run = new_run_dir(cfg.algo)
-    code, rank = LocalJob(argv, cfg.world, run).wait()
+    if cfg.elastic:  # the Lighthouse and R groups, each a job of its own (supervise.py)
+        from lowband.supervise import run_elastic
+
+        code, rank = run_elastic(cfg, argv, run), 0
+    else:
+        code, rank = LocalJob(argv, cfg.world, run).wait()
     if code == 130:
         print("lowband: interrupted; the workers were stopped.", file=sys.stderr)
         return 130

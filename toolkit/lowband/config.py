@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lowband.algorithms import ALGORITHMS, option_groups, users
+from lowband.comm.elastic import ElasticOptions
 from lowband.comm.link import LinkOptions
 from lowband.faults import FaultOptions
 from lowband.options import ArgParser, ConfigError, Options, flag, option  # noqa: F401 (re-exported)
@@ -117,7 +118,7 @@ class RunOptions(Options):
 
 
 # the groups every algorithm reads, then each algorithm's own (in registry order)
-COMMON_GROUPS = (RunOptions, LinkOptions, FaultOptions)
+COMMON_GROUPS = (RunOptions, LinkOptions, FaultOptions, ElasticOptions)
 GROUPS = COMMON_GROUPS + option_groups()
 
 

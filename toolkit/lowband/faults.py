@@ -7,10 +7,15 @@
                              gradient clipping cannot undo, so the loss spikes
 --crash-checkpoint STEP      every rank dies between writing the checkpoint of STEP and making
                              it current (checkpoint.py), as a crash mid-write would
+--kill REPLICA:STEP          after inner step STEP every rank of REPLICA kills itself (SIGKILL),
+                             as a lost node or site would; with --elastic only in the group's
+                             first life, so a restarted group trains on
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -51,6 +56,16 @@ def parse_corrupt(text: str, replicas: int, steps: int) -> tuple[int, int, float
     return replica, step, scale
 
 
+def parse_kill(text: str, replicas: int, steps: int) -> tuple[int, int] | None:
+    if not text:
+        return None
+    replica, step = _parse(text, "--kill", "REPLICA:STEP, e.g. 1:20", (int, int), 2)
+    if not 0 <= replica < replicas or not 1 <= step <= steps:
+        raise ConfigError(f"--kill {text}: the replica must be in 0..{replicas - 1} and the step "
+                          f"in 1..{steps}.")
+    return replica, step
+
+
 @dataclass
 class FaultOptions(Options):
     title = "fault injection (every algorithm)"
@@ -59,6 +74,8 @@ class FaultOptions(Options):
                           "parameters after STEP")
     crash_checkpoint: int = option(0, "die between writing and renaming the checkpoint of this "
                                    "step (to test that the previous one survives)")
+    kill: str = option("", "REPLICA:STEP: every rank of that replica is killed (SIGKILL) after "
+                       "STEP, as a lost site would be (with --elastic, in its first life only)")
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -66,6 +83,10 @@ class FaultOptions(Options):
             raise ConfigError(f"--crash-checkpoint must be zero or positive, got {cfg.crash_checkpoint}.")
         parse_straggler(cfg.straggler, cfg.replicas)
         parse_corrupt(cfg.corrupt, cfg.replicas, cfg.steps)
+        parse_kill(cfg.kill, cfg.replicas, cfg.steps)
+
+
+LIFE_ENV = "LOWBAND_LIFE"  # how many times the launcher restarted this elastic group
 
 
 class Faults:
@@ -73,7 +94,15 @@ class Faults:
         self.straggler = parse_straggler(cfg.straggler, cfg.replicas)
         self.corrupt = parse_corrupt(cfg.corrupt, cfg.replicas, cfg.steps)
         self.crash_checkpoint = cfg.crash_checkpoint
+        self.kill = parse_kill(cfg.kill, cfg.replicas, cfg.steps)
+        if os.environ.get(LIFE_ENV, "0") != "0":  # a restarted elastic group is not killed again
+            self.kill = None
         self.replica, self.seed = replica, seed
+
+    def maybe_die(self, step: int) -> None:
+        """SIGKILL this process after `step` if its replica is the one --kill names."""
+        if self.kill and self.kill == (self.replica, step):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def slow_down(self, compute_s: float) -> None:
         """Make this rank's step slower if its replica is the straggler."""

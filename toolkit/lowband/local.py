@@ -49,46 +49,63 @@ def describe_exit(code: int) -> str:
 
 
 class LocalJob:
-    def __init__(self, argv: list[str], world: int, run: RunDir, env: dict | None = None):
+    def __init__(self, argv: list[str], world: int, run: RunDir, env: dict | None = None,
+                 log_prefix: str = "", terminal: bool = True, node: tuple[int, int] | None = None):
+        """log_prefix names the logs (an elastic group's: replica<i>-); terminal: rank 0
+        writes to this terminal (else to its log as the others do); node: (this job's first
+        local rank, processes on this machine) when several jobs share it (elastic groups), so
+        that threads and devices are shared out among all of them."""
+        first, on_node = node or (0, world)
         self.run, self.world = run, world
         port = free_port()
         self.procs: list[subprocess.Popen] = []
         self._logs = []
         for r in range(world):
             wenv = {**os.environ, **(env or {}), "RANK": str(r), "WORLD_SIZE": str(world),
-                    "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0",
+                    "LOCAL_RANK": str(first + r), "LOCAL_WORLD_SIZE": str(on_node), "GROUP_RANK": "0",
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOWBAND_WORKER": "1"}
-            out = None if r == 0 else open(run.logs / f"rank{r}.log", "w")
+            to_terminal = r == 0 and terminal
+            out = None if to_terminal else open(run.logs / f"{log_prefix}rank{r}.log", "a")
             self._logs.append(out)
             cmd = [sys.executable, "-m", "lowband.cli", "train", *argv, "--run-dir", str(run.root)]
             self.procs.append(subprocess.Popen(cmd, env=wenv, stdout=out, stderr=out,
                                                stdin=subprocess.DEVNULL,
                                                preexec_fn=_die_with_parent))
 
+    def poll(self) -> tuple[int, int | None] | None:
+        """None while the workers run; (0, None) when all are done; (status, rank) of the
+        cause when one failed, after stopping the others."""
+        codes = [p.poll() for p in self.procs]
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            # the cause: a worker killed from outside, else one that refused input or stopped
+            # on purpose (2, 3); the others usually fail after it because their peer vanished
+            # (often with SIGABRT from gloo's teardown)
+            rank_of = {-signal.SIGKILL: 0, -signal.SIGTERM: 0, 2: 1, 3: 1}
+            first = min(failed, key=lambda r: (rank_of.get(codes[r], 2), r))
+            self.stop()
+            self.close()
+            return codes[first], first
+        if all(c == 0 for c in codes):
+            self.close()
+            return 0, None
+        return None
+
     def wait(self) -> tuple[int, int | None]:
         """Block until every worker is done or one fails. Returns (status, failed rank)."""
         try:
-            while True:
-                codes = [p.poll() for p in self.procs]
-                failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-                if failed:
-                    # the cause: a worker killed from outside, else one that refused input or
-                    # stopped on purpose (2, 3); the others usually fail after it because their
-                    # peer vanished (often with SIGABRT from gloo's teardown)
-                    rank_of = {-signal.SIGKILL: 0, -signal.SIGTERM: 0, 2: 1, 3: 1}
-                    first = min(failed, key=lambda r: (rank_of.get(codes[r], 2), r))
-                    self.stop()
-                    return codes[first], first
-                if all(c == 0 for c in codes):
-                    return 0, None
+            while (result := self.poll()) is None:
                 time.sleep(0.1)
+            return result
         except KeyboardInterrupt:
             self.stop()
+            self.close()
             return 130, None
-        finally:
-            for f in self._logs:
-                if f is not None:
-                    f.close()
+
+    def close(self) -> None:
+        for f in self._logs:
+            if f is not None and not f.closed:
+                f.close()
 
     def stop(self, grace_s: float = 5.0) -> None:
         for p in self.procs:

@@ -28,6 +28,12 @@ def summarize(cfg, ranks: list[dict]) -> dict:
     }
 
 
+def add_ddp_bytes(summary: dict, one_step: int, replicas: int) -> None:
+    """ddp_outer_wire_bytes: what ddp would have sent for the inner steps the run took
+    (R x steps_run), from its bytes for one step."""
+    summary["ddp_outer_wire_bytes"] = one_step * sum(summary["steps_run_per_replica"]) // replicas
+
+
 def one_line(s: dict) -> str:
     return (f"{s.get('algorithm')} R={s.get('replicas')} S={s.get('shards')}: "
             f"loss {s.get('final_loss', float('nan')):.4f}, "

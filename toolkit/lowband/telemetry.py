@@ -66,6 +66,11 @@ class RunDir:
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
 
+    @property
+    def groups(self) -> Path:
+        """--elastic: each replica group's ranks (groups/replica<i>.json), merged into summary.json"""
+        return self.root / "groups"
+
     def event_file(self, rank: int) -> Path:
         return self.events / f"rank{rank}.jsonl"
 
@@ -88,9 +93,9 @@ class RunDir:
         """Remove what a run left here: its files, events, checkpoints and workers' logs."""
         for name in self.RUN_FILES:
             (self.root / name).unlink(missing_ok=True)
-        for d in (self.events, self.checkpoints):
+        for d in (self.events, self.checkpoints, self.groups):
             shutil.rmtree(d, ignore_errors=True)
-        for log in self.logs.glob("rank*.log"):
+        for log in [*self.logs.glob("rank*.log"), *self.logs.glob("replica*.log")]:
             log.unlink(missing_ok=True)
 
     def claim(self, overwrite: bool) -> "RunDir":

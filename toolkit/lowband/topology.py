@@ -72,10 +72,18 @@ def pick_backend(requested: str, device: torch.device) -> str:
 
 
 def init(replicas: int, shards: int, device: str = "auto", backend: str = "auto",
-         timeout_s: float = 300) -> Topology:
-    """Join the process group described by the environment (torchrun's variables)."""
+         timeout_s: float = 300, replica: int | None = None) -> Topology:
+    """Join the process group described by the environment (torchrun's variables).
+
+    replica: --elastic, where the job is one replica group (its S ranks) of R; the outer group
+    is then torchft's (comm/elastic.py), and rank and world stay the global ones (replica x S +
+    shard, R x S), which data order and event files are keyed on."""
     world = int(os.environ.get("WORLD_SIZE", 1))
-    if replicas * shards != world:
+    groups = 1 if replica is not None else replicas
+    if groups * shards != world:
+        if replica is not None:
+            raise ConfigError(f"an elastic replica group has --shards {shards} ranks, but the job "
+                              f"has {world} processes: start S processes a group.")
         raise ConfigError(f"--replicas {replicas} x --shards {shards} = {replicas * shards} ranks, "
                           f"but the job has {world} processes: make R x S equal the world size.")
     dev = pick_device(device)
@@ -88,8 +96,9 @@ def init(replicas: int, shards: int, device: str = "auto", backend: str = "auto"
         os.environ.setdefault("RANK", "0")
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
                                 device_id=dev if backend == "nccl" else None)
-    mesh = init_device_mesh(dev.type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
-    topo = Topology(rank=dist.get_rank(), world=world, replicas=replicas, shards=shards,
+    mesh = init_device_mesh(dev.type, (groups, shards), mesh_dim_names=("replicate", "shard"))
+    first = 0 if replica is None else replica * shards
+    topo = Topology(rank=first + dist.get_rank(), world=replicas * shards, replicas=replicas, shards=shards,
                     device=dev, mesh=mesh, inner=mesh.get_group("shard"),
                     outer=mesh.get_group("replicate"))
     for group in (topo.inner, topo.outer, None):  # connect now, not inside the first transfer

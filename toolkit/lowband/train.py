@@ -10,7 +10,7 @@ blocks are a Hugging Face model's decoder layers or found by `find_blocks` (or p
 
 from __future__ import annotations
 
-import itertools
+import hashlib
 import math
 import os
 from dataclasses import dataclass
@@ -27,6 +27,7 @@ from lowband import topology as topo_mod
 from lowband.algorithms import ALGORITHMS
 from lowband.algorithms.ddp import outer_wire_bytes as ddp_outer_wire_bytes
 from lowband.comm import Comm
+from lowband.comm.elastic import Membership, replica_of_env
 from lowband.comm.link import LinkOptions
 from lowband.config import Config, ConfigError
 from lowband.corpus import load_corpus, record_tokenizer
@@ -37,7 +38,7 @@ from lowband.params import flatten, write_flat
 from lowband.schedule import lr_at
 from lowband.sources import blocks_of, check_vocab, for_training
 from lowband.sources import build as build_model
-from lowband.summary import summarize
+from lowband.summary import add_ddp_bytes, summarize
 from lowband.telemetry import EventWriter, RunDir, new_run_dir, write_json_atomic
 
 
@@ -68,7 +69,7 @@ def _resolve_run_dir(cfg: Config, resume: bool) -> RunDir:
     def pick():
         if not cfg.run_dir:
             return str(new_run_dir(cfg.algo).root)
-        if not resume:
+        if not resume and not cfg.elastic:  # an elastic run's launcher claimed it for every group
             RunDir(cfg.run_dir).claim(cfg.overwrite)
         return cfg.run_dir
 
@@ -135,7 +136,8 @@ def train(cfg: Config, model: nn.Module | None = None, blocks: nn.ModuleList | N
         cfg.model_blocks = len(blocks)
     cfg.validate()
     _set_threads()
-    topo = topo_mod.init(cfg.replicas, cfg.shards, cfg.device, cfg.backend)
+    topo = topo_mod.init(cfg.replicas, cfg.shards, cfg.device, cfg.backend,
+                         replica=replica_of_env() if cfg.elastic else None)
     tokens = load_corpus(cfg.data, cfg.tokenizer)
     if model is None:  # before the run directory is touched: bad input loses nothing
         check_vocab(cfg, vocab_needed(tokens))
@@ -167,12 +169,14 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from):
     if cfg.compile:
         compile_blocks(blocks)
     comm = Comm(topo, events, LinkOptions.build(cfg))
+    if cfg.elastic:
+        comm.elastic = Membership(topo, cfg, events)
     if user_model:
         _broadcast_init(model, comm)
 
     algo = ALGORITHMS[cfg.algo]()
     optimizer = algo.setup(model, blocks, make_optimizer_factory(cfg, device), topo, comm, cfg)
-    if topo.rank == 0:  # the tokenizer is copied into RUN/tokenizer/ for an export to ship
+    if dist.get_rank() == 0 and topo.replica == 0:  # the tokenizer goes to RUN/tokenizer/ for export
         write_json_atomic(run.config, {**cfg.to_dict(), "meta": {
             "world": topo.world, "n_params": num_params(model), "torch": torch.__version__,
             "device": device.type, "backend": dist.get_backend(),
@@ -189,11 +193,15 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from):
     events.emit("run", phase="start" if resume_from is None else "resume", world=topo.world,
                 config_hash=cfg.hash(), step=done.step)
 
-    bar = _progress(cfg, topo.rank, done.step)
     model.train()
     dist.barrier()  # every rank starts the clock together: set-up skew is not link time
+    algo.join()  # --elastic: the first quorum; a restarted group heals to a live peer's step
+    if algo.healed_step is not None:
+        done.step, algo.healed_step = algo.healed_step, None
+    bar = _progress(cfg, topo.rank, done.step)
     t_start, paused_s = time.time(), 0.0  # paused: evaluations and checkpoints
-    for step in itertools.count(done.step):
+    while True:
+        step = done.step
         t0 = time.perf_counter()
         if algo.should_stop(step):  # after --steps by default; aedit decides (and syncs) here
             break
@@ -205,12 +213,15 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from):
             raise TrainingStopped(f"{algo.skips} updates in a row held NaN or inf (the last at "
                                   f"step {step + 1}), so training stopped: lower --lr, check the "
                                   "data, or resume from the last checkpoint.")
+        faults.maybe_die(step + 1)
         if faults.after_step(step + 1, model):
             events.emit("fault", step=step + 1, what="corrupt", scale=faults.corrupt[2])
         faults.slow_down(time.perf_counter() - t0 - comm.wait_s)
         step_s = time.perf_counter() - t0
         step_compute = max(step_s - comm.take_wait_s(), 0.0)
         done.advance(loss, micro_batches * cfg.batch_size * cfg.seq_len, step_compute)
+        if algo.healed_step is not None:  # --elastic: behind the others, healed to their step
+            done.step, algo.healed_step = algo.healed_step, None
         events.emit("step", step=step + 1, loss=loss, lr=lr_at(cfg, step), tokens=done.tokens,
                     step_s=step_s, compute_s=step_compute)
         t_pause = time.time()
@@ -240,23 +251,53 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from):
             "loss": last_loss, "val_loss": val_loss, "replica": topo.replica, "shard": topo.shard,
             "outer_wire": comm.totals.wire_bytes["outer"], "inner_wire": comm.totals.wire_bytes["inner"],
             "peak_outer": comm.totals.peak_outer_payload, "setup_wire": comm.totals.setup_wire_bytes}
-    everyone = [None] * topo.world
+    everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    weights = _full_weights(model, topo.rank)
-    if topo.rank == 0:
+    weights = _full_weights(model, dist.get_rank())
+    writer = dist.get_rank() == 0 and topo.replica == _first_group(comm)
+    if writer:
         torch.save(weights, run.root / "model.pt")
         if outer is not None:
             torch.save({k: v.cpu() for k, v in outer.items()}, run.root / "outer.pt")
+    if cfg.elastic:  # each group's ranks; the launcher writes summary.json from every group's
+        if dist.get_rank() == 0:
+            run.groups.mkdir(exist_ok=True)
+            write_json_atomic(run.groups / f"replica{topo.replica}.json",
+                              {"ranks": everyone, "ddp_one_step": _ddp_one_step(model, cfg),
+                               "outer_sha256": _digest(outer)})
+        dist.barrier()
+        return None
     summary = summarize(cfg, everyone) if topo.rank == 0 else None
     if summary is not None:  # the baseline's bytes for the same model and steps, computed
-        sizes = [p.numel() for p in model.parameters() if p.requires_grad]
-        one_step = ddp_outer_wire_bytes(sizes, cfg.replicas, cfg.shards, 1, cfg.bucket_mb)
-        inner_steps = sum(summary["steps_run_per_replica"])  # R x steps_run
-        summary["ddp_outer_wire_bytes"] = one_step * inner_steps // cfg.replicas
+        add_ddp_bytes(summary, _ddp_one_step(model, cfg), cfg.replicas)
     if summary is not None:
         write_json_atomic(run.summary, summary)
     dist.barrier()
     return summary
+
+
+def _ddp_one_step(model, cfg) -> int:
+    """What ddp would send over the outer link in one step of this model and layout."""
+    sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+    return ddp_outer_wire_bytes(sizes, cfg.replicas, cfg.shards, 1, cfg.bucket_mb)
+
+
+def _digest(tensors: dict | None) -> str | None:
+    """sha256 of a state's tensors' bytes, in key order: equal states, equal digests."""
+    if tensors is None:
+        return None
+    h = hashlib.sha256()
+    for key in sorted(tensors):
+        h.update(key.encode())
+        h.update(tensors[key].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _first_group(comm) -> int:
+    """The replica group that writes model.pt: 0, or with --elastic the first of the last
+    quorum (group 0 may be gone)."""
+    members = comm.elastic.members if comm.elastic is not None else ()
+    return min(members) if members else 0
 
 
 def standard_step(algo, model, optimizer, batches: Batches, cfg: Config, step: int,

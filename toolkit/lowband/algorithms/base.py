@@ -47,6 +47,9 @@ class Algorithm:
     # in place of train.standard_step.
     owns_step = False
     skips = 0  # consecutive updates skipped for NaN or inf; the trainer stops past --max-skips
+    # --elastic: the inner step this replica group was healed to (a live peer's) at a quorum;
+    # the trainer continues from there and clears it
+    healed_step: int | None = None
 
     def setup(self, model: nn.Module, blocks: nn.ModuleList,
               make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
@@ -68,6 +71,10 @@ class Algorithm:
 
     def after_step(self, step: int) -> None:
         pass
+
+    def join(self) -> None:
+        """Before the first step (--elastic): take part in the first quorum; a restarted group
+        heals there from a live peer (healed_step) and joins the sync in progress."""
 
     def should_stop(self, step: int) -> bool:
         """Consulted by the trainer before each step (`step` steps done): True ends the loop.

@@ -153,13 +153,50 @@ class Streaming(Algorithm):
         if p is not None:
             self._start(self.fragments[p], s)
 
+    # --elastic (comm/elastic.py): a quorum before each sync, the commit vote before each apply
+    def join(self) -> None:
+        elastic = self.comm.elastic
+        if elastic is None:
+            return
+        elastic.register(self._heal_state, self._load_heal_state)
+        self._sync_step = 0
+        if elastic.begin(0):  # restarted: the others are in the sync of healed_step; join it
+            s = self.healed_step
+            self._exchange(self.fragments[self.due(s)], s)
+        else:  # a fresh start: every group's first quorum, nothing to exchange
+            elastic.commit()
+
+    def _heal_state(self) -> dict:
+        """What a live group hands a joining one (at the start of a sync, nothing in flight)."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "outer": [f.outer for f in self.fragments],
+                "momentum": [f.momentum for f in self.fragments], "step": self._sync_step}
+
+    def _load_heal_state(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        for f, outer, momentum in zip(self.fragments, state["outer"], state["momentum"]):
+            f.outer.copy_(outer)
+            f.momentum.copy_(momentum)
+            f.residual, f.pending = None, None  # error feedback is this group's own
+        self.healed_step = state["step"]
+
     def _start(self, f: Fragment, s: int) -> None:
+        if self.comm.elastic is not None:
+            self._sync_step = s
+            if self.comm.elastic.begin(s):  # behind the others: now a live peer's copy
+                s = self.healed_step
+                f = self.fragments[self.due(s)]
+        self._exchange(f, s)
+
+    def _exchange(self, f: Fragment, s: int) -> None:
         c = self.config
         delta = f.outer.to(self.topo.device, non_blocking=True) - f.local_slice()
         if f.residual is not None:
             delta += f.residual
         avg = self.comm.average(delta, "outer", c.codec, c.codec_block, tag=f"frag{f.index}")
-        if c.error_feedback and c.codec != "fp32":
+        healed = self.comm.elastic is not None and self.comm.elastic.healed_now
+        if c.error_feedback and c.codec != "fp32" and not healed:
             f.residual = delta - avg.sent
         f.pending = (s + c.overlap, s, avg)
         if c.overlap == 0:
@@ -171,6 +208,9 @@ class Streaming(Algorithm):
         _, started, avg = f.pending
         f.pending = None
         delta = avg.wait().to(self.topo.device)
+        if self.comm.elastic is not None and not self.comm.elastic.commit():
+            self._uncommitted(f, started)  # the vote failed: the outer state stays as it was
+            return
         norm = self._norm(delta)
         if not math.isfinite(norm):  # some replica's pseudo-gradient held NaN or inf
             self._skip(f, started)
@@ -181,8 +221,21 @@ class Streaming(Algorithm):
         write_flat(f.params, self._gather(f, merged))
         if self.comm.events is not None:
             self.comm.events.emit("sync", step=started, fragment=f.index, applied_step=started + c.overlap,
-                                  pseudo_grad_norm=norm, weight=1 / self.topo.replicas,
+                                  pseudo_grad_norm=norm, weight=self._weight(),
                                   anomaly=False, outer_lr=c.outer_lr)
+
+    def _weight(self) -> float:
+        """Each replica's share of the average: 1/R, or 1/(groups of the quorum) when elastic."""
+        elastic = self.comm.elastic
+        return 1 / (len(elastic.members) if elastic is not None else self.topo.replicas)
+
+    def _uncommitted(self, f: Fragment, started: int) -> None:
+        """An elastic exchange that did not commit (a group died mid-exchange, or too few took
+        part): outer parameters and momentum stay, the local weights train on; the fragment's
+        next sync carries what this one would have."""
+        f.residual = None
+        if self.comm.events is not None:
+            self.comm.events.emit("skip", step=started, what="commit", fragment=f.index)
 
     def _skip(self, f: Fragment, started: int) -> None:
         """Every replica sees the same non-finite average, so all skip this outer update alike:

@@ -170,6 +170,7 @@ class Comm:
         """clock: times transfers by CUDA events; made at the first transfer of a CUDA tensor."""
         self.topo, self.events, self.link, self.clock = topology, events, link, clock
         self.totals = Totals()
+        self.elastic = None  # comm/elastic.py's Membership when replica groups are elastic
         self.wait_s = 0.0  # seconds the training thread spent blocked on transfers
         self._lock = threading.Lock()
 
@@ -195,7 +196,15 @@ class Comm:
         pg = self.topo.group(group)
         n = dist.get_world_size(pg)
         is_root = root is not None and n > 1 and dist.get_rank(pg) == root
-        record = {"op": op, "group": self.link_of(group), "tag": tag, "codec": codec,
+        return self.run(op, self.link_of(group), n, payload, lambda: launch(pg), result, tag,
+                        codec, tensor, is_root, setup)
+
+    def run(self, op, link, n, payload, launch, result, tag, codec, tensor, is_root=False,
+            setup=False) -> Transfer:
+        """Record and start one collective of `n` ranks over `link` (outer or inner): launch()
+        starts it and returns its work. What every collective here goes through; comm/elastic.py
+        calls it with torchft's process group."""
+        record = {"op": op, "group": link, "tag": tag, "codec": codec,
                   "payload_bytes": int(payload), "wire_bytes": wire_bytes(op, payload, n, is_root),
                   "start": time.time()}
         if setup:
@@ -205,7 +214,7 @@ class Comm:
             record["begin"], not_before = self.link.schedule(record["start"], record["wire_bytes"])
         if n == 1:
             return Transfer(self, None, result, record, not_before)
-        return Transfer(self, launch(pg), result, record, not_before, self._clock_for(tensor))
+        return Transfer(self, launch(), result, record, not_before, self._clock_for(tensor))
 
     def _record(self, rec: dict) -> None:
         if rec.pop("setup", False):  # before training: its own event kind, out of the sync figures
@@ -276,16 +285,25 @@ class Comm:
         non-finite `x` cannot be encoded; it is sent as a payload that decodes to NaN, so that
         every rank sees the same non-finite average and can skip the update alike.
         """
+        if group == "outer" and self.elastic is not None:  # torchft's group (comm/elastic.py)
+            return self.elastic.average(self, x, codec, block, tag)
         n = dist.get_world_size(self.topo.group(group))
         if codec == "fp32":
             return Average(self.all_reduce(x.clone(), group, tag, codec), n, None, x)
-        if torch.isfinite(x).all():
-            payload = encode(x, codec, block)
-        else:  # a NaN scale in the first block: every rank's average comes out non-finite
-            payload = encode(torch.zeros_like(x), codec, block)
-            payload[:2] = torch.tensor([float("nan")], dtype=torch.bfloat16).view(torch.uint8)
-        sent = decode(payload, x.numel(), codec, block)
+        payload, sent = encoded(x, codec, block)
         return Average(self.all_gather(payload, group, tag, codec), n, (x.numel(), codec, block), sent)
+
+
+def encoded(x: torch.Tensor, codec: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the payload of x in a quantized codec, x as the receivers will decode it). A non-finite
+    x cannot be encoded: it is sent as a payload whose first scale is NaN, so that every rank's
+    average comes out non-finite and every rank skips the update alike."""
+    if torch.isfinite(x).all():
+        payload = encode(x, codec, block)
+    else:
+        payload = encode(torch.zeros_like(x), codec, block)
+        payload[:2] = torch.tensor([float("nan")], dtype=torch.bfloat16).view(torch.uint8)
+    return payload, decode(payload, x.numel(), codec, block)
 
 
 class Average:

@@ -1,0 +1,89 @@
+"""--elastic (comm/elastic.py, supervise.py): replica groups joined through torchft's Lighthouse.
+A group killed mid-run (SIGKILL of all its ranks) does not stop the others; restarted, it heals
+from a live peer, not from disk; one that never comes back leaves the others to finish; without
+failures an elastic run equals the plain one to fp32 rounding. Real processes, gloo, loopback."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import lowband
+from lowband.telemetry import read_events
+
+pytest.importorskip("torchft")
+
+SMALL = ["--model", "nano", "--seq-len", 32, "--batch-size", 4, "--eval-every", 0,
+         "--eval-batches", 1, "--no-progress"]
+
+
+def train(tmp_path, name, *args):
+    proc = lowband("train", "--run-dir", tmp_path / name, *SMALL, *args, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return tmp_path / name, proc
+
+
+def groups(run) -> dict[int, dict]:
+    return {int(p.stem[len("replica"):]): json.loads(p.read_text())
+            for p in (run / "groups").glob("replica*.json")}
+
+
+def test_without_failures_elastic_diloco_equals_the_plain_run(tmp_path):
+    flags = ["--algo", "diloco", "--replicas", 2, "--steps", 16, "--sync-every", 4]
+    plain, _ = train(tmp_path, "plain", *flags)
+    elastic, _ = train(tmp_path, "elastic", *flags, "--elastic")
+    for name in ("model.pt", "outer.pt"):
+        a = torch.load(plain / name, weights_only=True)
+        b = torch.load(elastic / name, weights_only=True)
+        diff = max((a[k] - b[k]).abs().max().item() for k in a)
+        assert diff < 1e-6, (name, diff)
+    summary = json.loads((elastic / "summary.json").read_text())
+    assert summary["steps_run_per_replica"] == [16, 16] and not summary["elastic"]["restarts"]
+    quorums = [e for e in read_events(elastic, ("membership",))]
+    assert {e["size"] for e in quorums} == {2} and not any(e["healed"] for e in quorums)
+
+
+def test_a_killed_group_restarts_and_heals_from_a_live_peer(tmp_path):
+    """Streaming (fp4, tau 1) with three groups; group 1 is SIGKILLed after step 10 and
+    restarted: the others never stop, it heals at their next sync and all three end with the
+    same outer parameters bitwise. No checkpoint is written or read."""
+    run, proc = train(tmp_path, "r", "--algo", "streaming", "--replicas", 3, "--steps", 24,
+                      "--sync-every", 8, "--fragments", 2, "--elastic", "--kill", "1:10")
+    assert "replica group 1 was killed by SIGKILL" in proc.stderr
+    healed = [e for e in read_events(run, ("membership",)) if e["healed"]]
+    assert [e["replica"] for e in healed] == [1]
+    assert healed[0]["step"] == 12 and healed[0]["heal_bytes"] > 0  # the others' next sync
+    records = groups(run)
+    assert sorted(records) == [0, 1, 2]
+    assert len({r["outer_sha256"] for r in records.values()}) == 1  # bitwise equal
+    for g in (0, 2):  # the survivors ran every step once, without a gap
+        steps = [e["step"] for e in read_events(run, ("step",)) if e["replica"] == g]
+        assert steps == list(range(1, 25)), (g, steps)
+    restarted = [e["step"] for e in read_events(run, ("step",)) if e["replica"] == 1]
+    assert restarted == list(range(1, 10)) + list(range(13, 25))  # killed in step 10; healed to 12
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["elastic"]["restarts"] == {"1": 1}
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+
+
+def test_a_group_that_never_comes_back_leaves_the_others_to_finish(tmp_path):
+    run, proc = train(tmp_path, "r", "--algo", "diloco", "--replicas", 3, "--steps", 16,
+                      "--sync-every", 4, "--elastic", "--kill", "2:6", "--max-restarts", 0)
+    assert "is not restarted again" in proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["elastic"]["groups_finished"] == [0, 1]
+    assert summary["steps_run_per_replica"] == [16, 16]
+    last = [e for e in read_events(run, ("membership",)) if e["replica"] == 0][-1]
+    assert last["members"] == [0, 1] and last["left"] == [2] and last["size"] == 2
+    syncs = [e for e in read_events(run, ("sync",)) if e["replica"] == 0 and e["step"] > 8]
+    assert syncs and all(e["weight"] == 0.5 for e in syncs)  # averages over the two left
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--algo", "diloco", "--replicas", 3, "--min-replicas", 4], "--min-replicas 4 must lie in 1..3"),
+    (["--algo", "acco"], "--algo acco cannot lose a replica group mid-run yet"),
+    (["--algo", "diloco", "--checkpoint-every", 5], "drop --checkpoint-every"),
+])
+def test_bad_elastic_input_gives_one_sentence(tmp_path, lowband_here, args, words):
+    code, stderr = lowband_here("train", "--elastic", *args, cwd=tmp_path)
+    assert code == 2 and words in stderr and len(stderr.strip().splitlines()) == 1, stderr

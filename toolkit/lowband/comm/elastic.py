@@ -1,0 +1,254 @@
+"""Elastic replica groups on torchft: membership, quorum, the commit vote and healing.
+
+With --elastic each replica group is a world of its own (its S ranks; its own local job,
+torchrun or TorchX role) and the groups meet only through torchft: a Lighthouse (the quorum
+service, started by the launcher) and, on every rank, a torchft `Manager` whose process group
+joins the ranks of the same shard index in the groups of the current quorum, reconfigured at
+each quorum. lowband writes no quorum, heartbeat or rendezvous protocol of its own.
+
+One outer sync (diloco, streaming):
+  begin(step)      Manager.start_quorum, synchronous: who takes part. A group behind the others
+                   (restarted, or dropped from a quorum) receives the state registered with
+                   `state_fns` from a live peer here (torchft's HTTP checkpoint transport) and
+                   loads it: model, inner optimizer, outer parameters and momentum, the step.
+  average(x, ...)  the mean over the groups that take part with what they trained: a group
+                   healed in this quorum holds a copy of its source's state, so it sends weight
+                   0 (and zeros) and the mean divides by the summed weights
+  commit()         Manager.should_commit: the vote. False (a peer died mid-exchange, too few
+                   groups) leaves the outer state as it was: the update is skipped everywhere.
+Every quorum change is a `membership` event (quorum id and size, who joined and left, heal
+bytes and seconds).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from lowband.options import ConfigError, Options, option
+
+LIGHTHOUSE_ENV, REPLICA_ENV = "TORCHFT_LIGHTHOUSE", "LOWBAND_REPLICA"
+
+
+@dataclass
+class ElasticOptions(Options):
+    title = "elastic replica groups (torchft)"
+    elastic: bool = option(False, "each replica group a world of its own, joined through a "
+                           "torchft Lighthouse: a lost group does not stop the others, and a "
+                           "restarted one heals from a live peer (diloco, streaming)")
+    min_replicas: int = option(1, "smallest quorum of replica groups an outer update commits with")
+    quorum_timeout: float = option(600.0, "seconds a group waits for a quorum (longer than the "
+                                   "time between syncs)")
+    elastic_timeout: float = option(120.0, "seconds an outer exchange or a heal may take before "
+                                    "the peer is counted as lost")
+    max_restarts: int = option(3, "times the launcher restarts a replica group that died")
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        if not cfg.elastic:
+            return
+        if cfg.algo not in ELASTIC_ALGOS:
+            raise ConfigError(f"--elastic works with --algo {' or '.join(ELASTIC_ALGOS)} for now: "
+                              f"--algo {cfg.algo} cannot lose a replica group mid-run yet.")
+        if not 1 <= cfg.min_replicas <= cfg.replicas:
+            raise ConfigError(f"--min-replicas {cfg.min_replicas} must lie in 1..{cfg.replicas} "
+                              f"(the replica groups of the run).")
+        for name in ("quorum_timeout", "elastic_timeout"):
+            if not getattr(cfg, name) > 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive seconds.")
+        if cfg.max_restarts < 0:
+            raise ConfigError("--max-restarts must be zero or positive.")
+        if cfg.checkpoint_every:
+            raise ConfigError("--elastic runs heal from live peers, not from checkpoints: drop "
+                              "--checkpoint-every.")
+
+
+ELASTIC_ALGOS = ("diloco", "streaming")
+
+
+def replica_of_env() -> int | None:
+    value = os.environ.get(REPLICA_ENV)
+    return None if value is None else int(value)
+
+
+class Membership:
+    """This rank's torchft Manager and the process group it reconfigures (see module doc)."""
+
+    def __init__(self, topo, cfg, events):
+        try:
+            from torchft.manager import Manager
+            from torchft.process_group import ProcessGroupGloo
+        except ImportError as e:
+            raise ConfigError(f"--elastic needs torchft ({e.name} is not installed): pip install "
+                              "'lowband[elastic]'.") from None
+        lighthouse = os.environ.get(LIGHTHOUSE_ENV)
+        if not lighthouse:
+            raise ConfigError(f"--elastic needs a Lighthouse: run it through `lowband train "
+                              f"--elastic` or `lowband launch --elastic`, or set {LIGHTHOUSE_ENV}.")
+        self.topo, self.events = topo, events
+        timeout = timedelta(seconds=cfg.elastic_timeout)
+        self.pg = ProcessGroupGloo(timeout=timeout)
+        self._heal = None  # (bytes, seconds) of the state received in the last quorum
+        self.manager = Manager(
+            pg=self.pg, load_state_dict=None, state_dict=None,
+            min_replica_size=cfg.min_replicas, use_async_quorum=False, timeout=timeout,
+            quorum_timeout=timedelta(seconds=cfg.quorum_timeout), connect_timeout=timeout,
+            rank=topo.shard, world_size=topo.shards, store_addr=os.environ["MASTER_ADDR"],
+            store_port=int(os.environ["MASTER_PORT"]), lighthouse_addr=lighthouse,
+            replica_id=f"replica{topo.replica}", init_sync=False)
+        self.members: tuple[int, ...] = ()
+        self.quorum_id = -1
+        self.healed_now = False
+
+    def register(self, save, load) -> None:
+        """The state a live group hands a joining one: save() -> dict, load(dict)."""
+
+        def load_timed(state):
+            t0 = time.perf_counter()
+            load(state)
+            self._heal = (_nbytes(state), time.perf_counter() - t0, state.get("step"))
+
+        self.manager.register_state_dict_fn("lowband", load_timed, save)
+
+    def begin(self, step: int) -> bool:
+        """A quorum for the sync after inner step `step`. True when this group was healed in it
+        (its state is now a live peer's, the step included)."""
+        t0 = time.perf_counter()
+        self._heal = None
+        self.manager.start_quorum()
+        self.healed_now = self._heal is not None
+        members, quorum = self._members(), getattr(self.manager, "_quorum_id", -1)
+        if quorum != self.quorum_id:  # a new quorum: somebody left, joined or was replaced
+            joined = sorted(set(members) - set(self.members)) if self.members else list(members)
+            extra = {}
+            if self.healed_now:  # this group: restarted or behind, now a live peer's copy
+                step = self._heal[2] if self._heal[2] is not None else step
+                extra = {"heal_bytes": self._heal[0], "heal_s": self._heal[1]}
+            self.events.emit("membership", step=step, quorum_id=quorum, size=len(members),
+                             members=list(members), joined=joined,
+                             left=sorted(set(self.members) - set(members)),
+                             healed=self.healed_now, wait_s=time.perf_counter() - t0, **extra)
+            self.members, self.quorum_id = members, quorum
+        return self.healed_now
+
+    def _members(self) -> tuple[int, ...]:
+        """The replica groups of the current quorum (torchft numbers a group's rank k in it as
+        replica x S + k: the trailing digits of our replica ids)."""
+        ranks = getattr(self.pg, "_global_ranks", None)
+        if not ranks:
+            return tuple(range(self.manager.num_participants()))
+        return tuple(sorted({r // self.topo.shards for r in ranks}))
+
+    def average(self, comm, x: torch.Tensor, codec: str, block: int, tag: str) -> "Weighted":
+        """Start averaging the flat fp32 tensor x over the groups of this quorum, each with its
+        weight (0 for a group healed in this quorum); wait() gives the mean. When the exchange
+        fails the error goes to the Manager, never up: commit() then says False."""
+        from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceOp
+
+        from lowband.comm.collectives import encoded
+
+        weight, n = (0.0 if self.healed_now else 1.0), self.pg.size()
+        if codec == "fp32":
+            t = torch.cat([x * weight, x.new_tensor([weight])])
+            opts = AllreduceOptions()
+            opts.reduceOp = ReduceOp.SUM
+            transfer = comm.run("all_reduce", "outer", n, t.numel() * 4,
+                                lambda: self._reported(lambda: self.pg.allreduce([t], opts)),
+                                t, tag, codec, t)
+            return Weighted(transfer, None, x)
+        payload, sent = encoded(x, codec, block)
+        payload = torch.cat([payload, payload.new_tensor([int(weight)])])  # one byte: the weight
+        outs = [torch.empty_like(payload) for _ in range(n)] if n > 1 else [payload]
+        transfer = comm.run("all_gather", "outer", n, payload.numel(),
+                            lambda: self._reported(lambda: self.pg.allgather([outs], [payload],
+                                                                             AllgatherOptions())),
+                            outs, tag, codec, payload)
+        return Weighted(transfer, (x.numel(), codec, block), sent)
+
+    def _reported(self, launch) -> "Reported":
+        try:
+            return Reported(launch(), self.manager)
+        except Exception as e:  # the group is already broken: the vote will fail
+            self.manager.report_error(e)
+            return Reported(None, self.manager)
+
+    def commit(self) -> bool:
+        return self.manager.should_commit()
+
+    def step(self) -> int:
+        return self.manager.current_step()
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _nbytes(state) -> int:
+    """Bytes of the tensors in a (nested) state."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_nbytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_nbytes(v) for v in state)
+    return 0
+
+
+class Reported:
+    """A torchft collective whose failure goes to the Manager (the commit vote then fails)
+    instead of up the training thread."""
+
+    def __init__(self, work, manager):
+        self.work, self.manager = work, manager
+
+    def get_future(self):
+        out = torch.futures.Future()
+        if self.work is None:
+            out.set_result(None)
+            return out
+
+        def landed(fut):
+            try:
+                fut.value()
+            except Exception as e:
+                self.manager.report_error(e)
+            out.set_result(None)
+
+        self.work.get_future().add_done_callback(landed)
+        return out
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        try:
+            self.work.wait()
+        except Exception as e:
+            self.manager.report_error(e)
+
+
+class Weighted:
+    """A weighted mean over a torchft group in flight: sum of weight x value over the members,
+    divided by the summed weights (NaN when no member had weight, so the update is skipped)."""
+
+    def __init__(self, transfer, decoding, sent: torch.Tensor):
+        self.transfer, self.decoding, self.sent = transfer, decoding, sent
+
+    def done(self) -> bool:
+        return self.transfer.done()
+
+    def wait(self) -> torch.Tensor:
+        from lowband.comm.codecs import decode
+
+        result = self.transfer.wait()
+        if self.decoding is None:
+            return result[:-1] / result[-1]
+        numel, codec, block = self.decoding
+        total, weights = torch.zeros(numel, device=self.sent.device), 0
+        for payload in result:
+            if int(payload[-1]):
+                total += decode(payload[:-1], numel, codec, block)
+                weights += int(payload[-1])
+        return total / weights if weights else torch.full_like(total, float("nan"))

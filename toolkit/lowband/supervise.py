@@ -1,0 +1,99 @@
+"""`lowband train --elastic` on one machine: a torchft Lighthouse and R replica groups, each a
+job of its own (S local workers, local.LocalJob), restarted when it dies.
+
+The Lighthouse runs in this process (torchft's LighthouseServer); every worker finds it through
+TORCHFT_LIGHTHOUSE, and its group through LOWBAND_REPLICA (comm/elastic.py). A group that dies
+(a killed node, a crash) is started again, up to --max-restarts times, with LOWBAND_LIFE counting
+its lives: it heals from a live peer at the others' next sync and trains on. A group that refuses
+its input (status 2) stops the whole job: the others would refuse it too. When every group has
+finished or is lost for good, the groups' records (RUN/groups/) become summary.json.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from lowband.comm.elastic import LIGHTHOUSE_ENV, REPLICA_ENV
+from lowband.faults import LIFE_ENV
+from lowband.local import LocalJob, describe_exit, last_line
+from lowband.options import ConfigError
+from lowband.summary import add_ddp_bytes, summarize
+from lowband.telemetry import RunDir, write_json_atomic
+
+
+def lighthouse(min_replicas: int, join_timeout_s: float = 10.0):
+    """torchft's Lighthouse, serving in this process on a free port."""
+    try:
+        from torchft._torchft import LighthouseServer
+    except ImportError as e:
+        raise ConfigError(f"--elastic needs torchft ({e.name} is not installed): pip install "
+                          "'lowband[elastic]'.") from None
+    return LighthouseServer(bind="[::]:0", min_replicas=min_replicas,
+                            join_timeout_ms=int(join_timeout_s * 1000))
+
+
+def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
+    """Run the replica groups to the end; the job's exit status."""
+    server = lighthouse(cfg.min_replicas)
+    address = server.address()
+    lives = {g: 0 for g in range(cfg.replicas)}
+
+    def start(g: int) -> LocalJob:
+        env = {LIGHTHOUSE_ENV: address, REPLICA_ENV: str(g), LIFE_ENV: str(lives[g])}
+        return LocalJob(argv, cfg.shards, run, env, log_prefix=f"replica{g}-", terminal=g == 0,
+                        node=(g * cfg.shards, cfg.world))
+
+    jobs, finished, lost = {g: start(g) for g in range(cfg.replicas)}, set(), set()
+    try:
+        while jobs:
+            for g, job in list(jobs.items()):
+                result = job.poll()
+                if result is None:
+                    continue
+                code, rank = result
+                del jobs[g]
+                if code == 0:
+                    finished.add(g)
+                elif code in (2, 130):  # bad input (every group would refuse it), or Ctrl-C
+                    if code == 2 and (g, rank) != (0, 0):  # its sentence is in its log
+                        print(last_line(run.logs / f"replica{g}-rank{rank}.log"), file=sys.stderr)
+                    for other in jobs.values():
+                        other.stop()
+                    return code
+                elif lives[g] < cfg.max_restarts:
+                    lives[g] += 1
+                    print(f"lowband: replica group {g} {describe_exit(code)} (rank {rank}); "
+                          f"restarting it (life {lives[g] + 1} of {cfg.max_restarts + 1}), the "
+                          "others train on.", file=sys.stderr, flush=True)
+                    jobs[g] = start(g)
+                else:
+                    lost.add(g)
+                    print(f"lowband: replica group {g} {describe_exit(code)} (rank {rank}) and "
+                          f"is not restarted again (--max-restarts {cfg.max_restarts}); the "
+                          "others train on.", file=sys.stderr, flush=True)
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        for job in jobs.values():
+            job.stop()
+        return 130
+    finally:
+        server.shutdown()
+    if not finished:
+        raise ConfigError("every replica group was lost, so the run has no result: see "
+                          f"{run.logs} and start it again.")
+    write_summary(cfg, run, lives)
+    return 0
+
+
+def write_summary(cfg, run: RunDir, lives: dict[int, int]) -> dict:
+    """summary.json from the groups that finished, with how many times each was restarted."""
+    records = [run.read_json(p) for p in sorted(run.groups.glob("replica*.json"))]
+    records = [r for r in records if r]
+    ranks = [rank for r in records for rank in r["ranks"]]
+    summary = summarize(cfg, ranks)
+    add_ddp_bytes(summary, records[0]["ddp_one_step"], len(records))
+    summary["elastic"] = {"groups_finished": sorted({r["replica"] for r in ranks}),
+                          "restarts": {str(g): n for g, n in lives.items() if n}}
+    write_json_atomic(run.summary, summary)
+    return summary
