@@ -61,6 +61,10 @@ def train(
     max_retries: int = 0,
     progress: bool = False,
     debug: bool = False,
+    elastic: bool = False,
+    min_replicas: int = 1,
+    max_restarts: int = 3,
+    lighthouse_port: int = 29510,
 ) -> specs.AppDef:
     """Train a language model with `lowband train`, or your own training script, across nodes
     (one torchrun agent per node).
@@ -97,9 +101,27 @@ def train(
         progress: show a progress bar on rank 0 (off for batch logs; LOWBAND_PROGRESS for a
             script)
         debug: turn on torch's distributed debug variables
+        elastic: each replica group a role of its own (one node, `shards` processes) that the
+            scheduler restarts up to max_restarts times, joined to the others through a
+            torchft Lighthouse, the first role (docs/elastic.md); `lowband train --elastic`
+        min_replicas: smallest quorum of replica groups an outer update commits with (elastic)
+        max_restarts: scheduler restarts of each replica group's role (elastic)
+        lighthouse_port: the Lighthouse's port on its node (elastic)
     """
+    if elastic:
+        return _elastic(flags, script, algo, replicas, shards, run_dir or f"runs/{macros.app_id}",
+                        config, name, image, h, cpu, gpu, memMB, dict(env or {}), mounts,
+                        rdzv_timeout, progress, debug, min_replicas, max_restarts, lighthouse_port)
     n, p = node_layout(replicas, shards, replicas_per_node, nnodes, nproc_per_node)
-    run_dir = run_dir or f"runs/{macros.app_id}"
+    return _nodes(flags, script, algo, replicas, shards, n, p, run_dir or f"runs/{macros.app_id}",
+                  config, name, image, h, cpu, gpu, memMB, dict(env or {}), mounts, rdzv_port,
+                  rdzv_timeout, max_retries, progress, debug)
+
+
+def _nodes(flags, script, algo, replicas, shards, n, p, run_dir, config, name, image, h, cpu,
+           gpu, memMB, env, mounts, rdzv_port, rdzv_timeout, max_retries, progress,
+           debug) -> specs.AppDef:
+    """One role of n nodes x p processes, each node running lowband's agent around torchrun."""
     if script:
         if algo or config:
             raise ValueError(f"--{'algo' if algo else 'config'} is a `lowband train` flag: with "
@@ -126,6 +148,42 @@ def train(
     assert role.args[1].startswith("torchrun "), role.args
     role.args[1] = f"{AGENT} --rdzv_conf {timeouts} " + role.args[1][len("torchrun "):]
     return app
+
+
+def _elastic(flags, script, algo, replicas, shards, run_dir, config, name, image, h, cpu, gpu,
+             memMB, env, mounts, rdzv_timeout, progress, debug, min_replicas, max_restarts,
+             port) -> specs.AppDef:
+    """--elastic: role 0 runs the Lighthouse (python -m lowband.launch lighthouse, which also
+    writes summary.json from the groups' records when they are done); role 1 + g is replica
+    group g, `shards` processes on one node whose agent restarts them when one dies. Every role
+    finds the Lighthouse through the scheduler's rank-0 host variable, which names role 0's
+    first node. (On Slurm, TorchX runs the roles as one heterogeneous step with
+    --kill-on-bad-exit: a node lost for good ends the job; a process that dies is restarted.)"""
+    if script:
+        raise ValueError("--elastic runs `lowband train --elastic`: a script cannot be made "
+                         "elastic from outside; drop one of them.")
+    if "--elastic" not in flags:
+        flags = (*flags, "--elastic")
+    address = f"http://$${{{macros.rank0_env}:=localhost}}:{port}"
+    lighthouse = specs.Role(
+        name="lighthouse", image=image, entrypoint="python3",
+        args=["-m", "lowband.launch", "lighthouse", "--port", str(port), "--min-replicas",
+              str(min_replicas), "--run-dir", run_dir, "--replicas", str(replicas)],
+        num_replicas=1, resource=specs.resource(cpu=1, gpu=0, memMB=1024),
+        env=dict(env), max_retries=0, mounts=specs.parse_mounts(mounts) if mounts else [])
+    roles = [lighthouse]
+    for g in range(replicas):
+        group = _nodes(flags, None, algo, replicas, shards, 1, shards, run_dir, config, name,
+                       image, h, cpu, gpu, memMB,
+                       {**env, "TORCHFT_LIGHTHOUSE": address, "LOWBAND_REPLICA": str(g)}, mounts,
+                       29500, rdzv_timeout, 0, progress, debug)
+        role = group.roles[0]
+        role.name = f"group{g}"
+        # the group's own agent restarts its workers (torchrun --max-restarts; they count their
+        # lives in TORCHELASTIC_RESTART_COUNT): a scheduler retry would restart the whole job
+        role.args[1] = role.args[1].replace(" torchrun ", f" torchrun --max_restarts {max_restarts} ", 1)
+        roles.append(role)
+    return specs.AppDef(name=name, roles=roles)
 
 
 def node_layout(replicas: int, shards: int, replicas_per_node: int, nnodes: int,

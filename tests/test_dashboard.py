@@ -230,6 +230,94 @@ def test_status(tmp_path):
     assert m.stats()["tokens"] == 4 * 10 * 4096
 
 
+# group 1 of three dies after step 40 and is back, healed from a live peer, at step 80
+ELASTIC = {"kill": 1, "at": 40, "back": 80, "heal_bytes": 1.2e6, "heal_s": 0.3}
+
+
+def elastic_run(root, **kw):
+    kw.setdefault("steps", 120)
+    return make_run(root, replicas=3, shards=2, elastic=ELASTIC, **kw)
+
+
+def test_membership_is_one_record_per_group_and_quorum(tmp_path):
+    rd = elastic_run(tmp_path / "run")
+    events = read_events(rd, ("membership",))
+    assert len(events) == 2 * (3 + 2 + 3)             # every rank of a group writes one
+    healed = next(e for e in events if e["healed"] and e["rank"] == 2)
+    with open(rd.event_file(2), "a") as f:            # a rank's line written twice counts once
+        f.write(json.dumps(healed) + "\n")
+    m = RunModel(rd.root).load()
+    assert [(r.step, r.replica, r.quorum_id, r.size, r.change) for r in m.membership()] == [
+        (0, 0, 0, 3, "group 0 joined"), (0, 1, 0, 3, "group 1 joined"),
+        (0, 2, 0, 3, "group 2 joined"),
+        (40, 0, 1, 2, "group 1 left"), (40, 2, 1, 2, "group 1 left"),
+        (80, 0, 2, 3, "group 1 joined"),
+        (80, 1, 2, 3, "group 1 rejoined (healed 2.4 MB in 0.3 s)"),
+        (80, 2, 2, 3, "group 1 joined")]
+    rec = m.membership()[6]
+    assert rec.healed and rec.ranks == (2, 3) and rec.members == (0, 1, 2)
+    assert rec.heal_bytes == 2 * 1.2e6                # each of the group's ranks gets its own
+    assert rec.heal_s == 0.3 and rec.wait_s == pytest.approx(0.01 + 0.003)
+    assert m.membership()[3].left == (1,) and m.membership()[3].members == (0, 2)
+    # the run's changes: every group's view of a quorum merged
+    assert [(mk.step, mk.quorum_id, mk.text, mk.healed) for mk in m.membership_marks()] == [
+        (0, 0, "groups 0, 1, 2 joined", False), (40, 1, "group 1 left", False),
+        (80, 2, "group 1 rejoined (healed 2.4 MB in 0.3 s)", True)]
+    assert 40 not in m.replicas[1].steps and 80 in m.replicas[1].steps
+    plain = RunModel(small_run(tmp_path / "plain").root).load()
+    assert plain.membership() == [] and plain.membership_marks() == []
+
+
+def test_loss_figure_and_timeline_mark_membership_changes(tmp_path):
+    from lowband.dashboard import figures as F
+
+    m = RunModel(elastic_run(tmp_path / "run").root).load()
+    traces = {t["name"]: t for t in F.loss_spec([m])[0]}
+    line, label = traces["membership change"], traces["membership label"]
+    assert line["x"] == [0, 0, None, 40, 40, None, 80, 80, None]
+    assert label["x"] == [0, 40, 80] and not label["showlegend"]
+    assert label["text"] == ["groups 0, 1, 2 joined", "group 1 left",
+                             "group 1 rejoined (healed 2.4 MB in 0.3 s)"]
+    assert "quorum 1 of 2 groups: 0, 2" in label["hovertext"][1]
+    tokens = {t["name"]: t for t in F.loss_spec([m], "tokens")[0]}["membership label"]
+    assert tokens["x"][1] == m.run_tokens(m.replicas[0].tokens_at(40))
+    times = {t["name"]: t for t in F.loss_spec([m], "time")[0]}["membership label"]
+    assert times["x"][1] == pytest.approx(4.0, abs=0.01)
+    F.make_figure(F.loss_spec([m]))                   # plotly takes every property
+    # the timeline: a tick on each lane of the group that saw a change, a star where healed
+    (tl,) = [t for t in F.timeline_spec(m, window_s=None)[0] if t["name"] == "membership change"]
+    assert len(tl["x"]) == 2 * 8
+    stars = sorted((y, x) for x, y, s in zip(tl["x"], tl["y"], tl["marker"]["symbol"])
+                   if s == "star")
+    assert [y for y, _ in stars] == [2, 3] and stars[0][1] == pytest.approx(8.0, abs=0.01)
+    assert any("rank 3, group 1: group 1 rejoined" in text for text in tl["text"])
+    assert sum(y in (2, 3) for y in tl["y"]) == 4    # group 1 was away from quorum 1
+    F.make_figure(F.timeline_spec(m))
+    # a run without membership events draws none of it
+    plain = RunModel(small_run(tmp_path / "plain").root).load()
+    for spec in (F.loss_spec([plain]), F.timeline_spec(plain)):
+        assert not any("membership" in t["name"] for t in spec[0])
+
+
+def test_dashboard_draws_membership_changes_as_they_come(tmp_path):
+    from lowband.dashboard import Dashboard
+
+    run = SyntheticRun(tmp_path / "run", replicas=3, shards=2, steps=120, elastic=ELASTIC)
+    run.emit_steps(0, 30)
+    d = Dashboard(run.rd.root)
+    assert list(_trace(d.loss_fig, "membership label").text) == ["groups 0, 1, 2 joined"]
+    run.emit_steps(30, 90)
+    d.refresh()
+    assert list(_trace(d.loss_fig, "membership label").x) == [0, 40, 80]
+    assert len(_trace(d.timeline_fig, "membership change").x) == 2 * 8
+    run.finish()
+    d.refresh()
+    assert d.last_error is None
+    quiet = Dashboard(small_run(tmp_path / "plain").root)
+    assert not any("membership" in t.name for t in (*quiet.loss_fig.data,
+                                                    *quiet.timeline_fig.data))
+
+
 # -- the widget ---------------------------------------------------------------------------------
 
 def _trace(fig, name):

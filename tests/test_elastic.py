@@ -87,3 +87,40 @@ def test_a_group_that_never_comes_back_leaves_the_others_to_finish(tmp_path):
 def test_bad_elastic_input_gives_one_sentence(tmp_path, lowband_here, args, words):
     code, stderr = lowband_here("train", "--elastic", *args, cwd=tmp_path)
     assert code == 2 and words in stderr and len(stderr.strip().splitlines()) == 1, stderr
+
+
+def test_launch_elastic_runs_a_lighthouse_role_and_a_restarting_role_a_group():
+    pytest.importorskip("torchx")
+    import lowband
+
+    h = lowband.launch(scheduler="slurm", replicas=2, shards=2, algo="streaming", elastic=True,
+                       max_restarts=2, model="micro", run_dir="/shared/runs/e", start=False)
+    script = str(h.dryrun_info)
+    assert script.count("#SBATCH hetjob") == 2  # lighthouse, group0, group1
+    assert ("python3 -m lowband.launch lighthouse --port 29510 --min-replicas 1 --run-dir "
+            "/shared/runs/e --replicas 2") in script
+    for g in (0, 1):
+        assert (f"TORCHFT_LIGHTHOUSE=http://${{SLURM_JOB_NODELIST_HET_GROUP_0:=localhost}}:29510,"
+                f"LOWBAND_REPLICA={g},") in script
+    assert script.count("torchrun --max_restarts 2 ") == 2
+    assert script.count("--nnodes 1 --nproc_per_node 2") == 2
+    assert script.count(" --elastic") == 2 and script.count("--model micro") == 2
+
+
+def test_the_lighthouse_role_writes_the_summary_from_the_groups_records(tmp_path):
+    from lowband.config import Config
+    from lowband.launch.lighthouse import main
+
+    cfg = Config(algo="diloco", replicas=2, elastic=True, run_dir=str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (tmp_path / "groups").mkdir()
+    for g in (0, 1):
+        rank = {"tokens": 100, "steps": 4, "wall_s": 2.0, "compute_s": 1.5, "loss": 3.0,
+                "val_loss": 3.1, "replica": g, "shard": 0, "outer_wire": 10, "inner_wire": 0,
+                "peak_outer": 5, "setup_wire": 0}
+        (tmp_path / "groups" / f"replica{g}.json").write_text(
+            json.dumps({"ranks": [rank], "ddp_one_step": 1000, "outer_sha256": "x"}))
+    assert main(["--port", "0", "--replicas", "2", "--run-dir", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["tokens"] == 200 and summary["elastic"]["groups_finished"] == [0, 1]
+    assert summary["ddp_outer_wire_bytes"] == 4000

@@ -74,6 +74,37 @@ def test_loss_figure_buttons_switch_the_x_axis(runs):
     assert xs[0][-1] == 100 * 4096 * 4            # tokens of the whole run at the last step
 
 
+def test_report_lists_membership_changes_and_restarts(runs, tmp_path):
+    el = make_run(tmp_path / "el", name="elastic", replicas=3, shards=2, steps=100,
+                  elastic={"kill": 1, "at": 40, "back": 80, "heal_bytes": 1.2e6, "heal_s": 0.3})
+    text = write_report(el.root, tmp_path / "el.html").read_text(encoding="utf-8")
+    section = re.search(r'<section id="membership">(.*?)</section>', text, re.S).group(1)
+    rows = re.findall(r"<tr[^>]*>(<td>.*?)</tr>", section)
+    assert len(rows) == 3 + 2 + 3                    # one per replica group and quorum
+    cells = [re.findall(r"<td>(.*?)</td>", r) for r in rows]
+    assert [c[:4] for c in cells[3:5]] == [["40", "4.00 s", "0", "group 1 left"],
+                                            ["40", "4.01 s", "2", "group 1 left"]]
+    healed = cells[6]
+    assert healed[2:5] == ["1", "group 1 rejoined (healed 2.4 MB in 0.3 s)", "2 (3 groups)"]
+    assert healed[6:8] == ["2.4 MB", "0.3 s"]
+    assert "restarts: group 1: 1; groups finished: 0, 1, 2." in section
+    assert 'data-key="elastic.restarts">group 1: 1<' in text
+    assert 'data-key="elastic.groups_finished">0, 1, 2<' in text
+    assert "dashed purple lines" in text
+    (run,) = report_data(text)["runs"]
+    assert run["stats"]["elastic"] == {"groups_finished": [0, 1, 2], "restarts": {"1": 1}}
+    assert [r["change"] for r in run["membership"]][3:5] == ["group 1 left"] * 2
+    fig = F.loss_figure_static([RunModel(el.root).load()])
+    assert {"membership change", "membership label"} <= {t.name for t in fig.data}
+    assert len(fig.layout.updatemenus[0].buttons[1].args[0]["x"]) == len(fig.data)
+    # a run without membership events: no section, no rows, no traces, no data
+    plain = write_report(runs[0], tmp_path / "plain.html").read_text(encoding="utf-8")
+    assert 'id="membership"' not in plain and "elastic." not in plain
+    assert "membership" not in json.dumps(report_data(plain))
+    assert not any("membership" in t.name
+                   for t in F.loss_figure_static([RunModel(runs[0]).load()]).data)
+
+
 def test_write_report_refuses_what_is_not_a_run(tmp_path, runs):
     with pytest.raises(ReportError, match="not a lowband run directory"):
         write_report([tmp_path], tmp_path / "x.html")

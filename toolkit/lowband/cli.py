@@ -27,6 +27,7 @@ def cmd_train(argv: list[str]) -> int:
     if is_worker():
         import torch.distributed as dist
 
+        from lowband.comm.elastic import ElasticStopped
         from lowband.train import TrainingStopped, train
 
         def leave(code: int):
@@ -51,7 +52,7 @@ def cmd_train(argv: list[str]) -> int:
 
         try:
             train(cfg, resume=resume)  # its files (events, summary, weights) are closed
-        except (ConfigError, TrainingStopped) as e:
+        except (ConfigError, TrainingStopped, ElasticStopped) as e:
             error = "error: " if isinstance(e, ConfigError) else ""
             print(f"lowband: {error}{e}", file=sys.stderr)
             leave(2 if isinstance(e, ConfigError) else 3)

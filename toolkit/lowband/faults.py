@@ -7,9 +7,9 @@
                              gradient clipping cannot undo, so the loss spikes
 --crash-checkpoint STEP      every rank dies between writing the checkpoint of STEP and making
                              it current (checkpoint.py), as a crash mid-write would
---kill REPLICA:STEP          after inner step STEP every rank of REPLICA kills itself (SIGKILL),
-                             as a lost node or site would; with --elastic only in the group's
-                             first life, so a restarted group trains on
+--kill REPLICA:STEP[,...]    after inner step STEP every rank of REPLICA kills itself (SIGKILL),
+                             as a lost node or site would; each kill happens once (a marker in
+                             RUN/logs/), so a restarted group or a resumed run trains past it
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -56,14 +57,17 @@ def parse_corrupt(text: str, replicas: int, steps: int) -> tuple[int, int, float
     return replica, step, scale
 
 
-def parse_kill(text: str, replicas: int, steps: int) -> tuple[int, int] | None:
-    if not text:
-        return None
-    replica, step = _parse(text, "--kill", "REPLICA:STEP, e.g. 1:20", (int, int), 2)
-    if not 0 <= replica < replicas or not 1 <= step <= steps:
-        raise ConfigError(f"--kill {text}: the replica must be in 0..{replicas - 1} and the step "
-                          f"in 1..{steps}.")
-    return replica, step
+def parse_kill(text: str, replicas: int, steps: int) -> list[tuple[int, int]]:
+    """--kill REPLICA:STEP[,REPLICA:STEP...]: (replica, step) pairs."""
+    out = []
+    for part in filter(None, text.split(",")):
+        replica, step = _parse(part, "--kill", "REPLICA:STEP[,REPLICA:STEP...], e.g. 1:20",
+                               (int, int), 2)
+        if not 0 <= replica < replicas or not 1 <= step <= steps:
+            raise ConfigError(f"--kill {part}: the replica must be in 0..{replicas - 1} and the "
+                              f"step in 1..{steps}.")
+        out.append((replica, step))
+    return out
 
 
 @dataclass
@@ -74,8 +78,8 @@ class FaultOptions(Options):
                           "parameters after STEP")
     crash_checkpoint: int = option(0, "die between writing and renaming the checkpoint of this "
                                    "step (to test that the previous one survives)")
-    kill: str = option("", "REPLICA:STEP: every rank of that replica is killed (SIGKILL) after "
-                       "STEP, as a lost site would be (with --elastic, in its first life only)")
+    kill: str = option("", "REPLICA:STEP[,REPLICA:STEP...]: every rank of that replica is killed "
+                       "(SIGKILL) after STEP, once, as a lost site would be")
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -94,15 +98,20 @@ class Faults:
         self.straggler = parse_straggler(cfg.straggler, cfg.replicas)
         self.corrupt = parse_corrupt(cfg.corrupt, cfg.replicas, cfg.steps)
         self.crash_checkpoint = cfg.crash_checkpoint
-        self.kill = parse_kill(cfg.kill, cfg.replicas, cfg.steps)
-        if os.environ.get(LIFE_ENV, "0") != "0":  # a restarted elastic group is not killed again
-            self.kill = None
+        self.kill = [k for k in parse_kill(cfg.kill, cfg.replicas, cfg.steps) if k[0] == replica]
         self.replica, self.seed = replica, seed
 
-    def maybe_die(self, step: int) -> None:
-        """SIGKILL this process after `step` if its replica is the one --kill names."""
-        if self.kill and self.kill == (self.replica, step):
-            os.kill(os.getpid(), signal.SIGKILL)
+    def maybe_die(self, step: int, run_root) -> None:
+        """SIGKILL this process after `step` when --kill names its replica and step, once: a
+        marker in RUN/logs/ says the kill happened, so neither a restarted group nor a resumed
+        run meets it again."""
+        if (self.replica, step) not in self.kill:
+            return
+        marker = Path(run_root) / "logs" / f"killed-replica{self.replica}-step{step}"
+        if marker.exists():
+            return
+        marker.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def slow_down(self, compute_s: float) -> None:
         """Make this rank's step slower if its replica is the straggler."""

@@ -22,14 +22,14 @@ from lowband.summary import add_ddp_bytes, summarize
 from lowband.telemetry import RunDir, write_json_atomic
 
 
-def lighthouse(min_replicas: int, join_timeout_s: float = 10.0):
-    """torchft's Lighthouse, serving in this process on a free port."""
+def lighthouse(min_replicas: int, join_timeout_s: float = 10.0, port: int = 0):
+    """torchft's Lighthouse, serving in this process (port 0: a free one)."""
     try:
         from torchft._torchft import LighthouseServer
     except ImportError as e:
         raise ConfigError(f"--elastic needs torchft ({e.name} is not installed): pip install "
                           "'lowband[elastic]'.") from None
-    return LighthouseServer(bind="[::]:0", min_replicas=min_replicas,
+    return LighthouseServer(bind=f"[::]:{port}", min_replicas=min_replicas,
                             join_timeout_ms=int(join_timeout_s * 1000))
 
 
@@ -55,8 +55,9 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
                 del jobs[g]
                 if code == 0:
                     finished.add(g)
-                elif code in (2, 130):  # bad input (every group would refuse it), or Ctrl-C
-                    if code == 2 and (g, rank) != (0, 0):  # its sentence is in its log
+                elif code in (2, 3, 130):  # bad input (every group would refuse it), a stop
+                    # on purpose (no quorum, NaN: a restart would meet it again), or Ctrl-C
+                    if code in (2, 3) and (g, rank) != (0, 0):  # its sentence is in its log
                         print(last_line(run.logs / f"replica{g}-rank{rank}.log"), file=sys.stderr)
                     for other in jobs.values():
                         other.stop()

@@ -37,7 +37,7 @@ from lowband.options import ConfigError
 
 SCHEMA_VERSION = 1
 KINDS = ("step", "comm", "sync", "eval", "spike", "run", "fault", "skip", "checkpoint",
-         "shard", "memory")
+         "shard", "memory", "setup", "membership")
 
 
 class RunDir:
@@ -95,7 +95,8 @@ class RunDir:
             (self.root / name).unlink(missing_ok=True)
         for d in (self.events, self.checkpoints, self.groups):
             shutil.rmtree(d, ignore_errors=True)
-        for log in [*self.logs.glob("rank*.log"), *self.logs.glob("replica*.log")]:
+        for log in [*self.logs.glob("rank*.log"), *self.logs.glob("replica*.log"),
+                    *self.logs.glob("killed-*")]:
             log.unlink(missing_ok=True)
 
     def claim(self, overwrite: bool) -> "RunDir":

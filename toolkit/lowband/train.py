@@ -213,7 +213,7 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from):
             raise TrainingStopped(f"{algo.skips} updates in a row held NaN or inf (the last at "
                                   f"step {step + 1}), so training stopped: lower --lr, check the "
                                   "data, or resume from the last checkpoint.")
-        faults.maybe_die(step + 1)
+        faults.maybe_die(step + 1, run.root)
         if faults.after_step(step + 1, model):
             events.emit("fault", step=step + 1, what="corrupt", scale=faults.corrupt[2])
         faults.slow_down(time.perf_counter() - t0 - comm.wait_s)

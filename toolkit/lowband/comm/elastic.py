@@ -70,6 +70,10 @@ class ElasticOptions(Options):
 ELASTIC_ALGOS = ("diloco", "streaming")
 
 
+class ElasticStopped(RuntimeError):
+    """An elastic group cannot go on (no Lighthouse, no quorum); the message is one sentence."""
+
+
 def replica_of_env() -> int | None:
     value = os.environ.get(REPLICA_ENV)
     return None if value is None else int(value)
@@ -119,7 +123,14 @@ class Membership:
         (its state is now a live peer's, the step included)."""
         t0 = time.perf_counter()
         self._heal = None
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except Exception as e:  # the Lighthouse is gone, or no quorum within --quorum-timeout
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ElasticStopped(f"replica group {self.topo.replica} got no quorum at step {step} "
+                                 f"({why}): the Lighthouse at {os.environ.get(LIGHTHOUSE_ENV)} is "
+                                 "gone or too few groups are alive, so this group stops; start "
+                                 "the run again.") from None
         self.healed_now = self._heal is not None
         members, quorum = self._members(), getattr(self.manager, "_quorum_id", -1)
         if quorum != self.quorum_id:  # a new quorum: somebody left, joined or was replaced

@@ -3,11 +3,13 @@
 
 One self-contained file: plotly.js is embedded inline (no CDN, nothing fetched when opened),
 with the dashboard's figures (built by the same code), the summary and config of every run side
-by side. Runs that have not finished are reported as they stand.
+by side, and the membership changes of --elastic runs. Runs that have not finished are reported
+as they stand.
 
 For tests in a browser, the page has stable hooks: figure divs #lowband-loss,
-#lowband-bandwidth and #lowband-timeline-<i>, sections #summary, #config, and the report's
-numbers as JSON in <script type="application/json" id="lowband-report-data">.
+#lowband-bandwidth and #lowband-timeline-<i>, sections #summary, #config (and #membership for
+--elastic runs), and the report's numbers as JSON in
+<script type="application/json" id="lowband-report-data">.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .bandwidth_figure import bandwidth_spec
 from .loss_figure import loss_figure_static
 from .model import RunModel, is_run_dir
 from .specs import make_figure
-from .tables import config_table, run_record, summary_table
+from .tables import config_table, elastic_text, membership_table, run_record, summary_table
 from .timeline_figure import timeline_spec
 
 
@@ -99,18 +101,24 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
     bandwidth = make_figure(bandwidth_spec(models))
     lines = ("one line per rank (each rank sends over its own link)" if len(models) == 1
              else "each run's mean per link")
+    elastic = any(m.membership() for m in models)
     parts = [
         f'<section id="summary"><h2>Summary</h2><div class="scroll">{summary_table(records)}'
         f"</div></section>",
         f'<section id="loss-section"><h2>Loss</h2><p class="meta">Mean over each replica\'s '
         f"ranks; validation loss, loss spikes (EWMA z-score, z &gt; {models[0].spike_params[0]:g})"
-        f" and outer syncs (vertical lines). The buttons switch the x axis.</p>"
-        f"{_figure_html(loss, 'lowband-loss', 460)}</section>",
+        f" and outer syncs (vertical lines)"
+        + ("; replica groups joining and leaving the quorum (dashed purple lines)"
+           if elastic else "")
+        + f". The buttons switch the x axis.</p>{_figure_html(loss, 'lowband-loss', 460)}"
+        "</section>",
         f'<section id="bandwidth-section"><h2>Outer-link bandwidth</h2><p class="meta">Bytes on '
         f"the wire per second, each transfer spread evenly over its transmission window; {lines}"
         f"; the peak is the highest bin, so it depends on the bin width.</p>"
         f"{_figure_html(bandwidth, 'lowband-bandwidth', 340)}</section>",
     ]
+    if elastic:
+        parts.append(_membership_section(models))
     plan = _plan_section([m.run_dir for m in models if m.finished])
     if plan:
         parts.append(plan)
@@ -122,13 +130,18 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
                         + _figure_html(fig, f"lowband-timeline-{i}", spec[1]["height"]))
     parts.append('<section id="timeline-section"><h2>Sync timeline</h2><p class="meta">One lane '
                  "per rank: step windows (light), inner transfers (above the lane's middle), "
-                 "outer transfers and outer steps (below; colour tells fragments apart). Drag to "
-                 "zoom, double-click to see everything.</p>" + "".join(tl_parts) + "</section>")
+                 "outer transfers and outer steps (below; colour tells fragments apart)"
+                 + ("; membership changes on the lanes of the group that saw them (a star where "
+                    "it was healed)" if elastic else "")
+                 + ". Drag to zoom, double-click to see everything.</p>" + "".join(tl_parts)
+                 + "</section>")
     parts.append(f'<section id="config"><h2>Config</h2><div class="scroll">'
                  f"{config_table(models)}</div></section>")
     data = {"title": title, "runs": [
         {"name": m.name, "dir": str(m.run_dir), "finished": m.finished,
-         "stats": rec, "config": m.config} for m, rec in zip(models, records)]}
+         "stats": rec, "config": m.config,
+         **({"membership": [r._asdict() for r in m.membership()]} if m.membership() else {})}
+        for m, rec in zip(models, records)]}
     data_json = json.dumps(_clean(data), allow_nan=False).replace("</", "<\\/")
     generated = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     return (
@@ -141,6 +154,26 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
         "</p></header><main>" + "".join(parts) + "</main>"
         f'<script type="application/json" id="lowband-report-data">{data_json}</script>'
         "</body></html>\n")
+
+
+def _membership_section(models: list[RunModel]) -> str:
+    """The membership changes of the --elastic runs and their groups' restarts."""
+    notes = []
+    for m in models:
+        el = (m.summary or {}).get("elastic")
+        if isinstance(el, dict):
+            who = f"{html.escape(m.name)}: " if len(models) > 1 else ""
+            notes.append(f"{who}replica group restarts: "
+                         f"{html.escape(elastic_text('elastic.restarts', el))}; groups finished: "
+                         f"{html.escape(elastic_text('elastic.groups_finished', el))}")
+    return ('<section id="membership"><h2>Membership changes</h2><p class="meta">One row per '
+            "replica group and quorum (--elastic): what that group saw change against its "
+            "previous quorum; a healed group received a live peer's state (heal bytes summed "
+            "over its ranks, heal time the slowest rank's)."
+            + (" " + ". ".join(notes) + "." if notes else "")
+            + f'</p><div class="scroll">{membership_table(models)}</div>'
+            "<style>table.grid.membership td,table.grid.membership thead th{text-align:left}"
+            "table.grid.membership tr.healed td{background:#f4ecf7}</style></section>")
 
 
 def _plan_section(run_dirs) -> str:

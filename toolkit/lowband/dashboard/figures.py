@@ -10,7 +10,7 @@ beside this module, one concern each:
   loss_figure.py       loss_spec, loss_figure_static (the report's, with x-axis buttons)
   bandwidth_figure.py  bandwidth_spec
   timeline_figure.py   timeline_spec
-  tables.py            summary_html (the dashboard's summary panel)
+  tables.py            summary_html (the dashboard's summary panel), the report's tables
 
 The dashboard's and the report's own modules import from those directly.
 """
@@ -21,13 +21,14 @@ from .bandwidth_figure import bandwidth_spec
 from .loss_figure import downsample, loss_figure_static, loss_spec
 from .specs import NUMERIC, make_figure, trace_signature, update_figure
 from .style import (ANOMALY_COLOR, BASE_LAYOUT, COMPUTE_COLOR, DASHES, FRAGMENT_PALETTE,
-                    INNER_COLOR, MAX_TAGS, PALETTE, XAXES, Spec, fmt_bits, fmt_bytes, fmt_rate,
-                    fmt_value, fragment_colors)
+                    INNER_COLOR, MAX_TAGS, MEMBERSHIP_COLOR, PALETTE, XAXES, Spec, fmt_bits,
+                    fmt_bytes, fmt_rate, fmt_value, fragment_colors)
 from .tables import STATUS_COLORS, SUMMARY_COLUMNS, summary_html
 from .timeline_figure import timeline_spec
 
 __all__ = ["ANOMALY_COLOR", "BASE_LAYOUT", "COMPUTE_COLOR", "DASHES", "FRAGMENT_PALETTE",
-           "INNER_COLOR", "MAX_TAGS", "NUMERIC", "PALETTE", "STATUS_COLORS", "SUMMARY_COLUMNS",
-           "Spec", "XAXES", "bandwidth_spec", "downsample", "fmt_bits", "fmt_bytes", "fmt_rate",
-           "fmt_value", "fragment_colors", "loss_figure_static", "loss_spec", "make_figure",
-           "summary_html", "timeline_spec", "trace_signature", "update_figure"]
+           "INNER_COLOR", "MAX_TAGS", "MEMBERSHIP_COLOR", "NUMERIC", "PALETTE", "STATUS_COLORS",
+           "SUMMARY_COLUMNS", "Spec", "XAXES", "bandwidth_spec", "downsample", "fmt_bits",
+           "fmt_bytes", "fmt_rate", "fmt_value", "fragment_colors", "loss_figure_static",
+           "loss_spec", "make_figure", "summary_html", "timeline_spec", "trace_signature",
+           "update_figure"]

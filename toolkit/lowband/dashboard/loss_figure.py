@@ -1,5 +1,6 @@
-"""The loss figure: loss per replica, validation loss, loss spikes and outer-sync marks, against
-steps, tokens or wall time (loss_spec); and the report's version with x-axis buttons."""
+"""The loss figure: loss per replica, validation loss, loss spikes, outer-sync marks and the
+membership changes of --elastic runs, against steps, tokens or wall time (loss_spec); and the
+report's version with x-axis buttons."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import numpy as np
 
 from .model import RunModel
 from .specs import make_figure
-from .style import (ANOMALY_COLOR, BASE_LAYOUT, DASHES, PALETTE, XAXES, Spec, empty_note,
-                    figure_title)
+from .style import (ANOMALY_COLOR, BASE_LAYOUT, DASHES, MEMBERSHIP_COLOR, PALETTE, XAXES, Spec,
+                    empty_note, figure_title)
 
 
 def downsample(n: int, max_points: int) -> np.ndarray:
@@ -34,7 +35,8 @@ def _tokens_at(m: RunModel, replica: int, step: int | None):
 
 def loss_spec(models: list[RunModel], xaxis: str = "step", max_points: int = 2000,
               max_marks: int = 500) -> Spec:
-    """Loss per replica (mean over its ranks), validation loss, spikes and outer syncs."""
+    """Loss per replica (mean over its ranks), validation loss, spikes, outer syncs and, for
+    runs that have them, membership changes."""
     multi = len(models) > 1
     traces: list[dict] = []
     for ri, m in enumerate(models):
@@ -76,6 +78,7 @@ def loss_spec(models: list[RunModel], xaxis: str = "step", max_points: int = 200
             visible=True if ev else "legendonly"))
         traces += _sync_traces(m, xaxis, max_marks, prefix, group,
                                run_color if multi else "#999")
+        traces += _membership_traces(m, xaxis, max_marks, prefix, group)
     layout = dict(BASE_LAYOUT, title=figure_title("loss"),
                   xaxis=dict(title=dict(text=XAXES.get(xaxis, xaxis))),
                   yaxis=dict(title=dict(text="loss")),
@@ -112,6 +115,44 @@ def _sync_traces(m: RunModel, xaxis: str, max_marks: int, prefix: str, group, co
              y=[0.97] * len(ax), yaxis="y2", text=atext, hoverinfo="text", legendgroup=group,
              marker=dict(symbol="triangle-down", size=10, color=ANOMALY_COLOR),
              visible=True if ax else "legendonly"),
+    ]
+
+
+def _membership_traces(m: RunModel, xaxis: str, max_marks: int, prefix: str, group) -> list:
+    """A dashed vertical line per quorum change of an --elastic run, labelled at its top ("group
+    1 left"); nothing for a run without membership events."""
+    marks = m.membership_marks()[-max_marks:]
+    if not marks:
+        return []
+    lx, ly, ltext, px, ptext, label = [], [], [], [], [], []
+    for mk in marks:
+        step = mk.step
+        rs = m.replicas.get(mk.replica)
+        if step is None and rs is not None:
+            step = rs.step_at(mk.t)
+        # kept when x is unknown (a gap): every x axis's traces then have the same points,
+        # which the report's x-axis buttons rely on
+        x = _x(m, xaxis, step, mk.t, _tokens_at(m, mk.replica, step))
+        hover = (f"{mk.text}<br>step {step if step is not None else '?'}, quorum "
+                 f"{mk.quorum_id if mk.quorum_id is not None else '?'} of "
+                 f"{mk.size if mk.size is not None else '?'} group"
+                 f"{'' if mk.size == 1 else 's'}: {', '.join(map(str, mk.members)) or '?'}")
+        lx += [x, x, None]
+        ly += [0, 1, None]
+        ltext += [hover, hover, None]
+        px.append(x)
+        ptext.append(hover)
+        label.append(mk.text)
+    legend = group if group is not None else "membership"
+    return [
+        dict(type="scatter", mode="lines", name=f"{prefix}membership change", x=lx, y=ly,
+             yaxis="y2", text=ltext, hoverinfo="text", legendgroup=legend,
+             line=dict(color=MEMBERSHIP_COLOR, width=1.5, dash="dash"), opacity=0.7),
+        dict(type="scatter", mode="markers+text", name=f"{prefix}membership label", x=px,
+             y=[0.9] * len(px), yaxis="y2", text=label, hovertext=ptext, hoverinfo="text",
+             textposition="middle right", textfont=dict(size=10, color=MEMBERSHIP_COLOR),
+             showlegend=False, legendgroup=legend, cliponaxis=False,
+             marker=dict(symbol="diamond", size=8, color=MEMBERSHIP_COLOR)),
     ]
 
 

@@ -7,8 +7,9 @@ into running aggregates; nothing is ever re-read.
 
 This module holds RunModel itself: reading the run directory, folding events in, and the
 headline numbers. Its parts live beside it: records.py (the records it keeps and the event field
-readers), losses.py (per-replica loss curves, spike detection), syncs.py (outer-sync marks) and
-bandwidth.py (outer-link traffic binned over time). Their public names import from here too.
+readers), losses.py (per-replica loss curves, spike detection), syncs.py (outer-sync marks),
+membership.py (replica groups joining and leaving an --elastic run's quorum) and bandwidth.py
+(outer-link traffic binned over time). Their public names import from here too.
 """
 
 from __future__ import annotations
@@ -18,16 +19,21 @@ import time
 from collections import deque
 from pathlib import Path
 
-from lowband.telemetry import EventTail, RunDir
+from lowband.telemetry import KINDS, EventTail, RunDir
 
 from .bandwidth import OuterTraffic, bin_transfers, nice_width, parse_bits, parse_seconds
 from .losses import ReplicaSeries, SpikeDetector, detect_spikes
-from .records import Spike, StepSpan, SyncMark, Transfer, _int, _num, sync_label
+from .membership import MembershipChanges
+from .records import (Membership, MembershipMark, Spike, StepSpan, SyncMark, Transfer, _int, _num,
+                      sync_label)
 from .syncs import SyncMarks
 
-__all__ = ["RankState", "ReplicaSeries", "RunModel", "Spike", "SpikeDetector", "StepSpan",
-           "SyncMark", "Transfer", "bin_transfers", "detect_spikes", "is_run_dir", "nice_width",
-           "parse_bits", "parse_seconds", "sync_label"]
+__all__ = ["Membership", "MembershipMark", "RankState", "ReplicaSeries", "RunModel", "Spike",
+           "SpikeDetector", "StepSpan", "SyncMark", "Transfer", "bin_transfers", "detect_spikes",
+           "is_run_dir", "nice_width", "parse_bits", "parse_seconds", "sync_label"]
+
+# the event kinds read: the telemetry's, and those the trainer writes beyond them
+READ_KINDS = KINDS
 
 
 class RankState:
@@ -49,7 +55,7 @@ def is_run_dir(path) -> bool:
     return p.is_dir() and ((p / "config.json").is_file() or (p / "events").is_dir())
 
 
-class RunModel(SyncMarks, OuterTraffic):
+class RunModel(SyncMarks, OuterTraffic, MembershipChanges):
     """Everything the dashboard draws about one run, updated incrementally by poll().
 
     source: a run directory (str or Path) or a launch handle with a `.run_dir` attribute (read
@@ -83,6 +89,7 @@ class RunModel(SyncMarks, OuterTraffic):
         self.inner_wire_bytes = 0.0
         self.peak_outer_payload = 0.0
         self.run_events: list[dict] = []
+        self._members: dict = {}                 # (replica, quorum) -> what its ranks said
         self.max_step_s = 0.0
         self.files_mtime: float | None = None
         self.version = 0                          # bumps whenever something new was folded in
@@ -129,7 +136,7 @@ class RunModel(SyncMarks, OuterTraffic):
         # Look for the summary before reading events: once it exists the files are complete,
         # so the events read below are all of them.
         summary = rd.read_json(rd.summary) if self.summary is None else None
-        events = self._tail.poll()
+        events = self._tail.poll(READ_KINDS)
         for event in events:
             self._ingest(event)
         self.events_seen += len(events)
@@ -247,6 +254,10 @@ class RunModel(SyncMarks, OuterTraffic):
             return
         self.spike_events.append(Spike(replica, step, t, float("nan"), loss,
                                        _num(e.get("z"), float("nan"))))
+
+    def _on_membership(self, e, t, rank, replica):
+        self._see_time(t)
+        self._fold_membership(e, t, rank, replica)
 
     def _on_run(self, e, t, rank, replica):
         self._see_time(t)

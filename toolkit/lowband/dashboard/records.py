@@ -1,8 +1,10 @@
 """The small records a RunModel keeps, and the tolerant readers of event fields behind them.
 
-Transfer (a comm event), StepSpan (a step window), SyncMark (an outer sync) and Spike (a loss
-spike) are what the figures draw; _num and _int read a number from an event field whatever odd
-value it holds; _natural sorts names like "rank10" after "rank9".
+Transfer (a comm event), StepSpan (a step window), SyncMark (an outer sync), Spike (a loss
+spike), Membership (a replica group's view of a new quorum, --elastic runs) and MembershipMark
+(a quorum change, every group's view merged) are what the figures draw; _num and _int read a
+number from an event field whatever odd value it holds, _ints a list of them; _natural sorts
+names like "rank10" after "rank9".
 """
 
 from __future__ import annotations
@@ -56,6 +58,38 @@ class Spike(NamedTuple):
     z: float
 
 
+class Membership(NamedTuple):
+    """One replica group's `membership` event of one quorum, its ranks' copies merged: t the
+    earliest of them, heal_bytes summed over the ranks that received state (each receives its
+    own), heal_s and wait_s the slowest rank's."""
+    t: float
+    step: int | None
+    replica: int                  # the group that wrote it
+    quorum_id: int | None
+    size: int | None
+    members: tuple[int, ...]      # the groups in the quorum
+    joined: tuple[int, ...]       # vs. this group's previous quorum (all members at its start)
+    left: tuple[int, ...]
+    healed: bool                  # this group received a live peer's state in this quorum
+    heal_bytes: float | None
+    heal_s: float | None
+    wait_s: float | None
+    ranks: tuple[int, ...]        # the group's ranks that wrote it
+    change: str                   # what changed, in words, from this group's view
+
+
+class MembershipMark(NamedTuple):
+    """A quorum change of the run: the Membership records of one quorum merged."""
+    t: float
+    step: int | None
+    replica: int                  # a group that saw it (for its tokens and steps)
+    quorum_id: int | None
+    size: int | None
+    members: tuple[int, ...]
+    text: str                     # "group 1 left", "group 1 rejoined (healed 2.4 MB in 0.3 s)"
+    healed: bool
+
+
 def sync_label(event: dict) -> str:
     """The fragment or block a sync event is about, named like comm tags ("frag0", "block3")."""
     for key, prefix in (("fragment", "frag"), ("block", "block")):
@@ -83,6 +117,12 @@ def _int(value, default=None):
     value = _num(value)
     return default if value is None else int(value)
 
+
+def _ints(value) -> tuple[int, ...]:
+    """Sorted distinct integers from a list field (anything else: none)."""
+    if not isinstance(value, (list, tuple)):
+        return ()
+    return tuple(sorted({i for i in (_int(v) for v in value) if i is not None}))
 
 
 def _natural(s: str):

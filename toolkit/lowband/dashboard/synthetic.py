@@ -3,6 +3,7 @@ training anything. For tests, docs and trying the dashboard or a report in secon
 
     from lowband.dashboard.synthetic import make_run
     make_run("runs/demo", steps=300)             # a finished run
+    make_run("runs/elastic", elastic={"kill": 1, "at": 60, "back": 100})   # group 1 lost, back
     run = SyntheticRun("runs/live"); run.emit_steps(0, 50)   # ... later: run.emit_steps(50, 80)
 """
 
@@ -23,7 +24,10 @@ class SyntheticRun:
                  link_bandwidth: float = 2e7, model_bytes: float = 8e6, eval_every: int = 50,
                  spike: dict | None = None, anomaly_at: tuple | None = None,
                  name: str | None = None, algo: str = "streaming", t_start: float = 1.7e9,
-                 noise: float = 0.02, seed: int = 0):
+                 noise: float = 0.02, seed: int = 0, elastic: dict | None = None):
+        """elastic: an --elastic run (membership events) whose group `kill` dies after step
+        `at` and is back, healed from a live peer, at step `back` (both moved on to the next
+        sync); heal_bytes, heal_s as the healed group reports them."""
         self.rd = RunDir(root).create()
         self.R, self.S, self.steps, self.P, self.H = replicas, shards, steps, fragments, sync_every
         self.step_s, self.bw, self.model_bytes = step_s, link_bandwidth, model_bytes
@@ -34,8 +38,15 @@ class SyntheticRun:
                        "shards": shards, "steps": steps, "fragments": fragments,
                        "sync_every": sync_every, "link_bandwidth": f"{link_bandwidth / 1e6:g}Mbit",
                        "codec": "fp4"}
-        write_json_atomic(self.rd.config, self.config)
         self.world = replicas * shards
+        self.elastic = None
+        if elastic is not None:
+            kill = int(elastic.get("kill", 1))
+            at = self._next_sync(int(elastic.get("at", steps // 3)))
+            back = self._next_sync(max(int(elastic.get("back", 2 * steps // 3)), at + 1))
+            self.elastic = dict(elastic, kill=kill, at=at, back=back)
+            self.config["elastic"] = True
+        write_json_atomic(self.rd.config, self.config)
         self.writers = {r: EventWriter(self.rd, r, r // shards) for r in range(self.world)}
         self.tokens_per_step = 4096
         self.outer_wire = self.inner_wire = 0.0
@@ -53,12 +64,52 @@ class SyntheticRun:
     def step_end(self, rank: int, step: int) -> float:
         return self.t_start + (step + 1) * self.step_s + 0.002 * rank
 
+    def _next_sync(self, step: int) -> int:
+        """The first step from `step` on at which a fragment syncs."""
+        offset = self.H // self.P
+        while step < self.steps and not any(
+                step and (step - p * offset) % self.H == 0 for p in range(self.P)):
+            step += 1
+        return step
+
+    def down(self, replica: int, step: int) -> bool:
+        """Whether replica group `replica` is dead at step `step` (elastic runs)."""
+        el = self.elastic
+        return el is not None and replica == el["kill"] and el["at"] <= step < el["back"]
+
+    def _membership(self, step: int) -> None:
+        el = self.elastic
+        if el is None or step not in (0, el["at"], el["back"]):
+            return
+        groups = list(range(self.R))
+        quorum = {0: 0, el["at"]: 1, el["back"]: 2}[step]
+        members = [g for g in groups if step != el["at"] or g != el["kill"]]
+        for r, w in self.writers.items():
+            q = r // self.S
+            if q not in members:
+                continue
+            fields = dict(step=step, quorum_id=quorum, size=len(members), members=members,
+                          joined=[], left=[], healed=False, wait_s=0.01 + 0.001 * r)
+            if step == 0 or (step == el["back"] and q == el["kill"]):
+                fields["joined"] = members          # a group's first quorum in its life
+            elif step == el["at"]:
+                fields["left"] = [el["kill"]]
+            else:
+                fields["joined"] = [el["kill"]]
+            if step == el["back"] and q == el["kill"]:
+                fields.update(healed=True, heal_bytes=el.get("heal_bytes", self.model_bytes / 2),
+                              heal_s=el.get("heal_s", 0.3))
+            w.emit("membership", t=self.step_end(r, step - 1) + 0.001, **fields)
+
     def emit_steps(self, start: int, stop: int) -> None:
         """Write the events of steps [start, stop) on every rank."""
         for s in range(start, stop):
             losses = []
+            self._membership(s)
             for r, w in self.writers.items():
                 q = r // self.S
+                if self.down(q, s):
+                    continue
                 t = self.step_end(r, s)
                 loss = self.base_loss(s) + 0.03 * q + self.rng.gauss(0, self.noise)
                 if self.spike and self.spike.get("step") == s and self.spike.get("replica", q) == q:
@@ -85,9 +136,10 @@ class SyntheticRun:
                     w.emit("comm", t=end, op="all_reduce", group="outer", tag=f"frag{p}",
                            payload_bytes=payload, wire_bytes=wire, codec="fp4", start=t, end=end)
                     anomaly = self.anomaly_at == (q, s, p)
+                    alive = sum(not self.down(g, s) for g in range(self.R))
                     w.emit("sync", t=end, step=s, fragment=p,
                            pseudo_grad_norm=0.5 + self.rng.random() * (5 if anomaly else 0.1),
-                           weight=1 / self.R, anomaly=anomaly, outer_lr=0.7)
+                           weight=1 / alive, anomaly=anomaly, outer_lr=0.7)
                 if self.spike and self.spike.get("event") and self.spike.get("step") == s \
                         and r == 0:
                     w.emit("spike", t=t, step=s, loss=loss, z=9.0)
@@ -113,7 +165,8 @@ class SyntheticRun:
         for w in self.writers.values():
             w.emit("run", t=t_end, phase="end", world=self.world, config_hash="synthetic")
             w.close()
-        tokens = self.world * self.steps * self.tokens_per_step
+        gone = self.elastic["back"] - self.elastic["at"] if self.elastic else 0
+        tokens = (self.world * self.steps - self.S * gone) * self.tokens_per_step
         wall = t_end - self.t_start
         summary = {"algorithm": self.config["algo"], "replicas": self.R, "shards": self.S,
                    "steps": self.steps, "tokens": tokens, "wall_s": wall,
@@ -123,6 +176,9 @@ class SyntheticRun:
                    "peak_outer_payload_bytes": self.peak_payload,
                    "final_loss": sum(self.last_loss) / max(len(self.last_loss), 1),
                    "final_val_loss": self.last_val}
+        if self.elastic:
+            summary["elastic"] = {"groups_finished": list(range(self.R)),
+                                  "restarts": {str(self.elastic["kill"]): 1}}
         write_json_atomic(self.rd.summary, summary)
         return summary
 

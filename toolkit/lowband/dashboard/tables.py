@@ -1,5 +1,5 @@
-"""Runs' numbers as HTML tables: the dashboard's summary panel (a row per run) and the
-report's summary and config tables (a column per run)."""
+"""Runs' numbers as HTML tables: the dashboard's summary panel (a row per run), the report's
+summary and config tables (a column per run) and its list of membership changes (--elastic)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import math
 
 from .model import RunModel
-from .style import fmt_value
+from .style import fmt_bytes, fmt_value
 
 # the dashboard's summary panel
 SUMMARY_COLUMNS = [
@@ -35,6 +35,9 @@ SUMMARY_ROWS = [
     ("spikes", "loss spikes"), ("final_loss", "final loss"),
     ("final_val_loss", "final validation loss"),
 ]
+# summary.json's `elastic` (--elastic runs), shown as rows of their own when a run has it
+ELASTIC_ROWS = [("elastic.groups_finished", "replica groups finished"),
+                ("elastic.restarts", "replica group restarts")]
 # rows where a comparison with the first run is worth a ratio
 RATIO_ROWS = {"wall_s", "tokens_per_s", "outer_wire_bytes", "inner_wire_bytes",
               "peak_outer_payload_bytes", "bytes_per_token", "peak_outer_bytes_per_s",
@@ -120,14 +123,16 @@ def summary_table(records: list[dict]) -> str:
     head = "".join(f"<th>{html.escape(n)}</th>" for n in names)
     keys = [k for k, _ in SUMMARY_ROWS]
     extra = sorted({k for r in records for k in r} - set(keys)
-                   - {"name", "loss", "val_loss", "step"})
+                   - {"name", "loss", "val_loss", "step", "elastic"})
+    elastic = ELASTIC_ROWS if any(isinstance(r.get("elastic"), dict) for r in records) else []
     rows = []
-    for key, label in SUMMARY_ROWS + [(k, k) for k in extra]:
+    for key, label in SUMMARY_ROWS + elastic + [(k, k) for k in extra]:
         cells = []
         base = records[0].get(key)
         for i, r in enumerate(records):
             v = r.get(key)
-            text = html.escape(fmt_value(key, v))
+            text = html.escape(fmt_value(key, v) if key not in dict(ELASTIC_ROWS)
+                               else elastic_text(key, r.get("elastic")))
             if (i and key in RATIO_ROWS and isinstance(v, (int, float))
                     and isinstance(base, (int, float)) and base and math.isfinite(v)):
                 text += f' <span class="ratio">×{v / base:.3g}</span>'
@@ -135,6 +140,51 @@ def summary_table(records: list[dict]) -> str:
         rows.append(f"<tr><th>{html.escape(label)}</th>{''.join(cells)}</tr>")
     return (f'<table class="grid"><thead><tr><th></th>{head}</tr></thead>'
             f"<tbody>{''.join(rows)}</tbody></table>")
+
+
+def elastic_text(key: str, elastic) -> str:
+    """A cell of summary.json's `elastic`: the groups that finished ("0, 1, 2"), the restarts
+    of each group ("group 1: 1", "none")."""
+    if not isinstance(elastic, dict):
+        return "–"
+    v = elastic.get(key.split(".", 1)[1])
+    if isinstance(v, dict):
+        return ", ".join(f"group {g}: {n}" for g, n in sorted(v.items(), key=lambda x: str(x[0])))\
+            or "none"
+    if isinstance(v, (list, tuple)):
+        return ", ".join(str(g) for g in v) or "none"
+    return "–" if v is None else str(v)
+
+
+def membership_table(models: list[RunModel]) -> str:
+    """The membership changes of --elastic runs, one row per replica group and quorum (its ranks'
+    events merged): "" when no run has any."""
+    runs = [(m, m.membership()) for m in models]
+    if not any(records for _, records in runs):
+        return ""
+    multi = len(models) > 1
+    head = (["run"] if multi else []) + ["step", "time", "group", "change", "quorum", "groups",
+                                         "heal bytes", "heal time", "quorum wait"]
+    rows = []
+    for m, records in runs:
+        t0 = m.t0 or 0.0
+        for r in records:
+            cells = ([html.escape(m.name)] if multi else []) + [
+                "–" if r.step is None else f"{r.step:,}",
+                f"{r.t - t0:,.2f} s",
+                str(r.replica),
+                html.escape(r.change),
+                ("–" if r.quorum_id is None else f"{r.quorum_id}")
+                + ("" if r.size is None else f" ({r.size} group{'' if r.size == 1 else 's'})"),
+                ", ".join(str(g) for g in r.members) or "–",
+                html.escape(fmt_bytes(r.heal_bytes)) if r.healed else "–",
+                fmt_value("heal_s", r.heal_s) if r.healed else "–",
+                fmt_value("wait_s", r.wait_s)]
+            cls = ' class="healed"' if r.healed else ""
+            rows.append(f"<tr{cls}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    return ('<table class="grid membership"><thead><tr>'
+            + "".join(f"<th>{h}</th>" for h in head)
+            + f"</tr></thead><tbody>{''.join(rows)}</tbody></table>")
 
 
 def config_table(models: list[RunModel]) -> str:

@@ -1,5 +1,6 @@
 """The sync timeline: one lane per rank on a seconds axis, with its step windows (compute),
-inner and outer transfers (outer ones coloured by fragment or block) and outer steps."""
+inner and outer transfers (outer ones coloured by fragment or block), outer steps and, in
+--elastic runs, the membership changes each replica group saw."""
 
 from __future__ import annotations
 
@@ -7,13 +8,15 @@ import math
 
 from .model import RunModel
 from .records import _natural
-from .style import (ANOMALY_COLOR, BASE_LAYOUT, COMPUTE_COLOR, INNER_COLOR, MAX_TAGS, Spec,
-                    empty_note, figure_title, fmt_bytes, fragment_colors)
+from .membership import heal_text
+from .style import (ANOMALY_COLOR, BASE_LAYOUT, COMPUTE_COLOR, INNER_COLOR, MAX_TAGS,
+                    MEMBERSHIP_COLOR, Spec, empty_note, figure_title, fmt_bytes, fragment_colors)
 
 
 def timeline_spec(model: RunModel, window_s: float | None = 30.0, keep_s: float | None = None,
                   max_spans: int = 3000, follow: bool = True) -> Spec:
-    """One lane per rank: step windows (compute), inner and outer transfers and outer steps.
+    """One lane per rank: step windows (compute), inner and outer transfers, outer steps and
+    membership changes (on the lanes of the group that saw them; none without --elastic).
 
     Spans ending more than keep_s before the latest event are left out (all kept when None),
     then at most max_spans per trace, the latest. With follow, the x range shows the last
@@ -74,6 +77,7 @@ def timeline_spec(model: RunModel, window_s: float | None = 30.0, keep_s: float 
                         color=[ANOMALY_COLOR if s.anomaly else colors.get(s.label, "#555")
                                for s in group]),
             visible=True if group or name == "outer step" else "legendonly"))
+    traces += _membership_traces(model, lane, replica_of, t0, cut, max_spans)
     xaxis = dict(title=dict(text="seconds since start"))
     if follow and window_s:
         lo = max(t_hi - window_s, 0.0)
@@ -87,6 +91,44 @@ def timeline_spec(model: RunModel, window_s: float | None = 30.0, keep_s: float 
                              autorange="reversed", showgrid=False, zeroline=False),
                   annotations=[] if ranks else [empty_note("no events yet")])
     return traces, layout
+
+
+def _membership_traces(model: RunModel, lane: dict, replica_of: dict, t0: float, cut: float,
+                       max_spans: int) -> list:
+    """A tick across each lane of a replica group at the time it saw a new quorum (a star where
+    it was healed); nothing for a run without membership events."""
+    records = [r for r in model.membership() if r.t - t0 >= cut][-max_spans:]
+    if not records:
+        return []
+    xs, ys, texts, symbols = [], [], [], []
+    for rec in records:
+        ranks = [r for r in lane if replica_of.get(r) == rec.replica] or \
+            [r for r in rec.ranks if r in lane]
+        for r in ranks:
+            xs.append(rec.t - t0)
+            ys.append(lane[r])
+            texts.append(_membership_text(rec, r))
+            symbols.append("star" if rec.healed else "line-ns-open")
+    return [dict(type="scatter", mode="markers", name="membership change", x=xs, y=ys,
+                 text=texts, hoverinfo="text",
+                 marker=dict(symbol=symbols, size=[13 if s == "star" else 22 for s in symbols],
+                             color=MEMBERSHIP_COLOR,
+                             line=dict(width=2, color=MEMBERSHIP_COLOR)))]
+
+
+def _membership_text(rec, rank: int) -> str:
+    parts = [f"rank {rank}, group {rec.replica}: {rec.change}"]
+    if rec.step is not None:
+        parts.append(f"step {rec.step}")
+    if rec.quorum_id is not None:
+        parts.append(f"quorum {rec.quorum_id}")
+    if rec.members:
+        parts.append(f"groups {', '.join(map(str, rec.members))}")
+    if rec.healed:
+        parts.append(f"healed {heal_text(rec.heal_bytes, rec.heal_s)}".rstrip())
+    if rec.wait_s is not None:
+        parts.append(f"quorum wait {rec.wait_s:.3g} s")
+    return ", ".join(parts)
 
 
 def _transfer_text(x) -> str:

@@ -79,6 +79,10 @@ def _pairs(items: list[str], what: str) -> dict:
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "torchrun":
         return agent(argv[1:])
+    if argv and argv[0] == "lighthouse":  # an elastic job's first role
+        from lowband.launch.lighthouse import main as lighthouse
+
+        return lighthouse(argv[1:])
     args, train_flags = launch_parser().parse_known_args(argv)
     if "--" in train_flags:  # everything after it is lowband train's (or the script's)
         train_flags.remove("--")

@@ -209,7 +209,8 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
             nproc_per_node=nproc_per_node, run_dir=run_dir, config=config, name=name,
             h=h, cpu=cpu, gpu=gpu, memMB=memMB, env=env, mounts=list(mounts) if mounts else None,
             rdzv_port=rdzv_port or 29500, rdzv_timeout=rdzv_timeout, max_retries=max_retries,
-            progress=progress, **({"image": image} if image else {}))
+            progress=progress, **({"image": image} if image else {}),
+            **{k: v for k, v in layout.items() if k not in ("replicas", "shards")})
     except ValueError as e:
         raise ConfigError(str(e)) from None
     run_cfg = dict(cfg or {})
@@ -250,8 +251,11 @@ def _train_job(flags, options, algo, replicas, shards, run_dir, config, local):
     train_cfg = _check_flags(argv, remote=not local)
     if run_dir is None:
         run_dir = train_cfg.run_dir or _default_run_dir(train_cfg.algo)
-    return flags, algo, config, run_dir, {"replicas": train_cfg.replicas,
-                                          "shards": train_cfg.shards}
+    layout = {"replicas": train_cfg.replicas, "shards": train_cfg.shards}
+    if train_cfg.elastic:  # a Lighthouse role and a retried role a group (docs/elastic.md)
+        layout.update(elastic=True, min_replicas=train_cfg.min_replicas,
+                      max_restarts=train_cfg.max_restarts)
+    return flags, algo, config, run_dir, layout
 
 
 def _script_job(script, argv, replicas, shards, run_dir, local):

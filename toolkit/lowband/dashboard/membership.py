@@ -1,0 +1,161 @@
+"""Membership changes of an --elastic run (docs/elastic.md): its `membership` events, one record
+per replica group and quorum (the group's ranks write the same event), and one mark per quorum
+change with every group's view merged.
+
+MembershipChanges is a part of RunModel (it folds in membership events and reads the model's
+version); the records are drawn on the sync timeline and listed in the report, the marks are
+drawn on the loss figure.
+"""
+
+from __future__ import annotations
+
+from .records import Membership, MembershipMark, _int, _ints, _num
+from .style import fmt_bytes
+
+
+class _Seen:
+    """What the ranks of one group said about one quorum, folded in as their events arrive."""
+
+    __slots__ = ("t", "step", "replica", "quorum_id", "size", "members", "joined", "left",
+                 "healed", "heal", "wait_s", "ranks")
+
+    def __init__(self, t, step, replica, quorum_id):
+        self.t, self.step, self.replica, self.quorum_id = t, step, replica, quorum_id
+        self.size = None
+        self.members = self.joined = self.left = ()
+        self.healed = False
+        self.heal: dict[int, tuple] = {}        # rank -> (bytes, seconds), once per rank
+        self.wait_s = None
+        self.ranks: set[int] = set()
+
+
+def groups_text(groups) -> str:
+    """"group 1" or "groups 0, 2"."""
+    groups = list(groups)
+    return (f"group {groups[0]}" if len(groups) == 1
+            else "groups " + ", ".join(str(g) for g in groups))
+
+
+def heal_text(nbytes, seconds) -> str:
+    """"2.4 MB in 0.3 s", or what of it is known."""
+    parts = [fmt_bytes(nbytes)] if nbytes is not None else []
+    if seconds is not None:
+        parts.append(f"in {seconds:.2g} s" if seconds < 10 else f"in {seconds:,.0f} s")
+    return " ".join(parts)
+
+
+def _facts(rec: Membership, first: bool) -> dict:
+    """What one group's record says happened, keyed (group, "join"|"leave"|"heal"): None for a
+    plain join or leave (merged into "groups 0, 2 joined"), else the words. first: the group's
+    first record in this run (its start, not a restart)."""
+    q = rec.replica
+    heal = heal_text(rec.heal_bytes, rec.heal_s) if rec.healed else ""
+    facts: dict = {}
+    if q in rec.joined:
+        # this group's own (re)start: its joined is the whole quorum, which says nothing of the
+        # others, so only its own arrival counts
+        verb = "joined" if first else "rejoined"
+        if rec.healed:
+            facts[(q, "join")] = f"group {q} {verb} (healed {heal})" if heal else \
+                f"group {q} {verb} (healed)"
+        else:
+            facts[(q, "join")] = None if first else f"group {q} rejoined"
+        return facts
+    for g in rec.left:
+        facts[(g, "leave")] = None
+    for g in rec.joined:
+        facts[(g, "join")] = None
+    if rec.healed:
+        facts[(q, "heal")] = f"group {q} healed from a live peer" + (f" ({heal})" if heal else "")
+    return facts
+
+
+def _words(facts: dict) -> str:
+    leave = [g for (g, kind), text in sorted(facts.items()) if kind == "leave" and text is None]
+    join = [g for (g, kind), text in sorted(facts.items()) if kind == "join" and text is None]
+    parts = [f"{groups_text(leave)} left"] if leave else []
+    if join:
+        parts.append(f"{groups_text(join)} joined")
+    parts += [text for _, text in sorted(facts.items()) if text is not None]
+    return "; ".join(parts) or "new quorum, same groups"
+
+
+class MembershipChanges:
+    """RunModel's membership changes (a mixin: keeps _members, reads version and _cache)."""
+
+    def _fold_membership(self, e: dict, t: float, rank: int, replica: int) -> None:
+        step, quorum = _int(e.get("step")), _int(e.get("quorum_id"))
+        # one record per group and quorum; without a quorum id, per group and step
+        key = (replica, quorum) if quorum is not None else (replica, None, step)
+        s = self._members.get(key)
+        if s is None:
+            s = self._members[key] = _Seen(t, step, replica, quorum)
+        s.t = min(s.t, t)
+        if step is not None and (s.step is None or step < s.step):
+            s.step = step
+        s.size = _int(e.get("size"), s.size)
+        for name in ("members", "joined", "left"):
+            if name in e:
+                setattr(s, name, _ints(e.get(name)))
+        if e.get("healed") is True:
+            s.healed = True
+            s.heal[rank] = (_num(e.get("heal_bytes")), _num(e.get("heal_s")))
+        wait = _num(e.get("wait_s"))
+        if wait is not None:
+            s.wait_s = wait if s.wait_s is None else max(s.wait_s, wait)
+        s.ranks.add(rank)
+
+    def membership(self) -> list[Membership]:
+        """One record per replica group and quorum, in time order (empty without --elastic)."""
+        if not self._members:
+            return []
+        if self._cache.get("version") != self.version:
+            self._cache = {"version": self.version}
+        if "membership" not in self._cache:
+            self._cache["membership"] = self._membership()
+        return self._cache["membership"]
+
+    def _membership(self) -> list[Membership]:
+        out, seen = [], set()
+        for s in sorted(self._members.values(), key=lambda s: (s.t, s.replica)):
+            heal_b = [b for b, _ in s.heal.values() if b is not None]
+            heal_s = [x for _, x in s.heal.values() if x is not None]
+            rec = Membership(s.t, s.step, s.replica, s.quorum_id,
+                             s.size if s.size is not None else (len(s.members) or None),
+                             s.members, s.joined, s.left, s.healed,
+                             sum(heal_b) if heal_b else None, max(heal_s) if heal_s else None,
+                             s.wait_s, tuple(sorted(s.ranks)), "")
+            out.append(rec._replace(change=_words(_facts(rec, s.replica not in seen))))
+            seen.add(s.replica)
+        return out
+
+    def membership_marks(self) -> list[MembershipMark]:
+        """One mark per quorum change of the run, every group's view of it merged: "group 1
+        left", "group 1 rejoined (healed 2.4 MB in 0.3 s)"."""
+        records = self.membership()
+        if not records:
+            return []
+        if "membership_marks" not in self._cache:
+            groups: dict = {}
+            seen: set = set()
+            for rec in records:
+                key = rec.quorum_id if rec.quorum_id is not None else ("step", rec.step)
+                groups.setdefault(key, []).append((rec, rec.replica not in seen))
+                seen.add(rec.replica)
+            marks = []
+            for group in groups.values():
+                facts: dict = {}
+                for rec, first in group:
+                    # the others' plain "group 1 joined" and its own "group 1 rejoined (healed
+                    # ...)" are one fact: the words win
+                    for k, text in _facts(rec, first).items():
+                        if text is not None or k not in facts:
+                            facts[k] = text
+                head = group[0][0]
+                steps = [r.step for r, _ in group if r.step is not None]
+                marks.append(MembershipMark(
+                    min(r.t for r, _ in group), min(steps) if steps else None, head.replica,
+                    head.quorum_id, head.size, head.members, _words(facts),
+                    any(r.healed for r, _ in group)))
+            self._cache["membership_marks"] = sorted(marks, key=lambda m: m.t)
+        return self._cache["membership_marks"]

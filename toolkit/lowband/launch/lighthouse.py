@@ -1,0 +1,48 @@
+"""`python -m lowband.launch lighthouse`: an elastic job's first role (launchers/
+lowband_components.py, --elastic): torchft's Lighthouse, serving the replica groups' quorums,
+that also ends the job. When every group has written its record (RUN/groups/, on the shared
+filesystem) it writes summary.json and exits; a group lost for good never writes one, so once
+the first record is there the others get --wait seconds before the summary is written from
+those that finished."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from lowband.supervise import lighthouse, write_summary
+from lowband.telemetry import RunDir
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m lowband.launch lighthouse")
+    p.add_argument("--port", type=int, default=29510)
+    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--replicas", type=int, required=True, help="the run's replica groups")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--wait", type=float, default=600.0,
+                   help="seconds the other groups get once the first has finished")
+    a = p.parse_args(argv)
+    server = lighthouse(a.min_replicas, port=a.port)
+    print(f"lowband: lighthouse at {server.address()} for {a.replicas} replica groups",
+          file=sys.stderr, flush=True)
+    run = RunDir(a.run_dir)
+    first_done = None
+    try:
+        while True:
+            done = len(list(run.groups.glob("replica*.json"))) if run.groups.is_dir() else 0
+            if done and first_done is None:
+                first_done = time.monotonic()
+            if done >= a.replicas or (first_done and time.monotonic() - first_done > a.wait):
+                break
+            time.sleep(1.0)
+    finally:
+        server.shutdown()
+    from lowband.config import Config
+
+    cfg = Config.from_file(str(Path(a.run_dir) / "config.json"))
+    cfg.run_dir = a.run_dir
+    write_summary(cfg, run, {})
+    return 0
