@@ -29,23 +29,24 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from lowband.options import ConfigError
 from lowband.telemetry import RunDir
 
 
-class _WeightsOnlyPlanner(DefaultLoadPlanner):
+def _weights_only_planner():
     """DCP's default planner unpickles the non-tensor items (optimizer hyper-parameters) with
-    weights_only=False; these bytes must first load with weights_only=True."""
+    weights_only=False; these bytes must first load with weights_only=True. (DCP is imported
+    when a checkpoint is made or read: it is slow to import, and most runs make none.)"""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    def load_bytes(self, read_item, value):
-        data = value.read()
-        torch.load(io.BytesIO(data), weights_only=True)  # refuses anything but plain data
-        super().load_bytes(read_item, io.BytesIO(data))
+    class WeightsOnlyPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            data = value.read()
+            torch.load(io.BytesIO(data), weights_only=True)  # refuses anything but plain data
+            super().load_bytes(read_item, io.BytesIO(data))
+
+    return WeightsOnlyPlanner()
 
 
 MANIFEST = "manifest.json"
@@ -106,6 +107,8 @@ def newest_intact(run: RunDir) -> tuple[Path | None, list[tuple[Path, str]]]:
 
 
 def _model_state(model, optimizer, replica: int) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     msd, osd = get_state_dict(model, optimizer)
     return {f"replica{replica}": {"model": msd, "optim": osd}}
 
@@ -113,6 +116,8 @@ def _model_state(model, optimizer, replica: int) -> dict:
 def save(run: RunDir, step: int, model, optimizer, algo, replica: int, extra: dict,
          keep: int, crash_before_rename: bool = False) -> Path:
     """Collective: every rank calls it after the same step."""
+    import torch.distributed.checkpoint as dcp
+
     final = run.checkpoints / f"step-{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
     rank = dist.get_rank()
@@ -149,9 +154,13 @@ def read_rank_state(path: Path, rank: int) -> dict:
 
 def load(path: Path, model, optimizer, algo, replica: int, rank_state: dict) -> None:
     """Collective: fill the model, optimizer and algorithm from a checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
     state = _model_state(model, optimizer, replica)
     try:
-        dcp.load(state, checkpoint_id=path, planner=_WeightsOnlyPlanner())
+        dcp.load(state, checkpoint_id=path, planner=_weights_only_planner())
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise ConfigError(f"checkpoint {path} cannot be loaded ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:200]}): remove it to resume from the one "

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lowband.options import ConfigError, Options, option
 
@@ -123,6 +122,8 @@ class Faults:
         """Corrupt this replica's parameters after inner step `step` (1-based) if asked."""
         if not self.corrupt or self.corrupt[:2] != (self.replica, step):
             return False
+        from torch.distributed.tensor import DTensor, distribute_tensor  # (slow to import)
+
         g = torch.Generator().manual_seed(self.seed + step)
         for p in model.parameters():
             noise = torch.randn(p.shape, generator=g).to(p.device, p.dtype)

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn as nn
+
+
+def is_dtensor(t) -> bool:
+    """Whether t is a DTensor (a sharded parameter of edit's FSDP2), without importing
+    torch.distributed.tensor, which is slow to import: no DTensor exists before it is imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def flatten(params: list[torch.Tensor]) -> torch.Tensor:

@@ -34,7 +34,7 @@ from lowband.corpus import load_corpus, record_tokenizer
 from lowband.data import Batches, vocab_needed
 from lowband.faults import Faults
 from lowband.model import compile_blocks, lm_loss, num_params
-from lowband.params import flatten, write_flat
+from lowband.params import flatten, is_dtensor, write_flat
 from lowband.schedule import lr_at
 from lowband.sources import blocks_of, check_vocab, for_training
 from lowband.sources import build as build_model
@@ -340,10 +340,8 @@ def _skips_on_device(optimizer) -> bool:
     """Whether the optimizer's step can skip itself on the device: a fused AdamW reads
     `found_inf` as under a GradScaler and leaves parameters, moments and step counts as they
     were when it is 1 (plain tensors only: DTensor parameters take the host's decision)."""
-    from torch.distributed.tensor import DTensor
-
     params = optimizer.param_groups[0]["params"]
-    return bool(optimizer.defaults.get("fused")) and bool(params) and not isinstance(params[0], DTensor)
+    return bool(optimizer.defaults.get("fused")) and bool(params) and not is_dtensor(params[0])
 
 
 class TrainingStopped(RuntimeError):
@@ -378,11 +376,9 @@ def _checkpoint(run, events, model, optimizer, algo, topo, comm, cfg, done, elap
 def _full_weights(model: nn.Module, rank: int) -> dict | None:
     """The model's weights as whole CPU tensors on rank 0 (None elsewhere). Every rank takes
     part: a sharded (FSDP2, DTensor) parameter is gathered over its replica's group."""
-    from torch.distributed.tensor import DTensor
-
     out = {}
     for k, v in model.state_dict().items():
-        if isinstance(v, DTensor):
+        if is_dtensor(v):
             v = v.full_tensor()
         if rank == 0:  # the model's own names: no torch.compile or DDP wrapper prefix
             out[_unwrapped(k)] = v.detach().cpu()

@@ -51,8 +51,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from lowband.algorithms.base import PERIODIC, Algorithm
 from lowband.algorithms.edit_plan import (Plan, decide_sync, event_fields, penalty_config,
@@ -60,6 +58,7 @@ from lowband.algorithms.edit_plan import (Plan, decide_sync, event_fields, penal
 from lowband.algorithms.outer import OuterOptions, kept_at, nesterov_step, outer_home, settle
 from lowband.algorithms.penalty import EWMA, clip_scale
 from lowband.options import ConfigError, Options, non_negative, option, positive, require
+from lowband.params import is_dtensor
 
 
 @dataclass
@@ -90,7 +89,7 @@ class EditOptions(Options):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's piece of a (possibly sharded) tensor, sharing its storage."""
-    if isinstance(t, DTensor):
+    if is_dtensor(t):
         with torch.no_grad():
             return t.to_local()
     return t
@@ -144,6 +143,8 @@ class EDiT(Algorithm):
     timed = False  # aedit: syncs by wall-clock time
 
     def setup(self, model, blocks, make_optimizer, topology, comm, config):
+        from torch.distributed.fsdp import fully_shard  # imported when used: slow to import
+
         self.model, self.blocks, self.topo, self.comm, self.config = model, blocks, topology, comm, config
         c = config
         if topology.shards > 1 and topology.device.type == "cuda" and dist.get_backend() == "gloo":
@@ -336,6 +337,8 @@ class EDiT(Algorithm):
 
     def outer_params(self) -> dict[str, torch.Tensor]:
         """The full outer parameters by name (each gathered over the inner group)."""
+        from torch.distributed.tensor import DTensor
+
         self.model.reshard()  # the root's registered parameters are its sharded ones again
         names = {id(p): n for n, p in self.model.named_parameters()}
         out = {}
