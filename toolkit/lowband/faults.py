@@ -89,9 +89,6 @@ class FaultOptions(Options):
         parse_kill(cfg.kill, cfg.replicas, cfg.steps)
 
 
-LIFE_ENV = "LOWBAND_LIFE"  # how many times the launcher restarted this elastic group
-
-
 class Faults:
     def __init__(self, cfg, replica: int, seed: int):
         self.straggler = parse_straggler(cfg.straggler, cfg.replicas)

@@ -3,8 +3,8 @@ job of its own (S local workers, local.LocalJob), restarted when it dies.
 
 The Lighthouse runs in this process (torchft's LighthouseServer); every worker finds it through
 TORCHFT_LIGHTHOUSE, and its group through LOWBAND_REPLICA (comm/elastic.py). A group that dies
-(a killed node, a crash) is started again, up to --max-restarts times, with LOWBAND_LIFE counting
-its lives: it heals from a live peer at the others' next sync and trains on. A group that refuses
+(a killed node, a crash) is started again, up to --max-restarts times: it heals from a live
+peer at the others' next sync and trains on. A group that refuses
 its input (status 2) stops the whole job: the others would refuse it too. When every group has
 finished or is lost for good, the groups' records (RUN/groups/) become summary.json.
 """
@@ -15,7 +15,6 @@ import sys
 import time
 
 from lowband.comm.elastic import LIGHTHOUSE_ENV, REPLICA_ENV
-from lowband.faults import LIFE_ENV
 from lowband.local import LocalJob, describe_exit, last_line
 from lowband.options import ConfigError
 from lowband.summary import add_ddp_bytes, summarize
@@ -40,11 +39,11 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
     lives = {g: 0 for g in range(cfg.replicas)}
 
     def start(g: int) -> LocalJob:
-        env = {LIGHTHOUSE_ENV: address, REPLICA_ENV: str(g), LIFE_ENV: str(lives[g])}
+        env = {LIGHTHOUSE_ENV: address, REPLICA_ENV: str(g)}
         return LocalJob(argv, cfg.shards, run, env, log_prefix=f"replica{g}-", terminal=g == 0,
                         node=(g * cfg.shards, cfg.world))
 
-    jobs, finished, lost = {g: start(g) for g in range(cfg.replicas)}, set(), set()
+    jobs, finished = {g: start(g) for g in range(cfg.replicas)}, set()
     try:
         while jobs:
             for g, job in list(jobs.items()):
@@ -69,7 +68,6 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
                           "others train on.", file=sys.stderr, flush=True)
                     jobs[g] = start(g)
                 else:
-                    lost.add(g)
                     print(f"lowband: replica group {g} {describe_exit(code)} (rank {rank}) and "
                           f"is not restarted again (--max-restarts {cfg.max_restarts}); the "
                           "others train on.", file=sys.stderr, flush=True)

@@ -268,9 +268,8 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from):
         dist.barrier()
         return None
     summary = summarize(cfg, everyone) if topo.rank == 0 else None
-    if summary is not None:  # the baseline's bytes for the same model and steps, computed
+    if summary is not None:  # with the baseline's bytes for the same model and steps, computed
         add_ddp_bytes(summary, _ddp_one_step(model, cfg), cfg.replicas)
-    if summary is not None:
         write_json_atomic(run.summary, summary)
     dist.barrier()
     return summary
