@@ -51,6 +51,20 @@ def train_run(tmp_path):
     return run
 
 
+def hosts_for_a_test(hosts):
+    """A fixture's body: set up test hosts (lowband.testbed.TestHosts), skipping the test where
+    they cannot be made; after it, kill what runs in them, remove them and check nothing is left."""
+    try:
+        hosts.setup()
+    except RuntimeError as e:  # e.g. a container without CAP_NET_ADMIN or sch_tbf
+        pytest.skip(f"cannot create the test hosts here: {e}")
+    try:
+        yield hosts
+    finally:
+        hosts.teardown()
+        assert hosts.leftovers() == []
+
+
 def reference_replicas(R: int, S: int, n_layer: int, seq: int, batch: int, lr: float, seed: int):
     """The float64 references' common start: R copies of lowband's GPT from one seeded
     initialisation, the R*S ranks' batches, and one AdamW per replica with the trainer's groups

@@ -236,7 +236,8 @@ ELASTIC = {"kill": 1, "at": 40, "back": 80, "heal_bytes": 1.2e6, "heal_s": 0.3}
 
 def elastic_run(root, **kw):
     kw.setdefault("steps", 120)
-    return make_run(root, replicas=3, shards=2, elastic=ELASTIC, **kw)
+    kw.setdefault("elastic", ELASTIC)
+    return make_run(root, replicas=3, shards=2, **kw)
 
 
 def test_membership_is_one_record_per_group_and_quorum(tmp_path):
@@ -299,23 +300,72 @@ def test_loss_figure_and_timeline_mark_membership_changes(tmp_path):
         assert not any("membership" in t["name"] for t in spec[0])
 
 
+# ... and the survivors' commit vote of fragment 1's sync at step 50 fails
+VOTE = dict(ELASTIC, uncommitted=50)
+FAILED = "commit vote failed: outer update of fragment 1 skipped (step 50)"
+
+
+def test_failed_commit_votes_are_one_record_per_sync_and_drawn(tmp_path):
+    from lowband.dashboard import figures as F
+
+    rd = elastic_run(tmp_path / "run", elastic=VOTE)
+    skips = read_events(rd, ("skip",))
+    assert {(e["rank"], e["step"], e["fragment"], e["what"]) for e in skips} == {
+        (r, 50, 1, "commit") for r in (0, 1, 4, 5)}
+    with open(rd.event_file(4), "a") as f:            # a rank's line written twice counts once
+        f.write(json.dumps(skips[-1]) + "\n")       # and other skips are not failed commits
+        f.write(json.dumps(dict(skips[-1], what="pseudo-gradient", step=70)) + "\n")
+    m = RunModel(rd.root).load()
+    (c,) = m.failed_commits()
+    assert (c.step, c.fragment, c.label, c.replicas) == (50, 1, "frag1", (0, 2))
+    assert [r for r, _, _ in c.reports] == [0, 1, 4, 5] and c.t == min(t for *_, t in c.reports)
+    assert (50, "frag1") not in {(mk.step, mk.label) for mk in m.sync_marks()}   # not applied
+    # the loss figure: a dotted line and a crossed-out diamond beside the membership marks
+    traces = {t["name"]: t for t in F.loss_spec([m])[0]}
+    line, mark = traces["failed commit"], traces["failed commit mark"]
+    assert line["x"] == [50, 50, None] and mark["x"] == [50] and not mark["showlegend"]
+    assert mark["text"] == [f"{FAILED}<br>reported by groups 0, 2"]
+    assert mark["marker"]["color"] == F.FAILED_COMMIT_COLOR
+    times = {t["name"]: t for t in F.loss_spec([m], "time")[0]}["failed commit mark"]
+    assert times["x"] == [pytest.approx(c.t - m.t0)]
+    F.make_figure(F.loss_spec([m]))
+    # the timeline: on each reporting rank's lane, where the outer step's diamond would be
+    (tl,) = [t for t in F.timeline_spec(m, window_s=None)[0]
+             if t["name"] == "failed commit (not applied)"]
+    assert tl["y"] == [pytest.approx(y - 0.22) for y in (0, 1, 4, 5)]
+    assert tl["text"][2] == f"{FAILED}<br>rank 4, group 2"
+    assert tl["marker"]["symbol"] == "diamond-x-open"
+    F.make_figure(F.timeline_spec(m))
+    # runs without a failed vote, elastic or not, draw none of it
+    for plain in (RunModel(elastic_run(tmp_path / "el").root).load(),
+                  RunModel(small_run(tmp_path / "plain").root).load()):
+        assert plain.failed_commits() == []
+        for spec in (F.loss_spec([plain]), F.timeline_spec(plain)):
+            assert not any("commit" in t["name"] for t in spec[0])
+
+
 def test_dashboard_draws_membership_changes_as_they_come(tmp_path):
     from lowband.dashboard import Dashboard
 
-    run = SyntheticRun(tmp_path / "run", replicas=3, shards=2, steps=120, elastic=ELASTIC)
+    run = SyntheticRun(tmp_path / "run", replicas=3, shards=2, steps=120, elastic=VOTE)
     run.emit_steps(0, 30)
     d = Dashboard(run.rd.root)
     assert list(_trace(d.loss_fig, "membership label").text) == ["groups 0, 1, 2 joined"]
+    assert not any("commit" in t.name for t in (*d.loss_fig.data, *d.timeline_fig.data))
     run.emit_steps(30, 90)
     d.refresh()
     assert list(_trace(d.loss_fig, "membership label").x) == [0, 40, 80]
     assert len(_trace(d.timeline_fig, "membership change").x) == 2 * 8
+    # the failed vote of step 50, read incrementally like the rest
+    assert list(_trace(d.loss_fig, "failed commit mark").x) == [50]
+    assert FAILED in _trace(d.loss_fig, "failed commit mark").text[0]
+    assert len(_trace(d.timeline_fig, "failed commit (not applied)").x) == 4
     run.finish()
     d.refresh()
     assert d.last_error is None
     quiet = Dashboard(small_run(tmp_path / "plain").root)
-    assert not any("membership" in t.name for t in (*quiet.loss_fig.data,
-                                                    *quiet.timeline_fig.data))
+    assert not any("membership" in t.name or "commit" in t.name
+                   for t in (*quiet.loss_fig.data, *quiet.timeline_fig.data))
 
 
 # -- the widget ---------------------------------------------------------------------------------

@@ -79,10 +79,42 @@ def test_a_group_that_never_comes_back_leaves_the_others_to_finish(tmp_path):
     assert syncs and all(e["weight"] == 0.5 for e in syncs)  # averages over the two left
 
 
+def test_a_lost_lighthouse_stops_the_groups_and_the_run_resumes_from_checkpoints(tmp_path):
+    """Three groups, streaming (tau 1: checkpoints hold a landed exchange and its vote); group
+    2 is lost at step 2 before its first checkpoint; the Lighthouse is killed after step 10:
+    groups 0 and 1 stop at their next quorum with one sentence. --resume: they continue from
+    their checkpoint of step 8, group 2 (none of its own) starts afresh and heals from them in
+    the first quorum; all end with the same outer parameters."""
+    flags = ["--algo", "streaming", "--replicas", 3, "--steps", 16, "--sync-every", 8,
+             "--fragments", 2, "--checkpoint-every", 4, "--elastic", "--kill", "2:2,lighthouse:10",
+             "--max-restarts", 0, "--quorum-timeout", 8, "--elastic-timeout", 5]
+    run = tmp_path / "r"
+    proc = lowband("train", "--run-dir", run, *SMALL, *flags, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    stops = [line for line in proc.stderr.splitlines() if "got no quorum" in line]
+    assert stops and all("at step 12" in line and "the Lighthouse at" in line for line in stops)
+    assert "worker rank" not in proc.stderr  # the group's sentence says it all
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["replica0", "replica1"]
+
+    proc = lowband("train", "--resume", run, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = groups(run)
+    assert sorted(records) == [0, 1, 2] and len({r["outer_sha256"] for r in records.values()}) == 1
+    resumed = [e for e in read_events(run, ("run",)) if e["phase"] == "resume"]
+    assert sorted((e["replica"], e["step"]) for e in resumed) == [(0, 8), (1, 8)]
+    healed = [e for e in read_events(run, ("membership",)) if e["healed"]]
+    assert [(e["replica"], e["step"]) for e in healed] == [(2, 8)]
+    for g in (0, 1):  # the first life's steps up to the checkpoint, then on from it
+        steps = [e["step"] for e in read_events(run, ("step",)) if e["replica"] == g]
+        assert steps == list(range(1, 17)), (g, steps)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps_run_per_replica"] == [16, 16, 16]
+
+
 @pytest.mark.parametrize("args,words", [
     (["--algo", "diloco", "--replicas", 3, "--min-replicas", 4], "--min-replicas 4 must lie in 1..3"),
     (["--algo", "acco"], "--algo acco cannot lose a replica group mid-run yet"),
-    (["--algo", "diloco", "--checkpoint-every", 5], "drop --checkpoint-every"),
+    (["--algo", "diloco", "--kill", "lighthouse:0"], "the step in 1.."),
 ])
 def test_bad_elastic_input_gives_one_sentence(tmp_path, lowband_here, args, words):
     code, stderr = lowband_here("train", "--elastic", *args, cwd=tmp_path)

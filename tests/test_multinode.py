@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("torchx")
 
+from conftest import hosts_for_a_test  # noqa: E402
 from lowband.local import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,16 +41,7 @@ needs_hosts = pytest.mark.skipif(WHY is not None, reason=f"two test hosts: {WHY}
 
 @pytest.fixture
 def hosts():
-    h = bench.make_hosts()
-    try:
-        h.setup()
-    except RuntimeError as e:  # e.g. a container without CAP_NET_ADMIN or sch_tbf
-        pytest.skip(f"cannot create the test hosts here: {e}")
-    try:
-        yield h
-    finally:
-        h.teardown()
-        assert h.leftovers() == [] and not (Path("/etc/netns") / h.names[0]).exists()
+    yield from hosts_for_a_test(bench.make_hosts())  # leftovers() include /etc/netns/<host>
 
 
 def _events(run_dir: Path, rank: int) -> list[dict]:

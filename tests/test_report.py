@@ -88,6 +88,7 @@ def test_report_lists_membership_changes_and_restarts(runs, tmp_path):
     assert healed[2:5] == ["1", "group 1 rejoined (healed 2.4 MB in 0.3 s)", "2 (3 groups)"]
     assert healed[6:8] == ["2.4 MB", "0.3 s"]
     assert "restarts: group 1: 1; groups finished: 0, 1, 2." in section
+    assert 'id="failed-commits"' not in text and "uncommitted" not in text   # no failed vote
     assert 'data-key="elastic.restarts">group 1: 1<' in text
     assert 'data-key="elastic.groups_finished">0, 1, 2<' in text
     assert "dashed purple lines" in text
@@ -103,6 +104,38 @@ def test_report_lists_membership_changes_and_restarts(runs, tmp_path):
     assert "membership" not in json.dumps(report_data(plain))
     assert not any("membership" in t.name
                    for t in F.loss_figure_static([RunModel(runs[0]).load()]).data)
+
+
+def test_report_lists_failed_commit_votes(runs, tmp_path):
+    # group 1 of three is gone from step 40 to 80; the others' vote on step 50's sync fails
+    el = make_run(tmp_path / "vote", name="vote", replicas=3, shards=2, steps=100,
+                  elastic={"kill": 1, "at": 40, "back": 80, "uncommitted": 50})
+    text = write_report(el.root, tmp_path / "vote.html").read_text(encoding="utf-8")
+    section = re.search(r'<section id="membership">(.*?)</section>', text, re.S).group(1)
+    assert "restarts: group 1: 1; groups finished: 0, 1, 2; uncommitted syncs: 1 (commit vote " \
+           "failed, outer update skipped)." in section
+    commits = re.search(r'id="failed-commits".*?<table class="grid commits">(.*?)</table>',
+                        section, re.S).group(1)
+    rows = re.findall(r"<tr>(<td>.*?)</tr>", commits)
+    assert [re.findall(r"<td>(.*?)</td>", r) for r in rows] == [
+        ["50", "5.20 s", "1", "groups 0, 2", "0, 1, 4, 5"]]    # the time: when the vote came
+    assert len(re.findall(r'<tr[^>]*>(<td>.*?)</tr>', section)) == 3 + 2 + 3 + 1
+    assert "dotted orange lines" in text and "crossed-out orange diamond" in text
+    (run,) = report_data(text)["runs"]
+    assert [(c["step"], c["fragment"], c["replicas"]) for c in run["failed_commits"]] == [
+        (50, 1, [0, 2])]
+    # the figures the report embeds carry the marks, on every x axis of the loss figure
+    m = RunModel(el.root).load()
+    fig = F.loss_figure_static([m])
+    mark = next(t for t in fig.data if t.name == "failed commit mark")
+    assert mark.text == ("commit vote failed: outer update of fragment 1 skipped (step 50)"
+                         "<br>reported by groups 0, 2",)
+    assert len(fig.layout.updatemenus[0].buttons[1].args[0]["x"]) == len(fig.data)
+    assert "commit vote failed: outer update of fragment 1 skipped (step 50)" in text
+    # a run without a failed vote: none of it in its report
+    plain = write_report(runs[0], tmp_path / "plain.html").read_text(encoding="utf-8")
+    assert "failed_commits" not in json.dumps(report_data(plain))
+    assert "commit vote failed" not in plain and 'id="failed-commits"' not in plain
 
 
 def test_write_report_refuses_what_is_not_a_run(tmp_path, runs):

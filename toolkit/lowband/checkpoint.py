@@ -52,17 +52,24 @@ def _weights_only_planner():
 MANIFEST = "manifest.json"
 
 
-def complete(run: RunDir) -> list[Path]:
+def home(run: RunDir, group: int | None = None) -> Path:
+    """Where a run's checkpoints are: RUN/checkpoints, or with --elastic, where each replica
+    group is a world of its own that checkpoints on its own, RUN/checkpoints/replica<group>."""
+    return run.checkpoints if group is None else run.checkpoints / f"replica{group}"
+
+
+def complete(run: RunDir, group: int | None = None) -> list[Path]:
     """A run's complete checkpoints (made current by their rename), oldest first."""
-    if not run.checkpoints.is_dir():
+    where = home(run, group)
+    if not where.is_dir():
         return []
-    return sorted(p for p in run.checkpoints.glob("step-*")
+    return sorted(p for p in where.glob("step-*")
                   if p.is_dir() and not p.name.endswith(".tmp") and (p / ".metadata").exists())
 
 
-def latest(run: RunDir) -> Path | None:
-    """The newest complete checkpoint of a run, or None."""
-    done = complete(run)
+def latest(run: RunDir, group: int | None = None) -> Path | None:
+    """The newest complete checkpoint of a run (of an elastic run's replica group), or None."""
+    done = complete(run, group)
     return done[-1] if done else None
 
 
@@ -94,11 +101,11 @@ def damage(path: Path) -> str | None:
     return None
 
 
-def newest_intact(run: RunDir) -> tuple[Path | None, list[tuple[Path, str]]]:
+def newest_intact(run: RunDir, group: int | None = None) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest checkpoint whose files match their checksums (None if there is none), and
     the newer ones passed over, each with what is wrong with it."""
     damaged = []
-    for path in reversed(complete(run)):
+    for path in reversed(complete(run, group)):
         why = damage(path)
         if why is None:
             return path, damaged
@@ -114,11 +121,12 @@ def _model_state(model, optimizer, replica: int) -> dict:
 
 
 def save(run: RunDir, step: int, model, optimizer, algo, replica: int, extra: dict,
-         keep: int, crash_before_rename: bool = False) -> Path:
-    """Collective: every rank calls it after the same step."""
+         keep: int, crash_before_rename: bool = False, group: int | None = None) -> Path:
+    """Collective: every rank (of the world; with --elastic, of the replica `group`) calls it
+    after the same step."""
     import torch.distributed.checkpoint as dcp
 
-    final = run.checkpoints / f"step-{step:08d}"
+    final = home(run, group) / f"step-{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
     rank = dist.get_rank()
     if rank == 0:
@@ -135,7 +143,7 @@ def save(run: RunDir, step: int, model, optimizer, algo, replica: int, extra: di
         _write_manifest(tmp)  # every rank's files are complete after the barrier
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        for old in sorted(p for p in run.checkpoints.glob("step-*") if p.is_dir())[:-keep]:
+        for old in sorted(p for p in final.parent.glob("step-*") if p.is_dir())[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final

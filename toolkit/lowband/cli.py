@@ -98,7 +98,7 @@ def launch_local(cfg: Config, argv: list[str], main_job: bool = False, resume: b
             detail = last_line(log)
             if detail:
                 print(detail, file=sys.stderr)
-        if code != 2:
+        if code not in (2, 3):  # 2, 3: the worker's own sentence says what happened
             where = f"; its log: {log}" if rank != 0 else ""
             print(f"lowband: error: worker rank {rank} {describe_exit(code)}, so the other "
                   f"workers were stopped{where}.", file=sys.stderr)

@@ -9,7 +9,10 @@
                              it current (checkpoint.py), as a crash mid-write would
 --kill REPLICA:STEP[,...]    after inner step STEP every rank of REPLICA kills itself (SIGKILL),
                              as a lost node or site would; each kill happens once (a marker in
-                             RUN/logs/), so a restarted group or a resumed run trains past it
+                             RUN/logs/), so a restarted group or a resumed run trains past it.
+                             `lighthouse:STEP` (--elastic): the first rank past STEP asks the
+                             launcher to stop the torchft Lighthouse (RUN/logs/kill-lighthouse),
+                             as if its host were lost
 """
 
 from __future__ import annotations
@@ -56,17 +59,36 @@ def parse_corrupt(text: str, replicas: int, steps: int) -> tuple[int, int, float
     return replica, step, scale
 
 
-def parse_kill(text: str, replicas: int, steps: int) -> list[tuple[int, int]]:
-    """--kill REPLICA:STEP[,REPLICA:STEP...]: (replica, step) pairs."""
+LIGHTHOUSE = "lighthouse"
+
+
+def parse_kill(text: str, replicas: int, steps: int, elastic: bool = False) -> list[tuple]:
+    """--kill REPLICA:STEP[,REPLICA:STEP...]: (replica, step) pairs; the replica may be
+    'lighthouse' with --elastic."""
     out = []
     for part in filter(None, text.split(",")):
-        replica, step = _parse(part, "--kill", "REPLICA:STEP[,REPLICA:STEP...], e.g. 1:20",
-                               (int, int), 2)
-        if not 0 <= replica < replicas or not 1 <= step <= steps:
-            raise ConfigError(f"--kill {part}: the replica must be in 0..{replicas - 1} and the "
-                              f"step in 1..{steps}.")
+        who, step = _parse(part, "--kill", "REPLICA:STEP[,REPLICA:STEP...], e.g. 1:20",
+                           (str, int), 2)
+        if who == LIGHTHOUSE and not elastic:
+            raise ConfigError(f"--kill {part}: only an --elastic run has a Lighthouse to kill.")
+        replica = who if who == LIGHTHOUSE else _parse(who, "--kill", "REPLICA:STEP, e.g. 1:20 "
+                                                       "or lighthouse:20", (int,), 1)[0]
+        if replica != LIGHTHOUSE and not 0 <= replica < replicas or not 1 <= step <= steps:
+            raise ConfigError(f"--kill {part}: the replica must be in 0..{replicas - 1} (or "
+                              f"'lighthouse') and the step in 1..{steps}.")
         out.append((replica, step))
     return out
+
+
+def lighthouse_kill_asked(run_root) -> bool:
+    """For the launcher that serves the Lighthouse: whether a rank asked for it to be killed
+    (--kill lighthouse:STEP); the request is taken (removed)."""
+    request = Path(run_root) / "logs" / "kill-lighthouse"
+    try:
+        request.unlink()
+        return True
+    except FileNotFoundError:
+        return False
 
 
 @dataclass
@@ -78,7 +100,8 @@ class FaultOptions(Options):
     crash_checkpoint: int = option(0, "die between writing and renaming the checkpoint of this "
                                    "step (to test that the previous one survives)")
     kill: str = option("", "REPLICA:STEP[,REPLICA:STEP...]: every rank of that replica is killed "
-                       "(SIGKILL) after STEP, once, as a lost site would be")
+                       "(SIGKILL) after STEP, once, as a lost site would be; lighthouse:STEP "
+                       "stops an --elastic run's Lighthouse")
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -86,7 +109,7 @@ class FaultOptions(Options):
             raise ConfigError(f"--crash-checkpoint must be zero or positive, got {cfg.crash_checkpoint}.")
         parse_straggler(cfg.straggler, cfg.replicas)
         parse_corrupt(cfg.corrupt, cfg.replicas, cfg.steps)
-        parse_kill(cfg.kill, cfg.replicas, cfg.steps)
+        parse_kill(cfg.kill, cfg.replicas, cfg.steps, cfg.elastic)
 
 
 class Faults:
@@ -94,16 +117,29 @@ class Faults:
         self.straggler = parse_straggler(cfg.straggler, cfg.replicas)
         self.corrupt = parse_corrupt(cfg.corrupt, cfg.replicas, cfg.steps)
         self.crash_checkpoint = cfg.crash_checkpoint
-        self.kill = [k for k in parse_kill(cfg.kill, cfg.replicas, cfg.steps) if k[0] == replica]
+        kills = parse_kill(cfg.kill, cfg.replicas, cfg.steps, cfg.elastic)
+        self.kill = [k for k in kills if k[0] == replica]
+        self.kill_lighthouse = [step for who, step in kills if who == LIGHTHOUSE]
         self.replica, self.seed = replica, seed
 
     def maybe_die(self, step: int, run_root) -> None:
         """SIGKILL this process after `step` when --kill names its replica and step, once: a
         marker in RUN/logs/ says the kill happened, so neither a restarted group nor a resumed
         run meets it again."""
+        logs = Path(run_root) / "logs"
+        if step in self.kill_lighthouse:
+            try:  # the first rank past the step asks, once in the run, and waits until the
+                # launcher has taken the request: the Lighthouse is gone before the next step
+                os.close(os.open(logs / f"killed-lighthouse-step{step}", os.O_CREAT | os.O_EXCL))
+                request, deadline = logs / "kill-lighthouse", time.monotonic() + 30
+                request.touch()
+                while request.exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            except FileExistsError:
+                pass
         if (self.replica, step) not in self.kill:
             return
-        marker = Path(run_root) / "logs" / f"killed-replica{self.replica}-step{step}"
+        marker = logs / f"killed-replica{self.replica}-step{step}"
         if marker.exists():
             return
         marker.touch()

@@ -1,41 +1,75 @@
 """`lowband train --elastic` on one machine: a torchft Lighthouse and R replica groups, each a
 job of its own (S local workers, local.LocalJob), restarted when it dies.
 
-The Lighthouse runs in this process (torchft's LighthouseServer); every worker finds it through
-TORCHFT_LIGHTHOUSE, and its group through LOWBAND_REPLICA (comm/elastic.py). A group that dies
-(a killed node, a crash) is started again, up to --max-restarts times: it heals from a live
-peer at the others' next sync and trains on. A group that refuses
-its input (status 2) stops the whole job: the others would refuse it too. When every group has
-finished or is lost for good, the groups' records (RUN/groups/) become summary.json.
+The Lighthouse is torchft's own program (`torchft_lighthouse`), a process of its own whose
+output goes to RUN/logs/lighthouse.log; every worker finds it through TORCHFT_LIGHTHOUSE, and
+its group through LOWBAND_REPLICA (comm/elastic.py). A group that dies (a killed node, a crash)
+is started again, up to --max-restarts times: it heals from a live peer at the others' next
+sync and trains on. A group that refuses its input (status 2) or stops on purpose (3: no
+quorum, as when the Lighthouse is lost) stops the whole job: the others would meet it too. When
+every group has finished or is lost for good, the groups' records (RUN/groups/) become
+summary.json.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import socket
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 from lowband.comm.elastic import LIGHTHOUSE_ENV, REPLICA_ENV
-from lowband.local import LocalJob, describe_exit, last_line
+from lowband.faults import lighthouse_kill_asked
+from lowband.local import LocalJob, describe_exit, free_port, last_line
 from lowband.options import ConfigError
 from lowband.summary import add_ddp_bytes, summarize
 from lowband.telemetry import RunDir, write_json_atomic
 
+NO_TORCHFT = "--elastic needs torchft ({} is not installed): pip install 'lowband[elastic]'."
+QUIET = {"RUST_LOG": os.environ.get("RUST_LOG", "warn")}  # torchft's Rust side logs every quorum
+
 
 def lighthouse(min_replicas: int, join_timeout_s: float = 10.0, port: int = 0):
     """torchft's Lighthouse, serving in this process (port 0: a free one)."""
+    os.environ.update(QUIET)
     try:
         from torchft._torchft import LighthouseServer
     except ImportError as e:
-        raise ConfigError(f"--elastic needs torchft ({e.name} is not installed): pip install "
-                          "'lowband[elastic]'.") from None
+        raise ConfigError(NO_TORCHFT.format(e.name)) from None
     return LighthouseServer(bind=f"[::]:{port}", min_replicas=min_replicas,
                             join_timeout_ms=int(join_timeout_s * 1000))
 
 
+def lighthouse_process(min_replicas: int, log: Path, join_timeout_s: float = 10.0,
+                       ready_s: float = 30.0) -> tuple[subprocess.Popen, str]:
+    """torchft's Lighthouse program on a free local port, and its address once it answers."""
+    exe = shutil.which("torchft_lighthouse") or str(Path(sys.executable).with_name("torchft_lighthouse"))
+    if not Path(exe).exists():
+        raise ConfigError(NO_TORCHFT.format("torchft_lighthouse"))
+    port = free_port()
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([exe, "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}",
+                                 "--join_timeout_ms", str(int(join_timeout_s * 1000))],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **QUIET})
+    deadline = time.monotonic() + ready_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, f"http://localhost:{port}"
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise ConfigError(f"torchft's Lighthouse did not start (see {log}), so the elastic run "
+                      "cannot begin.")
+
+
 def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
     """Run the replica groups to the end; the job's exit status."""
-    server = lighthouse(cfg.min_replicas)
-    address = server.address()
+    server, address = lighthouse_process(cfg.min_replicas, run.logs / "lighthouse.log")
     lives = {g: 0 for g in range(cfg.replicas)}
 
     def start(g: int) -> LocalJob:
@@ -46,6 +80,10 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
     jobs, finished = {g: start(g) for g in range(cfg.replicas)}, set()
     try:
         while jobs:
+            if lighthouse_kill_asked(run.root):  # --kill lighthouse:STEP, as if its host were lost
+                print("lowband: the Lighthouse was killed (--kill lighthouse).", file=sys.stderr,
+                      flush=True)
+                server.kill()
             for g, job in list(jobs.items()):
                 result = job.poll()
                 if result is None:
@@ -77,7 +115,8 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
             job.stop()
         return 130
     finally:
-        server.shutdown()
+        server.kill()
+        server.wait()
     if not finished:
         raise ConfigError("every replica group was lost, so the run has no result: see "
                           f"{run.logs} and start it again.")

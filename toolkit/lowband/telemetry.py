@@ -18,7 +18,8 @@ Every event carries v (schema version), t (unix seconds), rank, replica and kind
   spike step, loss, z
   run   phase (start, resume or end: one start or resume a rank), world, config_hash, step
   fault step, what (e.g. corrupt), scale       (injected faults, lowband/faults.py)
-  skip  step, what (gradient/pseudo-gradient), fragment: an update skipped for NaN or inf
+  skip  step, what, fragment: an update skipped: for NaN or inf (what: gradient,
+        pseudo-gradient), or a failed --elastic commit vote (what: commit)
   checkpoint step, path
   shard state_bytes, unsharded_state_bytes, master_bytes, ...  (zero1/acco, once at set-up)
 Readers skip a torn last line, damaged lines, unknown fields and unknown kinds.
@@ -96,7 +97,7 @@ class RunDir:
         for d in (self.events, self.checkpoints, self.groups):
             shutil.rmtree(d, ignore_errors=True)
         for log in [*self.logs.glob("rank*.log"), *self.logs.glob("replica*.log"),
-                    *self.logs.glob("killed-*")]:
+                    *self.logs.glob("kill*-*"), self.logs / "lighthouse.log"]:
             log.unlink(missing_ok=True)
 
     def claim(self, overwrite: bool) -> "RunDir":

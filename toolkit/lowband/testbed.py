@@ -1,9 +1,12 @@
-"""Two test hosts on this machine: Linux network namespaces joined by a veth pair whose ends are
-each shaped by `tc qdisc ... tbf` to a bandwidth, optionally each with its own hostname.
+"""Test hosts on this machine: Linux network namespaces joined by veth pairs whose ends are
+shaped by `tc qdisc ... tbf` to a bandwidth, optionally each with its own hostname. Two hosts are
+joined by one veth pair (both ends shaped); three or more each by a veth pair to a bridge in a
+namespace of its own (each host's end shaped: every host's egress is the throttled link).
 
 Needs root, `ip` and `tc` (and `unshare` for hostnames); `unavailable()` says why not. Setting up
 first removes leftovers of a crashed run; `with TestHosts(...) as hosts:` always removes what it
-made: the processes started in the hosts, the namespaces, the veth pair and /etc/netns/<host>.
+made: the processes started in the hosts, the namespaces (and with them the bridge and veths)
+and /etc/netns/<host>.
 """
 
 from __future__ import annotations
@@ -31,21 +34,29 @@ def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 class TestHosts:
-    """Hosts <prefix>-<host>0 and -1 (network namespaces) joined by veth <prefix>-v0 <-> -v1 with
-    addresses <subnet>.1 and .2/24, each end's egress shaped by tbf (rate, burst, latency).
+    """Hosts <prefix>-<host>0 .. <host>{n-1} (network namespaces) with addresses <subnet>.1 ..
+    .n/24 on veth <prefix>-v0 .. -v{n-1}, each host's end's egress shaped by tbf (rate, burst,
+    latency). n = 2: -v0 <-> -v1 directly. n > 2: -v<i> <-> port -p<i> of bridge -br in
+    namespace <prefix>-<host>sw (unshaped).
 
     With `hostnames`, a command run on host i (`exec_prefix(i)`, `popen`) also gets its own UTS
-    namespace with the host's name as hostname, and an /etc/hosts naming both hosts, as cluster
+    namespace with the host's name as hostname, and an /etc/hosts naming every host, as cluster
     nodes resolve each other (torch's rendezvous and TCPStore need it).
     """
 
     __test__ = False  # not a pytest test class, whatever module imports it
 
     def __init__(self, prefix: str, subnet: str, rate: str, burst: str, latency: str, *,
-                 host: str = "h", hostnames: bool = False):
-        self.names = [f"{prefix}-{host}{i}" for i in range(2)]
-        self.devs = [f"{prefix}-v{i}" for i in range(2)]
-        self.addrs = [f"{subnet}.{i + 1}" for i in range(2)]
+                 host: str = "h", hostnames: bool = False, n: int = 2):
+        if n < 2:
+            raise ValueError(f"n={n}: test hosts come two or more")
+        self.names = [f"{prefix}-{host}{i}" for i in range(n)]
+        self.devs = [f"{prefix}-v{i}" for i in range(n)]
+        self.addrs = [f"{subnet}.{i + 1}" for i in range(n)]
+        # n > 2: the bridge, its namespace and its port for each host
+        self.switch = f"{prefix}-{host}sw" if n > 2 else None
+        self.bridge = f"{prefix}-br" if n > 2 else None
+        self.ports = [f"{prefix}-p{i}" for i in range(n)] if n > 2 else []
         self.rate, self.burst, self.latency = rate, burst, latency
         self.hostnames = hostnames
         self.procs: list[subprocess.Popen] = []
@@ -74,14 +85,25 @@ class TestHosts:
         # IPv4-mapped too: torch's TCPStore names its peers by reverse look-up of those
         etc_hosts = "127.0.0.1 localhost\n::1 localhost\n" + "".join(
             f"{ip} {name}\n::ffff:{ip} {name}\n" for ip, name in zip(self.addrs, self.names))
+        sw, br = self.switch, self.bridge
+        # each veth pair: (namespace, end) <-> (namespace, end)
+        pairs = ([((self.names[0], self.devs[0]), (self.names[1], self.devs[1]))] if sw is None
+                 else [((ns, dev), (sw, port))
+                       for ns, dev, port in zip(self.names, self.devs, self.ports)])
         try:
-            for ns in self.names:
+            for ns in self.namespaces():
                 _run("ip", "netns", "add", ns)
-            _run("ip", "link", "add", self.devs[0], "type", "veth", "peer", "name", self.devs[1])
-            for ns, dev, ip in zip(self.names, self.devs, self.addrs):
-                _run("ip", "link", "set", dev, "netns", ns)
-                _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
                 _run("ip", "-n", ns, "link", "set", "lo", "up")
+            if sw:
+                _run("ip", "-n", sw, "link", "add", br, "type", "bridge")
+                _run("ip", "-n", sw, "link", "set", br, "up")
+            for (ns_a, a), (ns_b, b) in pairs:
+                _run("ip", "link", "add", a, "netns", ns_a, "type", "veth", "peer", "name", b,
+                     "netns", ns_b)
+            for port in self.ports:
+                _run("ip", "-n", sw, "link", "set", port, "master", br, "up")
+            for ns, dev, ip in zip(self.names, self.devs, self.addrs):
+                _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
                 _run("ip", "-n", ns, "link", "set", dev, "up")
                 _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
                      "burst", self.burst, "latency", self.latency)
@@ -93,9 +115,13 @@ class TestHosts:
             raise
         return self
 
+    def namespaces(self) -> list[str]:
+        """The hosts' namespaces and the bridge's, if any."""
+        return self.names + ([self.switch] if self.switch else [])
+
     def teardown(self) -> None:
-        """Kill what runs in the hosts, remove both namespaces (and with them the veth pair), any
-        stray veth end and /etc/netns/<host>. Safe to call when nothing exists."""
+        """Kill what runs in the hosts, remove the namespaces (and with them the bridge and the
+        veths), any stray veth end and /etc/netns/<host>. Safe to call when nothing exists."""
         for p in self.procs:
             if p.poll() is None:
                 try:
@@ -105,7 +131,7 @@ class TestHosts:
                 p.wait()
         self.procs.clear()
         listed = _run("ip", "netns", "list", check=False).stdout.split()
-        for ns in self.names:
+        for ns in self.namespaces():
             if ns in listed:
                 # processes still in the namespace (a crashed run's): ours, by its name
                 for pid in _run("ip", "netns", "pids", ns, check=False).stdout.split():
@@ -119,16 +145,19 @@ class TestHosts:
             ETC_NETNS.rmdir()  # only if empty: other namespaces' files stay
         except OSError:
             pass
-        for dev in self.devs:
-            if _run("ip", "link", "show", "dev", dev, check=False).returncode == 0:
-                _run("ip", "link", "delete", "dev", dev, check=False)
+        for dev in self._stray_links():
+            _run("ip", "link", "delete", "dev", dev, check=False)
+
+    def _stray_links(self) -> list[str]:
+        return [d for d in self.devs + self.ports
+                if _run("ip", "link", "show", "dev", d, check=False).returncode == 0]
 
     def leftovers(self) -> list[str]:
-        """Our namespaces and veth ends that exist now (in the root namespace)."""
+        """What of ours exists now: namespaces (a bridge lives in its own), veth ends in the
+        root namespace and /etc/netns/<host> folders."""
         listed = _run("ip", "netns", "list", check=False).stdout.split()
-        return [ns for ns in self.names if ns in listed] + [
-            d for d in self.devs
-            if _run("ip", "link", "show", "dev", d, check=False).returncode == 0]
+        return ([ns for ns in self.namespaces() if ns in listed] + self._stray_links()
+                + [str(ETC_NETNS / ns) for ns in self.names if (ETC_NETNS / ns).exists()])
 
     # -- use ---------------------------------------------------------------------------------
 

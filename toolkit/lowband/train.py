@@ -93,12 +93,17 @@ def _decided_by_rank0(decide):
     return box[0]
 
 
-def _resume_point(run: RunDir) -> Path:
-    """The newest checkpoint of the run whose files match their checksums, chosen by rank 0;
-    each newer, damaged one is named on rank 0's stderr."""
+def _resume_point(run: RunDir, group: int | None) -> Path | None:
+    """The newest checkpoint of the run (with --elastic, of this replica group) whose files
+    match their checksums, chosen by rank 0; each newer, damaged one is named on rank 0's
+    stderr. None: an elastic group that has none while others do starts afresh (and heals
+    from a live peer in its first quorum)."""
 
     def pick():
-        path, damaged = checkpoint.newest_intact(run)
+        path, damaged = checkpoint.newest_intact(run, group)
+        if path is None and not damaged and group is not None and \
+                any(p.parent.name != f"replica{group}" for p in run.checkpoints.glob("replica*/step-*")):
+            return None
         if path is None and not damaged:
             raise ConfigError(f"{run.root} has no checkpoint to resume from: train with "
                               "--checkpoint-every N to write them.")
@@ -112,7 +117,8 @@ def _resume_point(run: RunDir) -> Path:
                   f"{path.name}.", file=sys.stderr, flush=True)
         return str(path)
 
-    return Path(_decided_by_rank0(pick))
+    path = _decided_by_rank0(pick)
+    return None if path is None else Path(path)
 
 
 def evaluate(model, batches: Batches, cfg: Config) -> float:
@@ -144,10 +150,11 @@ def train(cfg: Config, model: nn.Module | None = None, blocks: nn.ModuleList | N
     run = _resolve_run_dir(cfg, resume)
     resume_from = None
     if resume:
-        path = _resume_point(run)
-        resume_from = (path, checkpoint.read_rank_state(path, topo.rank))
-        with open(run.event_file(topo.rank), "r+b") as f:  # drop events after the checkpoint
-            f.truncate(resume_from[1]["events_offset"])
+        path = _resume_point(run, _group(cfg, topo))
+        if path is not None:
+            resume_from = (path, checkpoint.read_rank_state(path, dist.get_rank()))
+            with open(run.event_file(topo.rank), "r+b") as f:  # drop events after the checkpoint
+                f.truncate(resume_from[1]["events_offset"])
     events = EventWriter(run, topo.rank, topo.replica)
     try:
         return _train(cfg, topo, run, events, tokens, model, blocks, resume_from)
@@ -195,7 +202,7 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from):
 
     model.train()
     dist.barrier()  # every rank starts the clock together: set-up skew is not link time
-    algo.join()  # --elastic: the first quorum; a restarted group heals to a live peer's step
+    algo.join(done.step)  # --elastic: the first quorum; a group behind heals to a peer's step
     if algo.healed_step is not None:
         done.step, algo.healed_step = algo.healed_step, None
     bar = _progress(cfg, topo.rank, done.step)
@@ -292,6 +299,11 @@ def _digest(tensors: dict | None) -> str | None:
     return h.hexdigest()
 
 
+def _group(cfg: Config, topo) -> int | None:
+    """With --elastic, this process's replica group: a world of its own, checkpointed apart."""
+    return topo.replica if cfg.elastic else None
+
+
 def _first_group(comm) -> int:
     """The replica group that writes model.pt: 0, or with --elastic the first of the last
     quorum (group 0 may be gone)."""
@@ -368,7 +380,8 @@ def _checkpoint(run, events, model, optimizer, algo, topo, comm, cfg, done, elap
     extra = {"progress": progress, "comm": comm.totals.state(), "rng": torch.get_rng_state(),
              "events_offset": run.event_file(topo.rank).stat().st_size}
     path = checkpoint.save(run, done.step, model, optimizer, algo, topo.replica, extra,
-                           cfg.keep_checkpoints, crash_before_rename=faults.crash_checkpoint == done.step)
+                           cfg.keep_checkpoints, crash_before_rename=faults.crash_checkpoint == done.step,
+                           group=_group(cfg, topo))
     events.emit("checkpoint", step=done.step, path=str(path))
 
 

@@ -72,9 +72,10 @@ class Algorithm:
     def after_step(self, step: int) -> None:
         pass
 
-    def join(self) -> None:
-        """Before the first step (--elastic): take part in the first quorum; a restarted group
-        heals there from a live peer (healed_step) and joins the sync in progress."""
+    def join(self, step: int) -> None:
+        """Before the first step (`step` steps done: 0, or a resumed run's checkpoint) with
+        --elastic: take part in the first quorum; a group behind the others heals there from
+        a live peer (healed_step) and joins the sync in progress."""
 
     def should_stop(self, step: int) -> bool:
         """Consulted by the trainer before each step (`step` steps done): True ends the loop.

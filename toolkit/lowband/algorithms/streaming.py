@@ -56,10 +56,11 @@ class Fragment:
 
 
 class Landed:
-    """An average that has already arrived (restored from a checkpoint, or drained for one)."""
+    """An average that has already arrived (restored from a checkpoint, or drained for one);
+    with --elastic, `committed` is the commit vote taken on it then."""
 
-    def __init__(self, value: torch.Tensor):
-        self.value = value
+    def __init__(self, value: torch.Tensor, committed: bool | None = None):
+        self.value, self.committed = value, committed
 
     def wait(self) -> torch.Tensor:
         return self.value.clone()
@@ -154,32 +155,41 @@ class Streaming(Algorithm):
             self._start(self.fragments[p], s)
 
     # --elastic (comm/elastic.py): a quorum before each sync, the commit vote before each apply
-    def join(self) -> None:
+    def join(self, step: int) -> None:
         elastic = self.comm.elastic
         if elastic is None:
             return
         elastic.register(self._heal_state, self._load_heal_state)
-        self._sync_step = 0
-        if elastic.begin(0):  # restarted: the others are in the sync of healed_step; join it
-            s = self.healed_step
+        self._sync_step, self._joining = step, True
+        healed = elastic.begin(step)
+        self._joining = False
+        if healed and self._peer_in_sync:  # restarted: the others are in the sync of
+            s = self.healed_step                 # healed_step; join it
             self._exchange(self.fragments[self.due(s)], s)
-        else:  # a fresh start: every group's first quorum, nothing to exchange
+        else:  # every group's first quorum (a fresh start or a resume): nothing to exchange
+            elastic.barrier()
             elastic.commit()
 
     def _heal_state(self) -> dict:
-        """What a live group hands a joining one (at the start of a sync, nothing in flight)."""
+        """What a live group hands a joining one: at the start of a sync, or in its first
+        quorum (nothing in flight then, but a resumed exchange that already landed)."""
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "outer": [f.outer for f in self.fragments],
-                "momentum": [f.momentum for f in self.fragments], "step": self._sync_step}
+                "momentum": [f.momentum for f in self.fragments],
+                "pending": [self._landed(f) for f in self.fragments],
+                "step": self._sync_step, "in_sync": not self._joining}
 
     def _load_heal_state(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        for f, outer, momentum in zip(self.fragments, state["outer"], state["momentum"]):
+        for f, outer, momentum, pending in zip(self.fragments, state["outer"], state["momentum"],
+                                               state["pending"]):
             f.outer.copy_(outer)
             f.momentum.copy_(momentum)
-            f.residual, f.pending = None, None  # error feedback is this group's own
-        self.healed_step = state["step"]
+            f.residual = None  # error feedback is this group's own
+            f.pending = None if pending is None else (pending[0], pending[1],
+                                                      Landed(pending[2], pending[3]))
+        self.healed_step, self._peer_in_sync = state["step"], state["in_sync"]
 
     def _start(self, f: Fragment, s: int) -> None:
         if self.comm.elastic is not None:
@@ -208,7 +218,7 @@ class Streaming(Algorithm):
         _, started, avg = f.pending
         f.pending = None
         delta = avg.wait().to(self.topo.device)
-        if self.comm.elastic is not None and not self.comm.elastic.commit():
+        if self.comm.elastic is not None and not self._vote(avg):
             self._uncommitted(f, started)  # the vote failed: the outer state stays as it was
             return
         norm = self._norm(delta)
@@ -223,6 +233,12 @@ class Streaming(Algorithm):
             self.comm.events.emit("sync", step=started, fragment=f.index, applied_step=started + c.overlap,
                                   pseudo_grad_norm=norm, weight=self._weight(),
                                   anomaly=False, outer_lr=c.outer_lr)
+
+    def _vote(self, avg) -> bool:
+        """The commit vote on an exchange that has landed (taken at most once: a checkpoint
+        takes it on the exchanges it drains, and stores it)."""
+        committed = getattr(avg, "committed", None)
+        return self.comm.elastic.commit() if committed is None else committed
 
     def _weight(self) -> float:
         """Each replica's share of the average: 1/R, or 1/(groups of the quorum) when elastic."""
@@ -247,18 +263,27 @@ class Streaming(Algorithm):
             self.comm.events.emit("skip", step=started, what="pseudo-gradient", fragment=f.index)
 
     def state_dict(self) -> dict:
-        """This rank's outer state; an exchange in flight is waited for and kept as landed."""
-        frags = []
+        """This rank's outer state; an exchange in flight is waited for and kept as landed
+        (with --elastic, with its commit vote, taken now), and the Manager's step."""
         settle(self.topo.device)
         for f in self.fragments:
-            pending = None
-            if f.pending is not None:
+            if f.pending is not None and not isinstance(f.pending[2], Landed):
                 apply_at, started, avg = f.pending
-                f.pending = (apply_at, started, Landed(avg.wait()))
-                pending = [apply_at, started, f.pending[2].value]
-            frags.append({"outer": f.outer, "momentum": f.momentum, "residual": f.residual,
-                          "pending": pending})
-        return {"fragments": frags, "skips": self.skips}
+                value = avg.wait()
+                vote = self._vote(avg) if self.comm.elastic is not None else None
+                f.pending = (apply_at, started, Landed(value, vote))
+        frags = [{"outer": f.outer, "momentum": f.momentum, "residual": f.residual,
+                  "pending": self._landed(f)} for f in self.fragments]
+        elastic = self.comm.elastic
+        return {"fragments": frags, "skips": self.skips,
+                "manager": elastic.manager.state_dict() if elastic is not None else None}
+
+    @staticmethod
+    def _landed(f: Fragment) -> list | None:
+        if f.pending is None:
+            return None
+        apply_at, started, landed = f.pending
+        return [apply_at, started, landed.value, landed.committed]
 
     def load_state_dict(self, state: dict) -> None:
         settle(self.topo.device)
@@ -267,8 +292,10 @@ class Streaming(Algorithm):
             f.momentum.copy_(st["momentum"])
             f.residual = st["residual"]
             p = st["pending"]
-            f.pending = None if p is None else (p[0], p[1], Landed(p[2]))
+            f.pending = None if p is None else (p[0], p[1], Landed(p[2], (p + [None])[3]))
         self.skips = state["skips"]
+        if self.comm.elastic is not None and state.get("manager") is not None:
+            self.comm.elastic.manager.load_state_dict(state["manager"])
 
     def _gather(self, f: Fragment, piece: torch.Tensor) -> torch.Tensor:
         """The whole fragment from every shard's slice (over the fast inner link)."""

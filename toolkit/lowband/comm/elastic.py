@@ -22,7 +22,9 @@ bytes and seconds).
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -62,9 +64,6 @@ class ElasticOptions(Options):
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive seconds.")
         if cfg.max_restarts < 0:
             raise ConfigError("--max-restarts must be zero or positive.")
-        if cfg.checkpoint_every:
-            raise ConfigError("--elastic runs heal from live peers, not from checkpoints: drop "
-                              "--checkpoint-every.")
 
 
 ELASTIC_ALGOS = ("diloco", "streaming")
@@ -83,6 +82,8 @@ class Membership:
     """This rank's torchft Manager and the process group it reconfigures (see module doc)."""
 
     def __init__(self, topo, cfg, events):
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum
+        logging.getLogger("torchft").setLevel(logging.ERROR)  # and its Python side warns of NCCL
         try:
             from torchft.manager import Manager
             from torchft.process_group import ProcessGroupGloo
@@ -126,7 +127,8 @@ class Membership:
         try:
             self.manager.start_quorum()
         except Exception as e:  # the Lighthouse is gone, or no quorum within --quorum-timeout
-            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            why = re.search(r'message: "([^"]*)"', str(e)) or re.match(r"(.*)", str(e).strip())
+            why = why.group(1)[:200] or type(e).__name__
             raise ElasticStopped(f"replica group {self.topo.replica} got no quorum at step {step} "
                                  f"({why}): the Lighthouse at {os.environ.get(LIGHTHOUSE_ENV)} is "
                                  "gone or too few groups are alive, so this group stops; start "
@@ -179,6 +181,14 @@ class Membership:
                                                                              AllgatherOptions())),
                             outs, tag, codec, payload)
         return Weighted(transfer, (x.numel(), codec, block), sent)
+
+    def barrier(self) -> None:
+        """A one-value collective over the quorum. torchft serves a healing group the state
+        only until the sender's commit vote, so groups that exchange nothing in a quorum
+        (the first) meet here first: the healing one arrives once it has loaded the state."""
+        from torch.distributed.distributed_c10d import AllreduceOptions
+
+        self._reported(lambda: self.pg.allreduce([torch.zeros(1)], AllreduceOptions())).wait()
 
     def _reported(self, launch) -> "Reported":
         try:

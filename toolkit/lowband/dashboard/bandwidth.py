@@ -18,7 +18,7 @@ from .records import _natural
 
 
 class OuterTraffic:
-    """RunModel's outer-link traffic (a mixin: reads outer, t0, t_last, config, version)."""
+    """RunModel's outer-link traffic (a mixin: reads outer, t0, t_last, config; calls _cached)."""
 
     def bandwidth(self, max_bins: int = 300, by: str = "link") -> dict:
         """Outer-link traffic binned over time (seconds since t0).
@@ -33,17 +33,13 @@ class OuterTraffic:
         "links": links that carried bytes, "peak": highest binned rate of one series,
         "mean": mean rate of the busiest link over the run, "capacity": bytes/s or None}.
         """
-        if self._cache.get("version") != self.version:
-            self._cache = {"version": self.version}
-        key = (max_bins, by)
-        cached = self._cache.get(key)
-        if cached is not None:
-            return cached
+        return self._cached((max_bins, by), lambda: self._binned(max_bins, by))
+
+    def _binned(self, max_bins: int, by: str) -> dict:
         out = {"edges": np.zeros(0), "width": 0.0, "series": {}, "links": 0, "peak": 0.0,
                "mean": 0.0, "capacity": self.capacity()}
         if self.outer and self.t0 is not None:
             self._bin_outer(out, max_bins, by)
-        self._cache[key] = out
         return out
 
     def _bin_outer(self, out: dict, max_bins: int, by: str) -> None:

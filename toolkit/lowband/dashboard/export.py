@@ -3,13 +3,13 @@
 
 One self-contained file: plotly.js is embedded inline (no CDN, nothing fetched when opened),
 with the dashboard's figures (built by the same code), the summary and config of every run side
-by side, and the membership changes of --elastic runs. Runs that have not finished are reported
-as they stand.
+by side, and the membership changes and failed commit votes of --elastic runs. Runs that have
+not finished are reported as they stand.
 
 For tests in a browser, the page has stable hooks: figure divs #lowband-loss,
 #lowband-bandwidth and #lowband-timeline-<i>, sections #summary, #config (and #membership for
---elastic runs), and the report's numbers as JSON in
-<script type="application/json" id="lowband-report-data">.
+--elastic runs, with #failed-commits where a commit vote failed), and the report's numbers as
+JSON in <script type="application/json" id="lowband-report-data">.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from .bandwidth_figure import bandwidth_spec
 from .loss_figure import loss_figure_static
 from .model import RunModel, is_run_dir
 from .specs import make_figure
-from .tables import config_table, elastic_text, membership_table, run_record, summary_table
+from .tables import (commits_table, config_table, elastic_text, membership_table, run_record,
+                     summary_table)
 from .timeline_figure import timeline_spec
 
 
@@ -101,7 +102,8 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
     bandwidth = make_figure(bandwidth_spec(models))
     lines = ("one line per rank (each rank sends over its own link)" if len(models) == 1
              else "each run's mean per link")
-    elastic = any(m.membership() for m in models)
+    elastic = any(m.membership() or m.failed_commits() for m in models)
+    failed = any(m.failed_commits() for m in models)
     parts = [
         f'<section id="summary"><h2>Summary</h2><div class="scroll">{summary_table(records)}'
         f"</div></section>",
@@ -110,6 +112,8 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
         f" and outer syncs (vertical lines)"
         + ("; replica groups joining and leaving the quorum (dashed purple lines)"
            if elastic else "")
+        + ("; outer syncs whose commit vote failed, their update skipped (dotted orange lines)"
+           if failed else "")
         + f". The buttons switch the x axis.</p>{_figure_html(loss, 'lowband-loss', 460)}"
         "</section>",
         f'<section id="bandwidth-section"><h2>Outer-link bandwidth</h2><p class="meta">Bytes on '
@@ -133,6 +137,8 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
                  "outer transfers and outer steps (below; colour tells fragments apart)"
                  + ("; membership changes on the lanes of the group that saw them (a star where "
                     "it was healed)" if elastic else "")
+                 + ("; a crossed-out orange diamond where a rank's commit vote failed (the outer "
+                    "step not applied)" if failed else "")
                  + ". Drag to zoom, double-click to see everything.</p>" + "".join(tl_parts)
                  + "</section>")
     parts.append(f'<section id="config"><h2>Config</h2><div class="scroll">'
@@ -140,7 +146,9 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
     data = {"title": title, "runs": [
         {"name": m.name, "dir": str(m.run_dir), "finished": m.finished,
          "stats": rec, "config": m.config,
-         **({"membership": [r._asdict() for r in m.membership()]} if m.membership() else {})}
+         **({"membership": [r._asdict() for r in m.membership()]} if m.membership() else {}),
+         **({"failed_commits": [c._asdict() for c in m.failed_commits()]}
+            if m.failed_commits() else {})}
         for m, rec in zip(models, records)]}
     data_json = json.dumps(_clean(data), allow_nan=False).replace("</", "<\\/")
     generated = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
@@ -157,15 +165,22 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
 
 
 def _membership_section(models: list[RunModel]) -> str:
-    """The membership changes of the --elastic runs and their groups' restarts."""
+    """The membership changes of the --elastic runs, their groups' restarts, their count of
+    uncommitted syncs and the list of those (where a commit vote failed)."""
     notes = []
     for m in models:
         el = (m.summary or {}).get("elastic")
-        if isinstance(el, dict):
+        parts = [f"replica group restarts: {html.escape(elastic_text('elastic.restarts', el))}",
+                 "groups finished: "
+                 f"{html.escape(elastic_text('elastic.groups_finished', el))}"] \
+            if isinstance(el, dict) else []
+        if m.failed_commits():
+            parts.append(f"uncommitted syncs: {len(m.failed_commits())} (commit vote failed, "
+                         "outer update skipped)")
+        if parts:
             who = f"{html.escape(m.name)}: " if len(models) > 1 else ""
-            notes.append(f"{who}replica group restarts: "
-                         f"{html.escape(elastic_text('elastic.restarts', el))}; groups finished: "
-                         f"{html.escape(elastic_text('elastic.groups_finished', el))}")
+            notes.append(who + "; ".join(parts))
+    commits = commits_table(models)
     return ('<section id="membership"><h2>Membership changes</h2><p class="meta">One row per '
             "replica group and quorum (--elastic): what that group saw change against its "
             "previous quorum; a healed group received a live peer's state (heal bytes summed "
@@ -173,7 +188,14 @@ def _membership_section(models: list[RunModel]) -> str:
             + (" " + ". ".join(notes) + "." if notes else "")
             + f'</p><div class="scroll">{membership_table(models)}</div>'
             "<style>table.grid.membership td,table.grid.membership thead th{text-align:left}"
-            "table.grid.membership tr.healed td{background:#f4ecf7}</style></section>")
+            "table.grid.membership tr.healed td{background:#f4ecf7}</style>"
+            + (f'<h3 id="failed-commits">Failed commit votes</h3><p class="meta">One row per '
+               "outer sync whose commit vote failed (a peer died mid-exchange, or the quorum was "
+               "below --min-replicas): its outer update was skipped everywhere, and the "
+               "fragment's next sync carried what this one would have.</p>"
+               f'<div class="scroll">{commits}</div><style>table.grid.commits td,'
+               "table.grid.commits thead th{text-align:left}</style>" if commits else "")
+            + "</section>")
 
 
 def _plan_section(run_dirs) -> str:

@@ -1,15 +1,16 @@
 """The loss figure: loss per replica, validation loss, loss spikes, outer-sync marks and the
-membership changes of --elastic runs, against steps, tokens or wall time (loss_spec); and the
-report's version with x-axis buttons."""
+membership changes and failed commit votes of --elastic runs, against steps, tokens or wall time
+(loss_spec); and the report's version with x-axis buttons."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from .commits import commit_text, reported_text
 from .model import RunModel
 from .specs import make_figure
-from .style import (ANOMALY_COLOR, BASE_LAYOUT, DASHES, MEMBERSHIP_COLOR, PALETTE, XAXES, Spec,
-                    empty_note, figure_title)
+from .style import (ANOMALY_COLOR, BASE_LAYOUT, DASHES, FAILED_COMMIT_COLOR, MEMBERSHIP_COLOR,
+                    PALETTE, XAXES, Spec, empty_note, figure_title)
 
 
 def downsample(n: int, max_points: int) -> np.ndarray:
@@ -33,10 +34,29 @@ def _tokens_at(m: RunModel, replica: int, step: int | None):
     return rs.tokens_at(step) if rs is not None and step is not None else None
 
 
+def _at(m: RunModel, xaxis: str, step: int | None, t: float, replica: int):
+    """(step, x) of a mark at time t: its step, else the step its replica was at then; x is None
+    where unknown."""
+    rs = m.replicas.get(replica)
+    if step is None and rs is not None:
+        step = rs.step_at(t)
+    return step, _x(m, xaxis, step, t, _tokens_at(m, replica, step))
+
+
+def _vlines(xs: list, texts: list) -> dict:
+    """x, y and text of a vertical line across the y2 axis at each x (gaps between them)."""
+    lines: dict = {"x": [], "y": [], "text": []}
+    for x, text in zip(xs, texts):
+        lines["x"] += [x, x, None]
+        lines["y"] += [0, 1, None]
+        lines["text"] += [text, text, None]
+    return lines
+
+
 def loss_spec(models: list[RunModel], xaxis: str = "step", max_points: int = 2000,
               max_marks: int = 500) -> Spec:
     """Loss per replica (mean over its ranks), validation loss, spikes, outer syncs and, for
-    runs that have them, membership changes."""
+    runs that have them, membership changes and failed commit votes."""
     multi = len(models) > 1
     traces: list[dict] = []
     for ri, m in enumerate(models):
@@ -79,6 +99,7 @@ def loss_spec(models: list[RunModel], xaxis: str = "step", max_points: int = 200
         traces += _sync_traces(m, xaxis, max_marks, prefix, group,
                                run_color if multi else "#999")
         traces += _membership_traces(m, xaxis, max_marks, prefix, group)
+        traces += _commit_traces(m, xaxis, max_marks, prefix, group)
     layout = dict(BASE_LAYOUT, title=figure_title("loss"),
                   xaxis=dict(title=dict(text=XAXES.get(xaxis, xaxis))),
                   yaxis=dict(title=dict(text="loss")),
@@ -90,26 +111,20 @@ def loss_spec(models: list[RunModel], xaxis: str = "step", max_points: int = 200
 
 def _sync_traces(m: RunModel, xaxis: str, max_marks: int, prefix: str, group, color: str):
     """A faint vertical line per outer sync, and a red triangle on each anomalous one."""
-    sx, sy, stext = [], [], []
+    sx, stext = [], []
     ax, atext = [], []
     for mk in m.sync_marks()[-max_marks:]:
-        step = mk.step
-        rs = m.replicas.get(mk.replica)
-        if step is None and rs is not None:
-            step = rs.step_at(mk.t)
-        x = _x(m, xaxis, step, mk.t, _tokens_at(m, mk.replica, step))
+        step, x = _at(m, xaxis, mk.step, mk.t, mk.replica)
         if x is None:
             continue
-        label = f"outer sync {mk.label}" + (f" step {step}" if step is not None else "")
-        sx += [x, x, None]
-        sy += [0, 1, None]
-        stext += [label, label, None]
+        sx.append(x)
+        stext.append(f"outer sync {mk.label}" + (f" step {step}" if step is not None else ""))
         if mk.anomaly:
             ax.append(x)
             atext.append(f"anomaly: {mk.label} step {step}")
     return [
-        dict(type="scatter", mode="lines", name=f"{prefix}outer sync", x=sx, y=sy, yaxis="y2",
-             text=stext, hoverinfo="text", legendgroup=group,
+        dict(type="scatter", mode="lines", name=f"{prefix}outer sync", yaxis="y2",
+             hoverinfo="text", legendgroup=group, **_vlines(sx, stext),
              line=dict(color=color, width=1), opacity=0.35),
         dict(type="scatter", mode="markers", name=f"{prefix}anomalous sync", x=ax,
              y=[0.97] * len(ax), yaxis="y2", text=atext, hoverinfo="text", legendgroup=group,
@@ -124,35 +139,55 @@ def _membership_traces(m: RunModel, xaxis: str, max_marks: int, prefix: str, gro
     marks = m.membership_marks()[-max_marks:]
     if not marks:
         return []
-    lx, ly, ltext, px, ptext, label = [], [], [], [], [], []
+    px, ptext, label = [], [], []
     for mk in marks:
-        step = mk.step
-        rs = m.replicas.get(mk.replica)
-        if step is None and rs is not None:
-            step = rs.step_at(mk.t)
         # kept when x is unknown (a gap): every x axis's traces then have the same points,
         # which the report's x-axis buttons rely on
-        x = _x(m, xaxis, step, mk.t, _tokens_at(m, mk.replica, step))
-        hover = (f"{mk.text}<br>step {step if step is not None else '?'}, quorum "
-                 f"{mk.quorum_id if mk.quorum_id is not None else '?'} of "
-                 f"{mk.size if mk.size is not None else '?'} group"
-                 f"{'' if mk.size == 1 else 's'}: {', '.join(map(str, mk.members)) or '?'}")
-        lx += [x, x, None]
-        ly += [0, 1, None]
-        ltext += [hover, hover, None]
+        step, x = _at(m, xaxis, mk.step, mk.t, mk.replica)
         px.append(x)
-        ptext.append(hover)
+        ptext.append(f"{mk.text}<br>step {step if step is not None else '?'}, quorum "
+                     f"{mk.quorum_id if mk.quorum_id is not None else '?'} of "
+                     f"{mk.size if mk.size is not None else '?'} group"
+                     f"{'' if mk.size == 1 else 's'}: {', '.join(map(str, mk.members)) or '?'}")
         label.append(mk.text)
-    legend = group if group is not None else "membership"
+    return _marked_lines(
+        px, ptext, group if group is not None else "membership",
+        dict(name=f"{prefix}membership change", opacity=0.7,
+             line=dict(color=MEMBERSHIP_COLOR, width=1.5, dash="dash")),
+        dict(name=f"{prefix}membership label", mode="markers+text", y=[0.9] * len(px),
+             text=label, hovertext=ptext, textposition="middle right",
+             textfont=dict(size=10, color=MEMBERSHIP_COLOR),
+             marker=dict(symbol="diamond", size=8, color=MEMBERSHIP_COLOR)))
+
+
+def _commit_traces(m: RunModel, xaxis: str, max_marks: int, prefix: str, group) -> list:
+    """A dotted orange line per outer sync whose commit vote failed (--elastic: its outer update
+    was skipped everywhere), a crossed-out diamond near its top; nothing for a run without."""
+    xs, texts = [], []
+    for c in m.failed_commits()[-max_marks:]:
+        # x kept when unknown, as the membership marks' are
+        xs.append(_at(m, xaxis, c.step, c.t, c.replicas[0] if c.replicas else 0)[1])
+        texts.append(f"{commit_text(c)}<br>{reported_text(c)}")
+    if not xs:
+        return []
+    return _marked_lines(
+        xs, texts, group if group is not None else "failed commit",
+        dict(name=f"{prefix}failed commit", opacity=0.8,
+             line=dict(color=FAILED_COMMIT_COLOR, width=1.5, dash="dot")),
+        dict(name=f"{prefix}failed commit mark", y=[0.8] * len(xs),
+             marker=dict(symbol="diamond-x-open", size=10, color=FAILED_COMMIT_COLOR,
+                         line=dict(width=2, color=FAILED_COMMIT_COLOR))))
+
+
+def _marked_lines(xs: list, hover: list, legend, line: dict, mark: dict) -> list:
+    """A vertical line across the y2 axis at each x, in the legend, and a mark on each, not in
+    it; both hover `hover` and toggle together. `line` and `mark` give each trace its name, look
+    and anything else of its own (the mark's height on y2, y)."""
     return [
-        dict(type="scatter", mode="lines", name=f"{prefix}membership change", x=lx, y=ly,
-             yaxis="y2", text=ltext, hoverinfo="text", legendgroup=legend,
-             line=dict(color=MEMBERSHIP_COLOR, width=1.5, dash="dash"), opacity=0.7),
-        dict(type="scatter", mode="markers+text", name=f"{prefix}membership label", x=px,
-             y=[0.9] * len(px), yaxis="y2", text=label, hovertext=ptext, hoverinfo="text",
-             textposition="middle right", textfont=dict(size=10, color=MEMBERSHIP_COLOR),
-             showlegend=False, legendgroup=legend, cliponaxis=False,
-             marker=dict(symbol="diamond", size=8, color=MEMBERSHIP_COLOR)),
+        {**dict(type="scatter", mode="lines", yaxis="y2", hoverinfo="text", legendgroup=legend,
+                **_vlines(xs, hover)), **line},
+        {**dict(type="scatter", mode="markers", x=xs, yaxis="y2", text=hover, hoverinfo="text",
+                showlegend=False, legendgroup=legend, cliponaxis=False), **mark},
     ]
 
 

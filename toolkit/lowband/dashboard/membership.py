@@ -2,8 +2,8 @@
 per replica group and quorum (the group's ranks write the same event), and one mark per quorum
 change with every group's view merged.
 
-MembershipChanges is a part of RunModel (it folds in membership events and reads the model's
-version); the records are drawn on the sync timeline and listed in the report, the marks are
+MembershipChanges is a part of RunModel (it folds in membership events and calls the model's
+_cached); the records are drawn on the sync timeline and listed in the report, the marks are
 drawn on the loss figure.
 """
 
@@ -81,7 +81,7 @@ def _words(facts: dict) -> str:
 
 
 class MembershipChanges:
-    """RunModel's membership changes (a mixin: keeps _members, reads version and _cache)."""
+    """RunModel's membership changes (a mixin: keeps _members, calls _cached)."""
 
     def _fold_membership(self, e: dict, t: float, rank: int, replica: int) -> None:
         step, quorum = _int(e.get("step")), _int(e.get("quorum_id"))
@@ -109,11 +109,7 @@ class MembershipChanges:
         """One record per replica group and quorum, in time order (empty without --elastic)."""
         if not self._members:
             return []
-        if self._cache.get("version") != self.version:
-            self._cache = {"version": self.version}
-        if "membership" not in self._cache:
-            self._cache["membership"] = self._membership()
-        return self._cache["membership"]
+        return self._cached("membership", self._membership)
 
     def _membership(self) -> list[Membership]:
         out, seen = [], set()
@@ -132,30 +128,30 @@ class MembershipChanges:
     def membership_marks(self) -> list[MembershipMark]:
         """One mark per quorum change of the run, every group's view of it merged: "group 1
         left", "group 1 rejoined (healed 2.4 MB in 0.3 s)"."""
-        records = self.membership()
-        if not records:
+        if not self._members:
             return []
-        if "membership_marks" not in self._cache:
-            groups: dict = {}
-            seen: set = set()
-            for rec in records:
-                key = rec.quorum_id if rec.quorum_id is not None else ("step", rec.step)
-                groups.setdefault(key, []).append((rec, rec.replica not in seen))
-                seen.add(rec.replica)
-            marks = []
-            for group in groups.values():
-                facts: dict = {}
-                for rec, first in group:
-                    # the others' plain "group 1 joined" and its own "group 1 rejoined (healed
-                    # ...)" are one fact: the words win
-                    for k, text in _facts(rec, first).items():
-                        if text is not None or k not in facts:
-                            facts[k] = text
-                head = group[0][0]
-                steps = [r.step for r, _ in group if r.step is not None]
-                marks.append(MembershipMark(
-                    min(r.t for r, _ in group), min(steps) if steps else None, head.replica,
-                    head.quorum_id, head.size, head.members, _words(facts),
-                    any(r.healed for r, _ in group)))
-            self._cache["membership_marks"] = sorted(marks, key=lambda m: m.t)
-        return self._cache["membership_marks"]
+        return self._cached("membership_marks", self._membership_marks)
+
+    def _membership_marks(self) -> list[MembershipMark]:
+        groups: dict = {}
+        seen: set = set()
+        for rec in self.membership():
+            key = rec.quorum_id if rec.quorum_id is not None else ("step", rec.step)
+            groups.setdefault(key, []).append((rec, rec.replica not in seen))
+            seen.add(rec.replica)
+        marks = []
+        for group in groups.values():
+            facts: dict = {}
+            for rec, first in group:
+                # the others' plain "group 1 joined" and its own "group 1 rejoined (healed ...)"
+                # are one fact: the words win
+                for k, text in _facts(rec, first).items():
+                    if text is not None or k not in facts:
+                        facts[k] = text
+            head = group[0][0]
+            steps = [r.step for r, _ in group if r.step is not None]
+            marks.append(MembershipMark(
+                min(r.t for r, _ in group), min(steps) if steps else None, head.replica,
+                head.quorum_id, head.size, head.members, _words(facts),
+                any(r.healed for r, _ in group)))
+        return sorted(marks, key=lambda m: m.t)

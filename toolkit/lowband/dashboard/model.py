@@ -8,8 +8,9 @@ into running aggregates; nothing is ever re-read.
 This module holds RunModel itself: reading the run directory, folding events in, and the
 headline numbers. Its parts live beside it: records.py (the records it keeps and the event field
 readers), losses.py (per-replica loss curves, spike detection), syncs.py (outer-sync marks),
-membership.py (replica groups joining and leaving an --elastic run's quorum) and bandwidth.py
-(outer-link traffic binned over time). Their public names import from here too.
+membership.py (replica groups joining and leaving an --elastic run's quorum), commits.py (its
+failed commit votes) and bandwidth.py (outer-link traffic binned over time). Their public names
+import from here too.
 """
 
 from __future__ import annotations
@@ -22,15 +23,17 @@ from pathlib import Path
 from lowband.telemetry import KINDS, EventTail, RunDir
 
 from .bandwidth import OuterTraffic, bin_transfers, nice_width, parse_bits, parse_seconds
+from .commits import FailedCommits
 from .losses import ReplicaSeries, SpikeDetector, detect_spikes
 from .membership import MembershipChanges
-from .records import (Membership, MembershipMark, Spike, StepSpan, SyncMark, Transfer, _int, _num,
-                      sync_label)
+from .records import (FailedCommit, Membership, MembershipMark, Spike, StepSpan, SyncMark,
+                      Transfer, _int, _num, sync_label)
 from .syncs import SyncMarks
 
-__all__ = ["Membership", "MembershipMark", "RankState", "ReplicaSeries", "RunModel", "Spike",
-           "SpikeDetector", "StepSpan", "SyncMark", "Transfer", "bin_transfers", "detect_spikes",
-           "is_run_dir", "nice_width", "parse_bits", "parse_seconds", "sync_label"]
+__all__ = ["FailedCommit", "Membership", "MembershipMark", "RankState", "ReplicaSeries",
+           "RunModel", "Spike", "SpikeDetector", "StepSpan", "SyncMark", "Transfer",
+           "bin_transfers", "detect_spikes", "is_run_dir", "nice_width", "parse_bits",
+           "parse_seconds", "sync_label"]
 
 # the event kinds read: the telemetry's, and those the trainer writes beyond them
 READ_KINDS = KINDS
@@ -55,7 +58,7 @@ def is_run_dir(path) -> bool:
     return p.is_dir() and ((p / "config.json").is_file() or (p / "events").is_dir())
 
 
-class RunModel(SyncMarks, OuterTraffic, MembershipChanges):
+class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits):
     """Everything the dashboard draws about one run, updated incrementally by poll().
 
     source: a run directory (str or Path) or a launch handle with a `.run_dir` attribute (read
@@ -90,6 +93,7 @@ class RunModel(SyncMarks, OuterTraffic, MembershipChanges):
         self.peak_outer_payload = 0.0
         self.run_events: list[dict] = []
         self._members: dict = {}                 # (replica, quorum) -> what its ranks said
+        self._commits: dict = {}                 # (step, fragment) -> failed votes' reports
         self.max_step_s = 0.0
         self.files_mtime: float | None = None
         self.version = 0                          # bumps whenever something new was folded in
@@ -259,6 +263,9 @@ class RunModel(SyncMarks, OuterTraffic, MembershipChanges):
         self._see_time(t)
         self._fold_membership(e, t, rank, replica)
 
+    def _on_skip(self, e, t, rank, replica):
+        self._fold_skip(e, t, rank, replica)
+
     def _on_run(self, e, t, rank, replica):
         self._see_time(t)
         self.run_events.append(e)
@@ -270,6 +277,14 @@ class RunModel(SyncMarks, OuterTraffic, MembershipChanges):
             rs.settle(expected, flush)
 
     # -- derived views -------------------------------------------------------------------------
+
+    def _cached(self, key, make):
+        """make(), kept until something new is folded in (the version changes)."""
+        if self._cache.get("version") != self.version:
+            self._cache = {"version": self.version}
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
 
     @property
     def n_replicas(self) -> int:

@@ -1,8 +1,9 @@
 """The small records a RunModel keeps, and the tolerant readers of event fields behind them.
 
 Transfer (a comm event), StepSpan (a step window), SyncMark (an outer sync), Spike (a loss
-spike), Membership (a replica group's view of a new quorum, --elastic runs) and MembershipMark
-(a quorum change, every group's view merged) are what the figures draw; _num and _int read a
+spike), Membership (a replica group's view of a new quorum, --elastic runs), MembershipMark
+(a quorum change, every group's view merged) and FailedCommit (an outer sync whose commit vote
+failed, --elastic runs) are what the figures draw; _num and _int read a
 number from an event field whatever odd value it holds, _ints a list of them; _natural sorts
 names like "rank10" after "rank9".
 """
@@ -88,6 +89,17 @@ class MembershipMark(NamedTuple):
     members: tuple[int, ...]
     text: str                     # "group 1 left", "group 1 rejoined (healed 2.4 MB in 0.3 s)"
     healed: bool
+
+
+class FailedCommit(NamedTuple):
+    """An outer sync of one fragment whose commit vote failed (`skip` events with what=commit,
+    every reporting rank's merged): its outer update was skipped everywhere."""
+    t: float                      # the earliest report
+    step: int | None              # the step the sync started
+    fragment: int | None
+    label: str                    # "frag0", as sync marks name it
+    replicas: tuple[int, ...]     # the groups that reported it
+    reports: tuple[tuple[int, int, float], ...]   # (rank, group, t) of each reporting rank
 
 
 def sync_label(event: dict) -> str:

@@ -21,6 +21,7 @@ COMPUTE_COLOR = "rgba(110,140,190,0.35)"
 INNER_COLOR = "#f0a04b"
 ANOMALY_COLOR = "#d62728"
 MEMBERSHIP_COLOR = "#7b3294"      # replica groups joining or leaving an --elastic run's quorum
+FAILED_COMMIT_COLOR = "#e6550d"   # an --elastic outer sync whose commit vote failed (not applied)
 XAXES = {"step": "step", "tokens": "tokens (whole run)", "time": "wall time (s)"}
 MAX_TAGS = 10
 

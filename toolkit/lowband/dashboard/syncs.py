@@ -20,14 +20,10 @@ def every_step(algo) -> bool:
 
 
 class SyncMarks:
-    """RunModel's sync marks (a mixin: reads syncs, outer, replicas, config, version)."""
+    """RunModel's sync marks (a mixin: reads syncs, outer, replicas, config; calls _cached)."""
 
     def sync_marks(self) -> list[SyncMark]:
-        if self._cache.get("version") != self.version:
-            self._cache = {"version": self.version}
-        if "marks" not in self._cache:
-            self._cache["marks"] = self._sync_marks()
-        return self._cache["marks"]
+        return self._cached("marks", self._sync_marks)
 
     def _sync_marks(self) -> list[SyncMark]:
         """Outer syncs, one mark per (step, fragment/block): from sync events when the run has

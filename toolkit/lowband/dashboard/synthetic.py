@@ -4,6 +4,7 @@ training anything. For tests, docs and trying the dashboard or a report in secon
     from lowband.dashboard.synthetic import make_run
     make_run("runs/demo", steps=300)             # a finished run
     make_run("runs/elastic", elastic={"kill": 1, "at": 60, "back": 100})   # group 1 lost, back
+    make_run("runs/vote", elastic={"kill": 1, "at": 60, "back": 100, "uncommitted": 60})
     run = SyntheticRun("runs/live"); run.emit_steps(0, 50)   # ... later: run.emit_steps(50, 80)
 """
 
@@ -27,7 +28,9 @@ class SyntheticRun:
                  noise: float = 0.02, seed: int = 0, elastic: dict | None = None):
         """elastic: an --elastic run (membership events) whose group `kill` dies after step
         `at` and is back, healed from a live peer, at step `back` (both moved on to the next
-        sync); heal_bytes, heal_s as the healed group reports them."""
+        sync); heal_bytes, heal_s as the healed group reports them; uncommitted: a step whose
+        sync (the next one from there) fails its commit vote: the live ranks write a `skip`
+        event (what=commit) instead of its `sync` event."""
         self.rd = RunDir(root).create()
         self.R, self.S, self.steps, self.P, self.H = replicas, shards, steps, fragments, sync_every
         self.step_s, self.bw, self.model_bytes = step_s, link_bandwidth, model_bytes
@@ -45,6 +48,8 @@ class SyntheticRun:
             at = self._next_sync(int(elastic.get("at", steps // 3)))
             back = self._next_sync(max(int(elastic.get("back", 2 * steps // 3)), at + 1))
             self.elastic = dict(elastic, kill=kill, at=at, back=back)
+            if elastic.get("uncommitted") is not None:
+                self.elastic["uncommitted"] = self._next_sync(int(elastic["uncommitted"]))
             self.config["elastic"] = True
         write_json_atomic(self.rd.config, self.config)
         self.writers = {r: EventWriter(self.rd, r, r // shards) for r in range(self.world)}
@@ -135,6 +140,9 @@ class SyntheticRun:
                     end = t + wire * 8 / self.bw
                     w.emit("comm", t=end, op="all_reduce", group="outer", tag=f"frag{p}",
                            payload_bytes=payload, wire_bytes=wire, codec="fp4", start=t, end=end)
+                    if self.elastic and self.elastic.get("uncommitted") == s:
+                        w.emit("skip", t=end, step=s, what="commit", fragment=p)
+                        continue
                     anomaly = self.anomaly_at == (q, s, p)
                     alive = sum(not self.down(g, s) for g in range(self.R))
                     w.emit("sync", t=end, step=s, fragment=p,

@@ -1,5 +1,6 @@
 """Runs' numbers as HTML tables: the dashboard's summary panel (a row per run), the report's
-summary and config tables (a column per run) and its list of membership changes (--elastic)."""
+summary and config tables (a column per run) and its lists of membership changes and failed
+commit votes (--elastic)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import html
 import json
 import math
 
+from .membership import groups_text
 from .model import RunModel
 from .style import fmt_bytes, fmt_value
 
@@ -167,11 +169,8 @@ def membership_table(models: list[RunModel]) -> str:
                                          "heal bytes", "heal time", "quorum wait"]
     rows = []
     for m, records in runs:
-        t0 = m.t0 or 0.0
         for r in records:
-            cells = ([html.escape(m.name)] if multi else []) + [
-                "–" if r.step is None else f"{r.step:,}",
-                f"{r.t - t0:,.2f} s",
+            cells = _when(m, r, multi) + [
                 str(r.replica),
                 html.escape(r.change),
                 ("–" if r.quorum_id is None else f"{r.quorum_id}")
@@ -182,8 +181,36 @@ def membership_table(models: list[RunModel]) -> str:
                 fmt_value("wait_s", r.wait_s)]
             cls = ' class="healed"' if r.healed else ""
             rows.append(f"<tr{cls}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-    return ('<table class="grid membership"><thead><tr>'
-            + "".join(f"<th>{h}</th>" for h in head)
+    return _grid("membership", head, rows)
+
+
+def commits_table(models: list[RunModel]) -> str:
+    """The outer syncs of --elastic runs whose commit vote failed (their outer update skipped
+    everywhere), one row per step and fragment: "" when no run has any."""
+    runs = [(m, m.failed_commits()) for m in models]
+    if not any(records for _, records in runs):
+        return ""
+    multi = len(models) > 1
+    head = (["run"] if multi else []) + ["step", "time", "fragment", "reported by", "ranks"]
+    rows = []
+    for m, records in runs:
+        for c in records:
+            cells = _when(m, c, multi) + [
+                html.escape(c.label if c.fragment is None else str(c.fragment)),
+                groups_text(c.replicas) if c.replicas else "–",
+                ", ".join(str(r) for r, _, _ in c.reports)]
+            rows.append("<tr>" + "".join(f"<td>{x}</td>" for x in cells) + "</tr>")
+    return _grid("commits", head, rows)
+
+
+def _when(m: RunModel, r, multi: bool) -> list[str]:
+    """The first cells of a row of an --elastic table: the run (several runs), step, time."""
+    return ([html.escape(m.name)] if multi else []) + [
+        "–" if r.step is None else f"{r.step:,}", f"{r.t - (m.t0 or 0.0):,.2f} s"]
+
+
+def _grid(cls: str, head: list[str], rows: list[str]) -> str:
+    return (f'<table class="grid {cls}"><thead><tr>' + "".join(f"<th>{h}</th>" for h in head)
             + f"</tr></thead><tbody>{''.join(rows)}</tbody></table>")
 
 

@@ -1,22 +1,26 @@
 """The sync timeline: one lane per rank on a seconds axis, with its step windows (compute),
 inner and outer transfers (outer ones coloured by fragment or block), outer steps and, in
---elastic runs, the membership changes each replica group saw."""
+--elastic runs, the membership changes each replica group saw and the outer steps whose commit
+vote failed."""
 
 from __future__ import annotations
 
 import math
 
+from .commits import commit_text
 from .model import RunModel
 from .records import _natural
 from .membership import heal_text
-from .style import (ANOMALY_COLOR, BASE_LAYOUT, COMPUTE_COLOR, INNER_COLOR, MAX_TAGS,
-                    MEMBERSHIP_COLOR, Spec, empty_note, figure_title, fmt_bytes, fragment_colors)
+from .style import (ANOMALY_COLOR, BASE_LAYOUT, COMPUTE_COLOR, FAILED_COMMIT_COLOR, INNER_COLOR,
+                    MAX_TAGS, MEMBERSHIP_COLOR, Spec, empty_note, figure_title, fmt_bytes,
+                    fragment_colors)
 
 
 def timeline_spec(model: RunModel, window_s: float | None = 30.0, keep_s: float | None = None,
                   max_spans: int = 3000, follow: bool = True) -> Spec:
-    """One lane per rank: step windows (compute), inner and outer transfers, outer steps and
-    membership changes (on the lanes of the group that saw them; none without --elastic).
+    """One lane per rank: step windows (compute), inner and outer transfers, outer steps,
+    membership changes (on the lanes of the group that saw them) and outer steps whose commit
+    vote failed (none of those two without --elastic).
 
     Spans ending more than keep_s before the latest event are left out (all kept when None),
     then at most max_spans per trace, the latest. With follow, the x range shows the last
@@ -78,6 +82,7 @@ def timeline_spec(model: RunModel, window_s: float | None = 30.0, keep_s: float 
                                for s in group]),
             visible=True if group or name == "outer step" else "legendonly"))
     traces += _membership_traces(model, lane, replica_of, t0, cut, max_spans)
+    traces += _commit_traces(model, lane, t0, cut, max_spans)
     xaxis = dict(title=dict(text="seconds since start"))
     if follow and window_s:
         lo = max(t_hi - window_s, 0.0)
@@ -114,6 +119,21 @@ def _membership_traces(model: RunModel, lane: dict, replica_of: dict, t0: float,
                  marker=dict(symbol=symbols, size=[13 if s == "star" else 22 for s in symbols],
                              color=MEMBERSHIP_COLOR,
                              line=dict(width=2, color=MEMBERSHIP_COLOR)))]
+
+
+def _commit_traces(model: RunModel, lane: dict, t0: float, cut: float, max_spans: int) -> list:
+    """A crossed-out diamond where an outer step's diamond would be, on the lane of each rank
+    that reported its commit vote failed (its outer update not applied); nothing without."""
+    points = [(t - t0, lane[r], f"{commit_text(c)}<br>rank {r}, group {q}")
+              for c in model.failed_commits() for r, q, t in c.reports
+              if r in lane and t - t0 >= cut][-max_spans:]
+    if not points:
+        return []
+    xs, ys, texts = zip(*points)
+    return [dict(type="scatter", mode="markers", name="failed commit (not applied)", x=list(xs),
+                 y=[y - 0.22 for y in ys], text=list(texts), hoverinfo="text",
+                 marker=dict(symbol="diamond-x-open", size=11, color=FAILED_COMMIT_COLOR,
+                             line=dict(width=2, color=FAILED_COMMIT_COLOR)))]
 
 
 def _membership_text(rec, rank: int) -> str:

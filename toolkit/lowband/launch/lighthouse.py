@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from lowband.faults import lighthouse_kill_asked
 from lowband.supervise import lighthouse, write_summary
 from lowband.telemetry import RunDir
 
@@ -37,6 +38,9 @@ def main(argv: list[str]) -> int:
                 first_done = time.monotonic()
             if done >= a.replicas or (first_done and time.monotonic() - first_done > a.wait):
                 break
+            if lighthouse_kill_asked(run.root):  # --kill lighthouse:STEP: as if this host were lost
+                print("lowband: the Lighthouse is stopped (--kill lighthouse).", file=sys.stderr)
+                return 1
             time.sleep(1.0)
     finally:
         server.shutdown()
