@@ -175,13 +175,16 @@ def _elastic(flags, script, algo, replicas, shards, run_dir, config, name, image
     for g in range(replicas):
         group = _nodes(flags, None, algo, replicas, shards, 1, shards, run_dir, config, name,
                        image, h, cpu, gpu, memMB,
-                       {**env, "TORCHFT_LIGHTHOUSE": address, "LOWBAND_REPLICA": str(g)}, mounts,
+                       {**env, "LOWBAND_REPLICA": str(g)}, mounts,
                        29500, rdzv_timeout, 0, progress, debug)
         role = group.roles[0]
         role.name = f"group{g}"
         # the group's own agent restarts its workers (torchrun --max-restarts; they count their
         # lives in TORCHELASTIC_RESTART_COUNT): a scheduler retry would restart the whole job
         role.args[1] = role.args[1].replace(" torchrun ", f" torchrun --max_restarts {max_restarts} ", 1)
+        # in the command line, where the role's shell expands the rank-0 host variable on every
+        # scheduler (an environment value is expanded only by Slurm's batch script)
+        role.args[1] = f"TORCHFT_LIGHTHOUSE={address} {role.args[1]}"
         roles.append(role)
     return specs.AppDef(name=name, roles=roles)
 

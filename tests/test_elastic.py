@@ -131,12 +131,31 @@ def test_launch_elastic_runs_a_lighthouse_role_and_a_restarting_role_a_group():
     assert script.count("#SBATCH hetjob") == 2  # lighthouse, group0, group1
     assert ("python3 -m lowband.launch lighthouse --port 29510 --min-replicas 1 --run-dir "
             "/shared/runs/e --replicas 2") in script
+    assert script.count("TORCHFT_LIGHTHOUSE=http://${SLURM_JOB_NODELIST_HET_GROUP_0:=localhost}"
+                        ":29510 python3 -m lowband.launch torchrun") == 2
     for g in (0, 1):
-        assert (f"TORCHFT_LIGHTHOUSE=http://${{SLURM_JOB_NODELIST_HET_GROUP_0:=localhost}}:29510,"
-                f"LOWBAND_REPLICA={g},") in script
+        assert f"LOWBAND_REPLICA={g}," in script
     assert script.count("torchrun --max_restarts 2 ") == 2
     assert script.count("--nnodes 1 --nproc_per_node 2") == 2
     assert script.count(" --elastic") == 2 and script.count("--model micro") == 2
+
+
+def test_launch_elastic_on_local_cwd_restarts_a_killed_group_with_its_torchrun(tmp_path, monkeypatch):
+    """The TorchX job for real (local_cwd): the Lighthouse role, a role a group; group 1 killed
+    after step 6 is restarted by its torchrun, heals, and the summary counts the restart."""
+    pytest.importorskip("torchx")
+    import lowband
+
+    monkeypatch.chdir(tmp_path)
+    h = lowband.launch(replicas=2, shards=1, algo="diloco", elastic=True, max_restarts=1,
+                       model="nano", steps=12, sync_every=4, seq_len=32, batch_size=4,
+                       eval_every=0, eval_batches=1, kill="1:6", run_dir=tmp_path / "run")
+    assert h.wait(timeout=240) == "succeeded", h.logs()
+    summary = h.summary()
+    assert summary["elastic"] == {"groups_finished": [0, 1], "restarts": {"1": 1}}
+    assert summary["steps_run_per_replica"] == [12, 12]
+    healed = [e for e in read_events(h.run_dir, ("membership",)) if e["healed"]]
+    assert [(e["replica"], e["step"]) for e in healed] == [(1, 8)]
 
 
 def test_the_lighthouse_role_writes_the_summary_from_the_groups_records(tmp_path):

@@ -120,18 +120,24 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
     if not finished:
         raise ConfigError("every replica group was lost, so the run has no result: see "
                           f"{run.logs} and start it again.")
-    write_summary(cfg, run, lives)
+    write_summary(cfg, run)
     return 0
 
 
-def write_summary(cfg, run: RunDir, lives: dict[int, int]) -> dict:
-    """summary.json from the groups that finished, with how many times each was restarted."""
+def write_summary(cfg, run: RunDir) -> dict:
+    """summary.json from the groups that finished, with how many times each was restarted
+    (its lives: the `run` events with phase start of its first rank, less one)."""
+    from lowband.telemetry import read_events
+
     records = [run.read_json(p) for p in sorted(run.groups.glob("replica*.json"))]
     records = [r for r in records if r]
     ranks = [rank for r in records for rank in r["ranks"]]
     summary = summarize(cfg, ranks)
     add_ddp_bytes(summary, records[0]["ddp_one_step"], len(records))
+    starts = [e["replica"] for e in read_events(run, ("run",))
+              if e.get("phase") == "start" and e["rank"] % cfg.shards == 0]
     summary["elastic"] = {"groups_finished": sorted({r["replica"] for r in ranks}),
-                          "restarts": {str(g): n for g, n in lives.items() if n}}
+                          "restarts": {str(g): starts.count(g) - 1 for g in sorted(set(starts))
+                                       if starts.count(g) > 1}}
     write_json_atomic(run.summary, summary)
     return summary

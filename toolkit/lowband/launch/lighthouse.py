@@ -48,5 +48,5 @@ def main(argv: list[str]) -> int:
 
     cfg = Config.from_file(str(Path(a.run_dir) / "config.json"))
     cfg.run_dir = a.run_dir
-    write_summary(cfg, run, {})
+    write_summary(cfg, run)
     return 0
