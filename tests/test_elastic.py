@@ -28,17 +28,20 @@ def groups(run) -> dict[int, dict]:
             for p in (run / "groups").glob("replica*.json")}
 
 
-def test_without_failures_elastic_diloco_equals_the_plain_run(tmp_path):
-    flags = ["--algo", "diloco", "--replicas", 2, "--steps", 16, "--sync-every", 4]
+@pytest.mark.parametrize("algo,shards", [("diloco", 1), ("ddp", 2)])
+def test_without_failures_an_elastic_run_equals_the_plain_one(tmp_path, algo, shards):
+    """(ddp with two shards a group: the group's mean, then each shard's slice over the groups)"""
+    flags = ["--algo", algo, "--replicas", 2, "--shards", shards, "--steps", 16, "--sync-every", 4]
     plain, _ = train(tmp_path, "plain", *flags)
     elastic, _ = train(tmp_path, "elastic", *flags, "--elastic")
-    for name in ("model.pt", "outer.pt"):
+    for name in ("model.pt", "outer.pt")[: 2 if algo == "diloco" else 1]:
         a = torch.load(plain / name, weights_only=True)
         b = torch.load(elastic / name, weights_only=True)
         diff = max((a[k] - b[k]).abs().max().item() for k in a)
         assert diff < 1e-6, (name, diff)
     summary = json.loads((elastic / "summary.json").read_text())
     assert summary["steps_run_per_replica"] == [16, 16] and not summary["elastic"]["restarts"]
+    assert len({r["model_sha256"] for r in groups(elastic).values()}) == 1  # synced at the end
     quorums = [e for e in read_events(elastic, ("membership",))]
     assert {e["size"] for e in quorums} == {2} and not any(e["healed"] for e in quorums)
 
@@ -64,6 +67,21 @@ def test_a_killed_group_restarts_and_heals_from_a_live_peer(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["elastic"]["restarts"] == {"1": 1}
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+
+
+def test_elastic_ddp_heals_a_killed_group_before_its_next_step(tmp_path):
+    """ddp takes a quorum before every step: group 1, killed after step 5 and restarted,
+    receives model, optimizer and step from a live peer and computes the others' step with
+    them (its gradient counts); all end with bitwise equal weights."""
+    run, proc = train(tmp_path, "r", "--algo", "ddp", "--replicas", 3, "--steps", 12,
+                      "--elastic", "--kill", "1:5")
+    assert "replica group 1 was killed by SIGKILL" in proc.stderr
+    healed = [e for e in read_events(run, ("membership",)) if e["healed"]]
+    assert [(e["replica"], e["step"]) for e in healed] == [(1, 5)] and healed[0]["heal_bytes"] > 0
+    steps = {g: [e["step"] for e in read_events(run, ("step",)) if e["replica"] == g] for g in range(3)}
+    assert steps[0] == steps[2] == list(range(1, 13))
+    assert steps[1] == [1, 2, 3, 4] + list(range(6, 13))  # killed in step 5, healed to 5 done
+    assert len({r["model_sha256"] for r in groups(run).values()}) == 1
 
 
 def test_a_group_that_never_comes_back_leaves_the_others_to_finish(tmp_path):
@@ -114,6 +132,7 @@ def test_a_lost_lighthouse_stops_the_groups_and_the_run_resumes_from_checkpoints
 @pytest.mark.parametrize("args,words", [
     (["--algo", "diloco", "--replicas", 3, "--min-replicas", 4], "--min-replicas 4 must lie in 1..3"),
     (["--algo", "acco"], "--algo acco cannot lose a replica group mid-run yet"),
+    (["--algo", "zero1"], "--algo zero1 cannot lose a replica group mid-run yet"),
     (["--algo", "diloco", "--kill", "lighthouse:0"], "the step in 1.."),
 ])
 def test_bad_elastic_input_gives_one_sentence(tmp_path, lowband_here, args, words):

@@ -208,10 +208,12 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from):
     bar = _progress(cfg, topo.rank, done.step)
     t_start, paused_s = time.time(), 0.0  # paused: evaluations and checkpoints
     while True:
-        step = done.step
         t0 = time.perf_counter()
-        if algo.should_stop(step):  # after --steps by default; aedit decides (and syncs) here
-            break
+        if algo.should_stop(done.step):  # after --steps by default; aedit decides (and syncs)
+            break                        # here, elastic ddp takes its quorum
+        if algo.healed_step is not None:  # --elastic: behind the others, healed to their step
+            done.step, algo.healed_step = algo.healed_step, None
+        step = done.step
         if algo.owns_step:  # e.g. acco: micro-batches accumulate while its round is in flight
             loss, micro_batches = algo.train_step(step, batches, lr_at(cfg, step))
         else:
@@ -271,7 +273,7 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from):
             run.groups.mkdir(exist_ok=True)
             write_json_atomic(run.groups / f"replica{topo.replica}.json",
                               {"ranks": everyone, "ddp_one_step": _ddp_one_step(model, cfg),
-                               "outer_sha256": _digest(outer)})
+                               "outer_sha256": _digest(outer), "model_sha256": _digest(weights)})
         dist.barrier()
         return None
     summary = summarize(cfg, everyone) if topo.rank == 0 else None

@@ -7,12 +7,21 @@ all-reduced asynchronously at once, so communication overlaps the rest of the ba
 after_backward waits for every bucket and writes the averages back into the gradients. A group
 of one rank (a world of one; a replica of one shard) has nothing to average: no buckets, no
 hooks, no copies.
+
+--elastic (comm/elastic.py): the world is one replica group, so the buckets average over its S
+ranks, and then the group's mean gradient is averaged over the groups of the current quorum
+(torchft's process group, fp32) and the commit vote gates the optimizer step (a failed vote:
+no update this step, a `skip` event what=commit). A quorum starts every step (should_stop, before
+the step reads its data): a group behind the others, restarted, receives the model, the
+optimizer and the step from a live peer there and computes this step with them, so its
+gradient counts like theirs.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from lowband.algorithms.base import EVERY_STEP, Algorithm
 
@@ -70,6 +79,7 @@ class DDP(Algorithm):
 
     def setup(self, model, blocks, make_optimizer, topology, comm, config):
         optimizer = super().setup(model, blocks, make_optimizer, topology, comm, config)
+        self.elastic = comm.elastic if self.group == "world" else None
         self.buckets = []
         if dist.get_world_size(topology.group(self.group)) == 1:
             return optimizer  # a group of one: its gradients are the average, nothing to copy
@@ -99,6 +109,11 @@ class DDP(Algorithm):
         bucket.transfer = self.comm.all_reduce(bucket.flat, self.group, tag=f"bucket{bucket.index}")
 
     def after_backward(self, step):
+        self._average_buckets()
+        if self.elastic is not None:
+            self._average_groups(step)
+
+    def _average_buckets(self):
         if not self.buckets:
             return
         for bucket in self.buckets:
@@ -118,3 +133,56 @@ class DDP(Algorithm):
             bucket.ready.clear()
             bucket.transfer = None
         self.armed = False
+
+    # --elastic (see the module doc)
+    def join(self, step):
+        if self.elastic is not None:
+            self.elastic.register(self._heal_state, self._load_heal_state)
+
+    def should_stop(self, step):
+        if step >= self.config.steps:
+            return True
+        if self.elastic is not None:
+            self._step = step
+            self.elastic.begin(step)  # a group behind heals here: healed_step
+        return False
+
+    def _heal_state(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "step": self._step}
+
+    def _load_heal_state(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.healed_step = state["step"]
+
+    @torch.no_grad()
+    def _average_groups(self, step):
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                          for p in params])
+        # shard k of the group averages slice k over the groups; the slices meet again over
+        # the group's fast link: each rank sends 1/S of the gradient over the slow one
+        S, n = self.topo.shards, flat.numel()
+        chunk = -(-n // S)
+        piece = F.pad(flat, (0, chunk * S - n))[self.topo.shard * chunk:][:chunk]
+        mean = self.elastic.average(self.comm, piece, "fp32", 0, tag="grads",
+                                    healed_counts=True).wait()
+        if S > 1:
+            mean = torch.cat(self.comm.all_gather(mean, "inner", tag="grads").wait())[:n]
+        if not self.elastic.commit():  # nobody steps on this gradient
+            for p in params:
+                p.grad = None
+            self.comm.events.emit("skip", step=step + 1, what="commit")
+            return
+        offset = 0
+        for p in params:
+            p.grad = mean[offset: offset + p.numel()].view_as(p).to(p.dtype)
+            offset += p.numel()
+
+    def state_dict(self) -> dict:
+        return {"manager": self.elastic.manager.state_dict()} if self.elastic is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.elastic is not None and state.get("manager") is not None:
+            self.elastic.manager.load_state_dict(state["manager"])

@@ -41,7 +41,7 @@ class ElasticOptions(Options):
     title = "elastic replica groups (torchft)"
     elastic: bool = option(False, "each replica group a world of its own, joined through a "
                            "torchft Lighthouse: a lost group does not stop the others, and a "
-                           "restarted one heals from a live peer (diloco, streaming)")
+                           "restarted one heals from a live peer (ddp, diloco, streaming)")
     min_replicas: int = option(1, "smallest quorum of replica groups an outer update commits with")
     quorum_timeout: float = option(600.0, "seconds a group waits for a quorum (longer than the "
                                    "time between syncs)")
@@ -66,7 +66,7 @@ class ElasticOptions(Options):
             raise ConfigError("--max-restarts must be zero or positive.")
 
 
-ELASTIC_ALGOS = ("diloco", "streaming")
+ELASTIC_ALGOS = ("ddp", "diloco", "streaming")
 
 
 class ElasticStopped(RuntimeError):
@@ -156,15 +156,18 @@ class Membership:
             return tuple(range(self.manager.num_participants()))
         return tuple(sorted({r // self.topo.shards for r in ranks}))
 
-    def average(self, comm, x: torch.Tensor, codec: str, block: int, tag: str) -> "Weighted":
+    def average(self, comm, x: torch.Tensor, codec: str, block: int, tag: str,
+                healed_counts: bool = False) -> "Weighted":
         """Start averaging the flat fp32 tensor x over the groups of this quorum, each with its
-        weight (0 for a group healed in this quorum); wait() gives the mean. When the exchange
-        fails the error goes to the Manager, never up: commit() then says False."""
+        weight: 1, or 0 for a group healed in this quorum (its x is a copy of its source's)
+        unless `healed_counts` (ddp: it healed before computing x); wait() gives the mean.
+        When the exchange fails the error goes to the Manager, never up: commit() then says
+        False."""
         from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceOp
 
         from lowband.comm.collectives import encoded
 
-        weight, n = (0.0 if self.healed_now else 1.0), self.pg.size()
+        weight, n = (0.0 if self.healed_now and not healed_counts else 1.0), self.pg.size()
         if codec == "fp32":
             t = torch.cat([x * weight, x.new_tensor([weight])])
             opts = AllreduceOptions()
