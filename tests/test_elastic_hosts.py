@@ -88,7 +88,7 @@ def test_a_killed_group_heals_from_a_live_peer_across_hosts(hosts, tmp_path):
     assert set(codes.values()) == {0}, f"{codes}\n{logs}"
 
     # group 1 killed itself after step 10 (once: the marker), its torchrun restarted it
-    assert (run / "logs" / "killed-replica1-step10").exists(), logs
+    assert (run / "logs" / "killed-replica1-step10-rank1").exists(), logs
     assert "failed (exitcode: -9)" in (tmp_path / "group1.out").read_text(), logs
     steps = {g: [e for e in read_events(run, ("step",)) if e["replica"] == g] for g in range(3)}
     # it healed from a live peer at the others' next sync, then trained on to the end

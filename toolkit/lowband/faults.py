@@ -113,14 +113,14 @@ class FaultOptions(Options):
 
 
 class Faults:
-    def __init__(self, cfg, replica: int, seed: int):
+    def __init__(self, cfg, replica: int, seed: int, rank: int = 0):
         self.straggler = parse_straggler(cfg.straggler, cfg.replicas)
         self.corrupt = parse_corrupt(cfg.corrupt, cfg.replicas, cfg.steps)
         self.crash_checkpoint = cfg.crash_checkpoint
         kills = parse_kill(cfg.kill, cfg.replicas, cfg.steps, cfg.elastic)
         self.kill = [k for k in kills if k[0] == replica]
         self.kill_lighthouse = [step for who, step in kills if who == LIGHTHOUSE]
-        self.replica, self.seed = replica, seed
+        self.replica, self.seed, self.rank = replica, seed, rank
 
     def maybe_die(self, step: int, run_root) -> None:
         """SIGKILL this process after `step` when --kill names its replica and step, once: a
@@ -139,7 +139,7 @@ class Faults:
                 pass
         if (self.replica, step) not in self.kill:
             return
-        marker = logs / f"killed-replica{self.replica}-step{step}"
+        marker = logs / f"killed-replica{self.replica}-step{step}-rank{self.rank}"  # each its own
         if marker.exists():
             return
         marker.touch()

@@ -189,7 +189,7 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from):
             "device": device.type, "backend": dist.get_backend(),
             "tokenizer": record_tokenizer(tokens, run.root)}})
 
-    faults = Faults(cfg, topo.replica, cfg.seed)
+    faults = Faults(cfg, topo.replica, cfg.seed, topo.rank)
     done = Progress()
     if resume_from is not None:
         checkpoint.load(resume_from[0], model, optimizer, algo, topo.replica, resume_from[1])

@@ -85,6 +85,9 @@ class EditOptions(Options):
         require(cfg, ("edit_z",), positive, "positive")
         require(cfg, ("edit_anomaly_warmup", "edit_temperature", "edit_clip"), non_negative,
                 "zero or positive")
+        if getattr(cfg, "elastic", False) and cfg.warmup_sync_steps:
+            raise ConfigError("--warmup-sync-steps is synchronous training over every rank, which "
+                              "--elastic groups do not have: drop one of them.")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -178,6 +181,9 @@ class EDiT(Algorithm):
         self.plan: Plan | None = None  # the sync being applied
         self.started = self.applied = 0
         self.sync_info: dict = {}
+        self.elastic = comm.elastic  # --elastic: the replicate dimension is torchft's
+        self.me = topology.replica   # this replica's row in the sync's plan (elastic: per quorum)
+        self._quorum_at = None       # steps done at the last quorum
         self._report_memory(allocated, outer_device)
         return self.optimizer
 
@@ -199,6 +205,14 @@ class EDiT(Algorithm):
             self.comm.events.emit("memory", **fields)
 
     # -- the trainer's hooks ------------------------------------------------------------------
+
+    def should_stop(self, step):
+        if step >= self.config.steps:
+            return True
+        if self.elastic is not None and self._due(step) and self._quorum_at != step:
+            self._quorum_at = step  # before the step reads its data: a group behind heals here
+            self.elastic.begin(step)
+        return False
 
     def before_forward(self, step):
         self.model.reshard()  # the root stays unsharded after an evaluation's forward
@@ -264,7 +278,11 @@ class EDiT(Algorithm):
                           for u in self.units])
         mine = torch.cat([sq, torch.tensor(extra or [], dtype=torch.float64, device=self.device)])
         rows = [r.cpu().tolist() for r in self.comm.all_gather(mine, "world", tag="norms").wait()]
-        self.plan = decide_sync(rows, [u.ewma for u in self.units], t.replicas, t.shards,
+        replicas, shards = t.replicas, t.shards
+        if self.elastic is not None:
+            rows = self._quorum_rows(rows)
+            replicas, shards = len(rows), 1
+        self.plan = decide_sync(rows, [u.ewma for u in self.units], replicas, shards,
                                 self.penalty, per_step=self.timed)
         for u, d in zip(self.units, self.plan.decisions):
             u.ewma = d.ewma
@@ -280,9 +298,12 @@ class EDiT(Algorithm):
         self.started = j + 1
         if d.all_flagged:
             return
-        w = d.weights[self.topo.replica]
+        w = d.weights[self.me] if self.me is not None else 0.0
         delta = (u.outer.to(self.device, non_blocking=True) - u.local_flat()).mul_(w)
-        u.pending = self.comm.all_reduce(delta, "outer", tag=u.tag)
+        if self.elastic is not None:
+            u.pending = self.elastic.all_reduce(self.comm, delta, u.tag)
+        else:
+            u.pending = self.comm.all_reduce(delta, "outer", tag=u.tag)
 
     def _hook(self, j: int, module, args) -> None:
         if self.plan is None:
@@ -312,6 +333,9 @@ class EDiT(Algorithm):
         if not d.all_flagged:
             avg = u.pending.wait().to(self.device)
             u.pending = None
+            if self.elastic is not None and self.elastic.failed():
+                self._uncommitted(j)  # a peer died mid-sync: this unit keeps its state
+                return
             if self.penalty.clip > 0:
                 sq = avg.double().pow(2).sum().reshape(1)
                 if t.shards > 1:
@@ -324,14 +348,75 @@ class EDiT(Algorithm):
         else:
             u.write(u.outer.to(self.device, non_blocking=True))
         if self.comm.events is not None:
-            fields = dict(self.sync_info, block=u.name,
-                          **event_fields(self.plan, j, t.replica, per_step=self.timed),
-                          clip_scale=scale, outer_lr=c.outer_lr)
+            penalty = (event_fields(self.plan, j, self.me, per_step=self.timed)
+                       if self.me is not None else {"weight": 0.0, "healed": True})
+            fields = dict(self.sync_info, block=u.name, **penalty, clip_scale=scale,
+                          outer_lr=c.outer_lr)
             if avg_norm is not None:
                 fields["avg_norm"] = avg_norm
             self.comm.events.emit("sync", **fields)
+        self._applied_one()
+
+    def _applied_one(self) -> None:
         if self.applied == len(self.units):
             self.plan = None
+            if self.elastic is not None:
+                self.elastic.commit()  # the sync's vote, once every unit is done
+
+    # -- --elastic (docs/elastic.md) -----------------------------------------------------------
+
+    def _quorum_rows(self, rows: list[list[float]]) -> list[list[float]]:
+        """The sync's rows over the quorum: this group's whole-unit squared norms (its shards'
+        summed) and extras, gathered from every group; a group healed in this quorum (a copy
+        of its source) is left out and sends zeros (self.me None)."""
+        n = len(self.units)
+        mine = [sum(r[j] for r in rows) for j in range(n)] + rows[0][n:]
+        healed = float(self.elastic.healed_now)
+        t = torch.tensor(mine + [healed], dtype=torch.float64, device=self.device)
+        every = [r.cpu().tolist() for r in self.elastic.all_gather(self.comm, t, "norms").wait()]
+        members = [i for i, r in enumerate(every) if not r[-1]]
+        position = self.elastic.position()
+        self.me = members.index(position) if position in members else None
+        return [every[i][:-1] for i in members]
+
+    def _uncommitted(self, j: int) -> None:
+        if self.comm.events is not None:
+            self.comm.events.emit("skip", step=self.sync_info.get("step"), what="commit",
+                                  block=self.units[j].name)
+        self._applied_one()
+
+    def join(self, step):
+        if self.elastic is None:
+            return
+        self._quorum_at = step
+        if self.elastic.join(step, self._heal_state, self._load_heal_state):  # the others are in
+            self._quorum_at = self.healed_step  # the sync of healed_step: the trainer goes on
+                                                # there, and this group takes part in it
+
+    def _heal_state(self) -> dict:
+        """What a live group hands a joining one (each rank its shards): model, inner optimizer,
+        outer state, the penalty's statistics, counters."""
+        self.model.reshard()
+        return {"model": {k: _local(v) for k, v in self.model.state_dict().items()},
+                "optimizer": _local_state(self.optimizer.state_dict()),
+                "outer": [u.outer for u in self.units], "momentum": [u.momentum for u in self.units],
+                "ewma": [u.ewma.state() for u in self.units], "syncs": self.syncs,
+                "step": self._quorum_at}
+
+    def _load_heal_state(self, state: dict) -> None:
+        self.model.reshard()
+        with torch.no_grad():
+            for k, v in self.model.state_dict().items():
+                _local(v).copy_(state["model"][k])
+        self.optimizer.load_state_dict(_sharded_state(state["optimizer"], self.optimizer))
+        for u, outer, momentum, ewma in zip(self.units, state["outer"], state["momentum"],
+                                            state["ewma"]):
+            u.outer.copy_(outer)
+            u.momentum.copy_(momentum)
+            u.ewma = EWMA.from_state(ewma)
+            u.pending = None
+        self.syncs, self.anchored = state["syncs"], True
+        self.healed_step = state["step"]
 
     # -- outer parameters, evaluation, state --------------------------------------------------
 
@@ -383,7 +468,8 @@ class EDiT(Algorithm):
         return {"units": units, "plan": plan, "started": self.started, "applied": self.applied,
                 "anchored": self.anchored, "steps_done": self.steps_done,
                 "last_prepared": self.last_prepared, "syncs": self.syncs,
-                "sync_info": dict(self.sync_info), "skips": getattr(self, "skips", 0)}
+                "sync_info": dict(self.sync_info), "skips": getattr(self, "skips", 0),
+                "manager": None if self.elastic is None else self.elastic.manager.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         settle(self.device)
@@ -398,6 +484,29 @@ class EDiT(Algorithm):
         self.last_prepared, self.syncs = state["last_prepared"], state["syncs"]
         self.sync_info = dict(state["sync_info"])
         self.skips = state.get("skips", 0)
+        if self.elastic is not None and state.get("manager") is not None:
+            self.elastic.manager.load_state_dict(state["manager"])
+
+
+def _local_state(optim_state: dict) -> dict:
+    """An optimizer's state dict with each sharded tensor as this rank's piece."""
+    return {"state": {i: {k: _local(v) for k, v in st.items()} for i, st in optim_state["state"].items()},
+            "param_groups": optim_state["param_groups"]}
+
+
+def _sharded_state(local: dict, optimizer) -> dict:
+    """_local_state's inverse for this optimizer: each piece as a DTensor shaped like its
+    parameter (the same mesh and placements: the groups shard alike)."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for i, st in local["state"].items():
+        p = params[int(i)]
+        state[i] = {k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape,
+                                          stride=p.stride())
+                    if is_dtensor(p) and v.dim() > 0 else v for k, v in st.items()}
+    return {"state": state, "param_groups": local["param_groups"]}
 
 
 def _allocated(device: torch.device) -> int:

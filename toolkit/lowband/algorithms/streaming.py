@@ -159,16 +159,10 @@ class Streaming(Algorithm):
         elastic = self.comm.elastic
         if elastic is None:
             return
-        elastic.register(self._heal_state, self._load_heal_state)
-        self._sync_step, self._joining = step, True
-        healed = elastic.begin(step)
-        self._joining = False
-        if healed and self._peer_in_sync:  # restarted: the others are in the sync of
-            s = self.healed_step                 # healed_step; join it
+        self._sync_step = step
+        if elastic.join(step, self._heal_state, self._load_heal_state):  # restarted: the
+            s = self.healed_step               # others are in the sync of healed_step; join it
             self._exchange(self.fragments[self.due(s)], s)
-        else:  # every group's first quorum (a fresh start or a resume): nothing to exchange
-            elastic.barrier()
-            elastic.commit()
 
     def _heal_state(self) -> dict:
         """What a live group hands a joining one: at the start of a sync, or in its first
@@ -176,8 +170,7 @@ class Streaming(Algorithm):
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "outer": [f.outer for f in self.fragments],
                 "momentum": [f.momentum for f in self.fragments],
-                "pending": [self._landed(f) for f in self.fragments],
-                "step": self._sync_step, "in_sync": not self._joining}
+                "pending": [self._landed(f) for f in self.fragments], "step": self._sync_step}
 
     def _load_heal_state(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
@@ -189,7 +182,7 @@ class Streaming(Algorithm):
             f.residual = None  # error feedback is this group's own
             f.pending = None if pending is None else (pending[0], pending[1],
                                                       Landed(pending[2], pending[3]))
-        self.healed_step, self._peer_in_sync = state["step"], state["in_sync"]
+        self.healed_step = state["step"]
 
     def _start(self, f: Fragment, s: int) -> None:
         if self.comm.elastic is not None:

@@ -41,7 +41,7 @@ class ElasticOptions(Options):
     title = "elastic replica groups (torchft)"
     elastic: bool = option(False, "each replica group a world of its own, joined through a "
                            "torchft Lighthouse: a lost group does not stop the others, and a "
-                           "restarted one heals from a live peer (ddp, diloco, streaming)")
+                           "restarted one heals from a live peer (ddp, diloco, streaming, edit)")
     min_replicas: int = option(1, "smallest quorum of replica groups an outer update commits with")
     quorum_timeout: float = option(600.0, "seconds a group waits for a quorum (longer than the "
                                    "time between syncs)")
@@ -66,7 +66,7 @@ class ElasticOptions(Options):
             raise ConfigError("--max-restarts must be zero or positive.")
 
 
-ELASTIC_ALGOS = ("ddp", "diloco", "streaming")
+ELASTIC_ALGOS = ("ddp", "diloco", "streaming", "edit")
 
 
 class ElasticStopped(RuntimeError):
@@ -107,17 +107,35 @@ class Membership:
             replica_id=f"replica{topo.replica}", init_sync=False)
         self.members: tuple[int, ...] = ()
         self.quorum_id = -1
-        self.healed_now = False
+        self.healed_now = self.peer_in_sync = self._joining = False
 
     def register(self, save, load) -> None:
-        """The state a live group hands a joining one: save() -> dict, load(dict)."""
+        """The state a live group hands a joining one: save() -> dict, load(dict). It also
+        says whether the sender was in a sync (in_sync) or in its first quorum (join)."""
 
         def load_timed(state):
             t0 = time.perf_counter()
+            self.peer_in_sync = state.pop("in_sync")
             load(state)
             self._heal = (_nbytes(state), time.perf_counter() - t0, state.get("step"))
 
-        self.manager.register_state_dict_fn("lowband", load_timed, save)
+        self.manager.register_state_dict_fn("lowband", load_timed,
+                                            lambda: {**save(), "in_sync": not self._joining})
+
+    def join(self, step: int, save, load) -> bool:
+        """The first quorum, before the first step (`step` done: 0, or a checkpoint's). True
+        when this group healed into a sync the others are in: it must take part in that sync.
+        Otherwise every group is in its first quorum (a fresh start or a resume): they meet in
+        a barrier, so a group behind has its state before the senders vote, and commit."""
+        self.register(save, load)
+        self._joining = True
+        healed = self.begin(step)
+        self._joining = False
+        if healed and self.peer_in_sync:
+            return True
+        self.barrier()
+        self.commit()
+        return False
 
     def begin(self, step: int) -> bool:
         """A quorum for the sync after inner step `step`. True when this group was healed in it
@@ -167,23 +185,44 @@ class Membership:
 
         from lowband.comm.collectives import encoded
 
-        weight, n = (0.0 if self.healed_now and not healed_counts else 1.0), self.pg.size()
+        weight = 0.0 if self.healed_now and not healed_counts else 1.0
         if codec == "fp32":
             t = torch.cat([x * weight, x.new_tensor([weight])])
-            opts = AllreduceOptions()
-            opts.reduceOp = ReduceOp.SUM
-            transfer = comm.run("all_reduce", "outer", n, t.numel() * 4,
-                                lambda: self._reported(lambda: self.pg.allreduce([t], opts)),
-                                t, tag, codec, t)
-            return Weighted(transfer, None, x)
+            return Weighted(self.all_reduce(comm, t, tag), None, x)
         payload, sent = encoded(x, codec, block)
         payload = torch.cat([payload, payload.new_tensor([int(weight)])])  # one byte: the weight
-        outs = [torch.empty_like(payload) for _ in range(n)] if n > 1 else [payload]
-        transfer = comm.run("all_gather", "outer", n, payload.numel(),
-                            lambda: self._reported(lambda: self.pg.allgather([outs], [payload],
-                                                                             AllgatherOptions())),
-                            outs, tag, codec, payload)
-        return Weighted(transfer, (x.numel(), codec, block), sent)
+        return Weighted(self.all_gather(comm, payload, tag, codec), (x.numel(), codec, block), sent)
+
+    def all_reduce(self, comm, t: torch.Tensor, tag: str):
+        """The sum of t over the groups of the quorum (in place), through lowband's Comm."""
+        from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
+
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        return comm.run("all_reduce", "outer", self.pg.size(), t.numel() * t.element_size(),
+                        lambda: self._reported(lambda: self.pg.allreduce([t], opts)),
+                        t, tag, "fp32", t)
+
+    def all_gather(self, comm, t: torch.Tensor, tag: str, codec: str = "fp32"):
+        """Every group's t, in the order of their ranks in the quorum (`position`)."""
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        n = self.pg.size()
+        outs = [torch.empty_like(t) for _ in range(n)] if n > 1 else [t]
+        return comm.run("all_gather", "outer", n, t.numel() * t.element_size(),
+                        lambda: self._reported(lambda: self.pg.allgather([outs], [t],
+                                                                         AllgatherOptions())),
+                        outs, tag, codec, t)
+
+    def position(self) -> int:
+        """This group's index among the groups of the quorum (their order in all_gather): the
+        rank torchft configured the wrapped group with (the wrapper's own rank() is the one it
+        was built with)."""
+        return self.pg._pg.rank()
+
+    def failed(self) -> bool:
+        """Whether an exchange of this quorum failed (the commit vote will say False)."""
+        return self.manager.errored() is not None
 
     def barrier(self) -> None:
         """A one-value collective over the quorum. torchft serves a healing group the state
