@@ -103,6 +103,27 @@ def test_elastic_edit_heals_an_fsdp_sharded_group_from_a_live_peer(tmp_path):
     assert len({r["model_sha256"] for r in records.values()}) == 1
 
 
+def test_elastic_aedit_heals_into_the_others_window_and_keeps_the_step_budget(tmp_path):
+    """aedit (syncs by time, a budget of R x --steps inner steps): group 1 killed after step 8
+    is restarted, heals at the others' sync (their quota of 40 steps done: step 40) with their
+    progress, takes part with weight 0, gets a share of the next window, and the run ends when
+    the steps of the windows reach the budget; all end bitwise equal."""
+    run, proc = train(tmp_path, "r", "--algo", "aedit", "--replicas", 3, "--steps", 40,
+                      "--sync-seconds", 30, "--elastic", "--kill", "1:8")
+    assert "replica group 1 was killed by SIGKILL" in proc.stderr
+    healed = [e for e in read_events(run, ("membership",)) if e["healed"]]
+    assert [(e["replica"], e["step"]) for e in healed] == [(1, 40)]
+    roots = [e for e in read_events(run, ("sync",)) if e["block"] == "root"]
+    first = [e for e in roots if e["window"] == 1]
+    assert {e["replica_steps"] == [40, 40] for e in first} == {True}  # group 1 has no row
+    assert [e["weight"] for e in first if e["replica"] == 1] == [0.0]
+    last = [e for e in roots if e["window"] == 2]
+    assert len(last) == 3 and {e["total_steps"] for e in last} == {120}
+    assert all(len(e["replica_steps"]) == 3 and e["weight"] > 0 for e in last)
+    records = groups(run)
+    assert len({r["outer_sha256"] for r in records.values()}) == 1
+
+
 def test_a_group_that_never_comes_back_leaves_the_others_to_finish(tmp_path):
     run, proc = train(tmp_path, "r", "--algo", "diloco", "--replicas", 3, "--steps", 16,
                       "--sync-every", 4, "--elastic", "--kill", "2:6", "--max-restarts", 0)

@@ -91,6 +91,7 @@ class AEDiT(EDiT):
         self.total = 0             # inner steps of all replicas, as of the last sync
         self.share = 1 / topology.replicas  # this replica's share of the last window's steps
         self.stopped = False
+        self.rejoining = False     # --elastic: healed into the others' sync in the first quorum
         return optimizer
 
     def should_stop(self, step: int) -> bool:
@@ -111,44 +112,67 @@ class AEDiT(EDiT):
             return False
         if self.window_start is None:  # the warm-up is over: the first window starts
             self._anchor(step)
-            self.total = c.warmup_sync_steps * R
-            self._open_window([1] * R, now - self.t0, now)
+            if not self.rejoining:  # (a group that healed has the run's total from its peer)
+                self.total = c.warmup_sync_steps * R
+            self._open_window([1] * R, now - self.t0, now, self.topo.replica)
         # the step boundary nearest the window's end: a slow replica may enter up to half a step
         # early, so a fast one waits about half as long for it
         due = (now - self.window_start + 0.5 * self.step_s >= self.window_len
-               or self.window_steps >= self.quota)
+               or self.window_steps >= self.quota or self.rejoining)
         if self.topo.shards > 1:  # the replica's shard 0 decides for its inner group
             flag = torch.tensor([float(due), self.elapsed], dtype=torch.float64, device=self.device)
             flag = self.comm.broadcast(flag, src=0, group="inner", tag="clock").wait().tolist()
             due, self.elapsed = bool(flag[0]), flag[1]
         if not due:
             return False
+        if self.elastic is not None and not self.rejoining:
+            self._quorum_at = step
+            self.elastic.begin(step)  # the groups' rendezvous; a group behind heals here
+        self.rejoining = False
         self.model.reshard()
         extras = self._prepare(step, [float(self.window_steps), now - self.t0])
         steps = [int(e[0]) for e in extras]
         total = self.total + sum(steps)
         elapsed = max(e[1] for e in extras)
         self.sync_info.update(window=self.syncs, replica_steps=steps, total_steps=total)
-        if sum(steps) > 0:
-            self.share = steps[self.topo.replica] / sum(steps)
+        if sum(steps) > 0 and self.me is not None:
+            self.share = steps[self.me] / sum(steps)
         self.total = total
         if total >= c.steps * R or (c.max_seconds and elapsed >= c.max_seconds):
             self._drain()  # the last sync lands at once, and the loop ends
             self.stopped = True
             return True
-        self._open_window([max(s, 1) for s in steps], elapsed, time.monotonic())
+        weights, me = [max(s, 1) for s in steps], self.topo.replica
+        if self.elastic is not None:  # over the quorum's groups; a healed one gets the mean
+            mean = max(sum(weights) // len(weights), 1)
+            members = iter(weights)
+            weights = [mean if h else next(members) for h in self.healed_in_quorum]
+            me = self.elastic.position()
+        self._open_window(weights, elapsed, time.monotonic(), me)
         return False
 
-    def _open_window(self, weights: list[int], elapsed: float, now: float) -> None:
+    def _open_window(self, weights: list[int], elapsed: float, now: float, me: int) -> None:
         """A window of --sync-seconds (or what is left of --max-seconds), and this replica's
-        quota: its part of the steps left, split by `weights`."""
+        quota: its part (`me` in `weights`) of the steps left, split by `weights`."""
         c = self.config
         length = c.sync_seconds
         if c.max_seconds:
             length = min(length, c.max_seconds - elapsed)
         self.window_len = max(length, 0.0)
-        self.quota = split(c.steps * self.topo.replicas - self.total, weights)[self.topo.replica]
+        self.quota = split(c.steps * self.topo.replicas - self.total, weights)[me]
         self.window_start, self.window_steps = now, 0
+
+    # --elastic: a joining group takes the run's progress too, and enters the sync at once
+    def join(self, step):
+        super().join(step)
+        self.rejoining = self.healed_step is not None
+
+    def _heal_state(self) -> dict:
+        return {**super()._heal_state(), "aedit": [self.total, self.share]}
+
+    def _load_heal_state(self, state: dict) -> None:
+        self.total, self.share = state.pop("aedit")
+        super()._load_heal_state(state)
 
     def before_forward(self, step):
         super().before_forward(step)

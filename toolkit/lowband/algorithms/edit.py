@@ -374,6 +374,7 @@ class EDiT(Algorithm):
         healed = float(self.elastic.healed_now)
         t = torch.tensor(mine + [healed], dtype=torch.float64, device=self.device)
         every = [r.cpu().tolist() for r in self.elastic.all_gather(self.comm, t, "norms").wait()]
+        self.healed_in_quorum = [bool(r[-1]) for r in every]
         members = [i for i, r in enumerate(every) if not r[-1]]
         position = self.elastic.position()
         self.me = members.index(position) if position in members else None

@@ -41,7 +41,7 @@ class ElasticOptions(Options):
     title = "elastic replica groups (torchft)"
     elastic: bool = option(False, "each replica group a world of its own, joined through a "
                            "torchft Lighthouse: a lost group does not stop the others, and a "
-                           "restarted one heals from a live peer (ddp, diloco, streaming, edit)")
+                           "restarted one heals from a live peer (ddp, diloco, streaming, edit, aedit)")
     min_replicas: int = option(1, "smallest quorum of replica groups an outer update commits with")
     quorum_timeout: float = option(600.0, "seconds a group waits for a quorum (longer than the "
                                    "time between syncs)")
@@ -66,7 +66,7 @@ class ElasticOptions(Options):
             raise ConfigError("--max-restarts must be zero or positive.")
 
 
-ELASTIC_ALGOS = ("ddp", "diloco", "streaming", "edit")
+ELASTIC_ALGOS = ("ddp", "diloco", "streaming", "edit", "aedit")
 
 
 class ElasticStopped(RuntimeError):
