@@ -142,7 +142,7 @@ def unit_of(name):
     return int(name.split(".")[1]) + 1 if name.startswith("blocks.") else 0  # 0: the root's own
 
 
-def reference(R, S, steps, H, W, penalty=None, corrupt=None, drop=None):
+def reference(R, S, steps, H, W, penalty=None, corrupt=None, drop=None, bf16=False):
     """Local SGD in float64: AdamW per replica on the concatenation of its S ranks' batches,
     the first W steps with gradients averaged over replicas; after step s (s > W, (s - W) % H
     == 0) every unit (root's own parameters, each block) is averaged with the penalty's weights
@@ -156,6 +156,7 @@ def reference(R, S, steps, H, W, penalty=None, corrupt=None, drop=None):
     outer = {n: p.detach().clone() for n, p in init.named_parameters()}
     mom = {n: torch.zeros_like(p) for n, p in outer.items()}
     flags_log = {}
+    residual = {}  # bf16: error feedback per replica and parameter (weighted units)
     for step in range(steps):
         for r, (m, opt) in enumerate(zip(models, opts)):
             xs, ys = zip(*[data[r * S + k].train(step, 0) for k in range(S)])
@@ -197,6 +198,14 @@ def reference(R, S, steps, H, W, penalty=None, corrupt=None, drop=None):
             flags_log[(s, u)] = flags
             if any(w):
                 avg = {n: sum(w[r] * deltas[r][n] for r in range(R)) for n in ns}
+                if bf16:  # each replica sends bf16(w delta + residual), keeps the rest
+                    avg = {n: 0 for n in ns}
+                    for r in range(R):
+                        for n in ns:
+                            x = w[r] * deltas[r][n] + residual.get((r, n), 0)
+                            sent = x.float().to(torch.bfloat16).double()
+                            residual[r, n] = x - sent
+                            avg[n] = avg[n] + sent
                 if penalty is not None and penalty.clip > 0:
                     norm = math.sqrt(sum(float(avg[n].pow(2).sum()) for n in ns))
                     if norm > penalty.clip:
@@ -256,6 +265,24 @@ def test_edit_without_penalty_matches_local_sgd_and_memory(train_run):
     for e in mem:
         assert e["n_params"] == n_params
         assert e["bytes"] == pytest.approx(2 * 4 * n_params / S, rel=0.02), e
+
+
+def test_edit_with_an_encoded_exchange_and_error_feedback_matches_reference(train_run):
+    """--codec bf16 (elementwise, so the FSDP shards' layout does not matter): each replica
+    sends bf16(w delta + residual) and keeps the rest for the unit's next sync."""
+    R, S, steps, H = 2, 1, 12, 4
+    run = train_run(*common(R, S, steps, H), "--no-edit-anomaly", "--no-edit-weighted",
+                    "--codec", "bf16")
+    outer, local, _ = reference(R, S, steps, H, 0, bf16=True)
+    got = torch.load(run.root / "outer.pt", weights_only=True)
+    plain, _, _ = reference(R, S, steps, H, 0)
+    for name, w in outer.items():
+        rel = (got[name].double() - w).norm() / w.norm()
+        assert rel <= 1e-4, f"outer {name}: relative error {rel:.2e}"
+    off = max(float((plain[n] - outer[n]).norm() / outer[n].norm()) for n in outer)
+    assert off > 1e-4  # the encoding shows: the test can tell bf16 from fp32
+    units = {e["codec"] for e in read_events(run, ("comm",)) if e["tag"].startswith(("root", "block"))}
+    assert units == {"bf16"}
 
 
 def test_edit_penalty_with_warmup_and_corruption_matches_reference(train_run):
@@ -403,7 +430,8 @@ def test_state_dict_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("values,message", [
-    ({"algo": "edit", "codec": "int8"}, "--codec is a diloco/streaming option"),
+    ({"algo": "edit", "merge_weights": "tokens"}, "drop --merge-weights tokens"),
+    ({"algo": "ddp", "codec": "int8"}, "--codec applies only to --algo"),
     ({"algo": "edit", "warmup_sync_steps": 200}, "--warmup-sync-steps 200 must be at least 0 and below"),
     ({"algo": "aedit", "sync_seconds": 0.0}, "--sync-seconds must be positive"),
     ({"algo": "ddp", "max_seconds": 10.0}, "--max-seconds applies only to --algo aedit"),

@@ -1,10 +1,14 @@
-"""The simulator against lowband's own runs on the emulated link: within 10 points of CU."""
+"""The simulator against lowband's own runs: within 10 points of CU on the emulated link, and
+every planned transfer the bytes the run's telemetry recorded."""
 
 import json
 import re
+from collections import Counter
 
-from lowband.plan import check_run
+from lowband.plan import check_run, exchange_phases, make_run, plan_config
+from lowband.plan.api import config_inputs
 from lowband.report import write_report
+from lowband.telemetry import read_events
 
 RUNS = {
     "ddp": ["--algo", "ddp"],
@@ -26,3 +30,27 @@ def test_predicted_cu_within_10_points_of_measured(train_run, tmp_path):
     data = json.loads(re.search(r'Plotly.newPlot\(\s*"lowband-plan",\s*(\[.*?\]),\s*\{', page, re.S).group(1))
     assert [d["name"] for d in data if "measured" in d["name"]] == [
         f"{a} measured ({a})" for a in RUNS]
+
+
+def test_planned_transfers_are_the_bytes_sent(train_run):
+    # nano with 4 blocks in 4 fragments, each synced once (H=4): fragment 0 holds the embeddings;
+    # 3 replicas, where an all-gather sends 2x the payload and a two-phase exchange 4/3x
+    run = train_run("--algo", "streaming", "--model", "nano", "--n-layer", 4, "--seq-len", 32,
+                    "--batch-size", 2, "--fragments", 4, "--sync-every", 4, "--overlap", 0,
+                    "--codec", "fp4-e3m0", "--replicas", 3, "--steps", 4,
+                    "--eval-every", 0)
+    sent, calls = Counter(), Counter()  # rank 0's outer collectives, per fragment
+    for e in read_events(run, ("comm",)):
+        if e["rank"] == 0 and e["group"] == "outer":
+            sent[e["tag"]] += e["wire_bytes"]
+            calls[e["tag"]] += 1
+    config = run.read_json(run.config)
+    cfg = {k: v for k, v in config.items() if k != "meta"} | {"params": config["meta"]["n_params"]}
+    plan = make_run(**config_inputs(cfg, step_time=0.01)[1])
+    phases = {f"frag{p}": exchange_phases(plan, n)
+              for p, n in enumerate(plan.fragment_sizes)}
+    assert sent == {tag: sum(w) for tag, w in phases.items()}
+    assert calls == {tag: len(w) for tag, w in phases.items()}
+    assert plan.fragment_sizes[0] > 1.2 * plan.params / 4
+    peak = max(e["wire_bytes"] for e in read_events(run, ("comm",)) if e["group"] == "outer")
+    assert plan_config(cfg, step_time=0.01)["peak_transfer_bytes"] == peak == max(phases["frag0"])

@@ -10,6 +10,9 @@ from conftest import reference_replicas
 from lowband.telemetry import read_events
 
 BATCH, SEQ, LR, WARMUP, CLIP, SEED, OUTER_LR, MU = 2, 32, 1e-3, 2, 0.5, 5, 0.7, 0.9
+# the run's settings that the reference copies (with --steps, --replicas, --shards, --n-layer)
+FLAGS = ("--model", "nano", "--batch-size", BATCH, "--seq-len", SEQ, "--lr", LR, "--warmup-steps",
+         WARMUP, "--grad-clip", CLIP, "--seed", SEED, "--eval-every", 0)
 
 
 def reference_lr(step, steps):
@@ -17,6 +20,21 @@ def reference_lr(step, steps):
         return LR * (step + 1) / WARMUP
     progress = (step - WARMUP) / (steps - WARMUP)
     return 0.1 * LR + 0.9 * LR * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def inner_step(models, opts, data, S, step, steps):
+    """One inner AdamW step of every replica, each on its S ranks' batches together."""
+    for r, (m, opt) in enumerate(zip(models, opts)):
+        xs, ys = zip(*[data[r * S + k].train(step, 0) for k in range(S)])
+        x, y = torch.cat(xs), torch.cat(ys)
+        logits = m(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP)
+        for g in opt.param_groups:
+            g["lr"] = reference_lr(step, steps)
+        opt.step()
 
 
 def fragment_of(name, n_layer, P, pattern):
@@ -51,17 +69,7 @@ def reference(R, S, steps, H, P, tau, alpha, pattern, n_layer):
 
     period = H // P
     for step in range(steps):
-        for r, (m, opt) in enumerate(zip(models, opts)):
-            xs, ys = zip(*[data[r * S + k].train(step, 0) for k in range(S)])
-            x, y = torch.cat(xs), torch.cat(ys)
-            logits = m(x)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP)
-            for g in opt.param_groups:
-                g["lr"] = reference_lr(step, steps)
-            opt.step()
+        inner_step(models, opts, data, S, step, steps)
         s = step + 1
         for p in [p for p, (at, _) in pending.items() if at == s]:
             apply(p)
@@ -90,12 +98,10 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_matches_float64_reference(train_run, case):
     algo, R, S, steps, H, P, tau, alpha, pattern, n_layer = CASES[case]
-    run = train_run("--algo", algo, "--model", "nano", "--n-layer", n_layer, "--replicas", R,
+    run = train_run("--algo", algo, *FLAGS, "--n-layer", n_layer, "--replicas", R,
                     "--shards", S, "--steps", steps, "--sync-every", H, "--fragments", P,
                     "--overlap", tau, "--alpha", alpha, "--fragment-pattern", pattern,
-                    "--codec", "fp32", "--batch-size", BATCH, "--seq-len", SEQ, "--lr", LR,
-                    "--warmup-steps", WARMUP, "--grad-clip", CLIP, "--seed", SEED,
-                    "--eval-every", 0, "--bucket-mb", 0.05)
+                    "--codec", "fp32", "--bucket-mb", 0.05)
     want_outer, want_local = reference(R, S, steps, H, P, tau, alpha, pattern, n_layer)
     got_outer = torch.load(run.root / "outer.pt", weights_only=True)
     got_local = torch.load(run.root / "model.pt", weights_only=True)

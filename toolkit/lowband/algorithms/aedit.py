@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from lowband.algorithms.edit import EDiT, EditOptions
+from lowband.algorithms.exchange import ExchangeOptions
 from lowband.algorithms.outer import OuterOptions
 from lowband.options import ConfigError, Options, flag, non_negative, option, positive, require
 from lowband.schedule import lr_at
@@ -74,7 +75,7 @@ def split(total: int, weights: list[int]) -> list[int]:
 
 class AEDiT(EDiT):
     name = "aedit"
-    options = (OuterOptions, EditOptions, AEditOptions)
+    options = (OuterOptions, ExchangeOptions, EditOptions, AEditOptions)
     summary = "A-EDiT: edit with syncs every --sync-seconds of wall-clock time"
     timed = True
 

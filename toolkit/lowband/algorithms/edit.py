@@ -55,7 +55,9 @@ import torch.nn as nn
 from lowband.algorithms.base import PERIODIC, Algorithm
 from lowband.algorithms.edit_plan import (Plan, decide_sync, event_fields, penalty_config,
                                          plan_from_state, plan_state)
-from lowband.algorithms.outer import OuterOptions, kept_at, nesterov_step, outer_home, settle
+from lowband.algorithms.exchange import ExchangeOptions, exchange_block
+from lowband.algorithms.outer import (OuterOptions, kept_at, nesterov_step, outer_home, settle,
+                                      sgd_step)
 from lowband.algorithms.penalty import EWMA, clip_scale
 from lowband.options import ConfigError, Options, non_negative, option, positive, require
 from lowband.params import is_dtensor
@@ -108,6 +110,17 @@ class Landed:
         return self.value.clone()
 
 
+class Summed:
+    """An encoded average in flight as a sum: its mean times the rows summed (each replica sent
+    its weighted pseudo-gradient, so the weighted average is their sum)."""
+
+    def __init__(self, avg, n: int):
+        self.avg, self.n = avg, n
+
+    def wait(self) -> torch.Tensor:
+        return self.avg.wait().mul_(self.n)
+
+
 class Unit:
     """One FSDP unit (the root's own parameters or one block): this rank's shard of it and of
     its outer state."""
@@ -120,7 +133,8 @@ class Unit:
         self.outer = kept_at(flat, device)
         self.momentum = kept_at(torch.zeros_like(flat), device)
         self.ewma = EWMA()
-        self.pending = None  # the exchange in flight (Transfer or Landed)
+        self.pending = None  # the exchange in flight (Transfer, Summed or Landed)
+        self.residual = None  # error feedback (an encoded --codec): what was not sent
 
     def locals(self) -> list[torch.Tensor]:
         return [_local(p) for p in self.params]
@@ -140,7 +154,8 @@ class Unit:
 class EDiT(Algorithm):
     name = "edit"
     kind = PERIODIC
-    options = (OuterOptions, EditOptions)
+    options = (OuterOptions, ExchangeOptions, EditOptions)
+    defaults = {"codec": "fp32"}
     summary = ("EDiT: local SGD over FSDP2-sharded replicas, layer-wise sync in the forward pass, "
                "pseudo-gradient penalty")
     timed = False  # aedit: syncs by wall-clock time
@@ -284,6 +299,7 @@ class EDiT(Algorithm):
             replicas, shards = len(rows), 1
         self.plan = decide_sync(rows, [u.ewma for u in self.units], replicas, shards,
                                 self.penalty, per_step=self.timed)
+        self.n_summed = replicas  # the rows of the plan: whose weighted deltas are summed
         for u, d in zip(self.units, self.plan.decisions):
             u.ewma = d.ewma
         self.last_prepared = steps_done
@@ -298,9 +314,18 @@ class EDiT(Algorithm):
         self.started = j + 1
         if d.all_flagged:
             return
+        c = self.config
         w = d.weights[self.me] if self.me is not None else 0.0
         delta = (u.outer.to(self.device, non_blocking=True) - u.local_flat()).mul_(w)
-        if self.elastic is not None:
+        if c.codec != "fp32":  # encoded: the mean over the n_summed rows, times n_summed
+            if u.residual is not None:  # error feedback, in the weighted units that are summed
+                delta.add_(u.residual, alpha=c.outer_momentum if c.outer_rule == "sparseloco" else 1.0)
+            avg = self.comm.average(delta, "outer", c.codec, exchange_block(c), tag=u.tag,
+                                    exchange=c.exchange)
+            if c.error_feedback:
+                u.residual = delta - avg.sent
+            u.pending = Summed(avg, self.n_summed)
+        elif self.elastic is not None:
             u.pending = self.elastic.all_reduce(self.comm, delta, u.tag)
         else:
             u.pending = self.comm.all_reduce(delta, "outer", tag=u.tag)
@@ -344,7 +369,10 @@ class EDiT(Algorithm):
                 scale = clip_scale(avg_norm, self.penalty.clip)
                 if scale != 1.0:
                     avg.mul_(scale)
-            u.write(nesterov_step(u.outer, u.momentum, avg, c.outer_lr, c.outer_momentum))
+            if c.outer_rule == "sparseloco":  # the momentum is in the error feedback
+                u.write(sgd_step(u.outer, avg, c.outer_lr))
+            else:
+                u.write(nesterov_step(u.outer, u.momentum, avg, c.outer_lr, c.outer_momentum))
         else:
             u.write(u.outer.to(self.device, non_blocking=True))
         if self.comm.events is not None:
@@ -415,7 +443,7 @@ class EDiT(Algorithm):
             u.outer.copy_(outer)
             u.momentum.copy_(momentum)
             u.ewma = EWMA.from_state(ewma)
-            u.pending = None
+            u.pending, u.residual = None, None  # error feedback is this group's own
         self.syncs, self.anchored = state["syncs"], True
         self.healed_step = state["step"]
 
@@ -464,7 +492,8 @@ class EDiT(Algorithm):
             if u.pending is not None and not isinstance(u.pending, Landed):
                 u.pending = Landed(u.pending.wait())
             units.append({"outer": u.outer, "momentum": u.momentum, "ewma": u.ewma.state(),
-                          "pending": None if u.pending is None else u.pending.value})
+                          "pending": None if u.pending is None else u.pending.value,
+                          "residual": u.residual})
         plan = None if self.plan is None else plan_state(self.plan)
         return {"units": units, "plan": plan, "started": self.started, "applied": self.applied,
                 "anchored": self.anchored, "steps_done": self.steps_done,
@@ -479,6 +508,7 @@ class EDiT(Algorithm):
             u.momentum.copy_(s["momentum"])
             u.ewma = EWMA.from_state(s["ewma"])
             u.pending = None if s["pending"] is None else Landed(s["pending"].to(self.device))
+            u.residual = s.get("residual")
         self.plan = None if state["plan"] is None else plan_from_state(state["plan"])
         self.started, self.applied = state["started"], state["applied"]
         self.anchored, self.steps_done = state["anchored"], state["steps_done"]

@@ -1,5 +1,6 @@
 """The outer loop's options and its step, shared by every algorithm that keeps outer (last synced)
-parameters and steps them with Nesterov SGD: diloco, streaming, edit and aedit. The state lives where
+parameters and steps them with Nesterov SGD (streaming's --outer-rule sparseloco: plain SGD, sgd_step):
+diloco, streaming, edit and aedit. The state lives where
 --outer-state-device says (the model's device by default; `cpu` keeps it in pinned host memory
 when the model is on a GPU); the arithmetic always runs on the model's device."""
 
@@ -61,6 +62,18 @@ def nesterov_step(outer: torch.Tensor, momentum: torch.Tensor, delta: torch.Tens
     if o.data_ptr() != outer.data_ptr():
         outer.copy_(o, non_blocking=True)
         momentum.copy_(m, non_blocking=True)
+    return o
+
+
+@torch.no_grad()
+def sgd_step(outer: torch.Tensor, delta: torch.Tensor, lr: float) -> torch.Tensor:
+    """SparseLoCo's outer step (streaming's --outer-rule sparseloco): outer <- outer - lr delta,
+    no momentum (each replica's error feedback, decayed, stands in for it); worked out and
+    written back as nesterov_step does. Returns the new outer parameters on delta's device."""
+    o = outer.to(delta.device, non_blocking=True)
+    o.sub_(lr * delta)
+    if o.data_ptr() != outer.data_ptr():
+        outer.copy_(o, non_blocking=True)
     return o
 
 

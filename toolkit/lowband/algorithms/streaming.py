@@ -20,6 +20,10 @@ merged slices are all-gathered over the inner group.
 Error feedback (--error-feedback, on by default; nothing to do for fp32): what quantization
 drops from a replica's pseudo-gradient is kept and added to that fragment's next one, so the
 rounding errors do not accumulate as bias in the outer momentum.
+
+--outer-rule sparseloco (SparseLoCo, arXiv 2508.15706, with a topk codec): the error feedback
+is the momentum, kept per replica: e = beta e + delta (beta = --outer-momentum) is sent in the
+codec, e keeps e - sent, and the outer step is plain SGD, theta_outer_p -= lr mean(sent).
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ import torch.nn.functional as F
 
 from lowband.algorithms.base import PERIODIC, Algorithm
 from lowband.algorithms.ddp import DDP
-from lowband.algorithms.outer import OuterOptions, kept_at, nesterov_step, outer_home, settle
-from lowband.comm.codecs import CODECS
+from lowband.algorithms.outer import (OuterOptions, kept_at, nesterov_step, outer_home, settle,
+                                      sgd_step)
+from lowband.algorithms.exchange import ExchangeOptions, exchange_block
 from lowband.options import ConfigError, Options, option
 from lowband.params import flatten, split_fragments, write_flat
 
@@ -50,6 +55,7 @@ class Fragment:
         self.momentum = kept_at(torch.zeros_like(self.outer, device=params[0].device), device)
         self.residual = None  # error feedback: what quantization left out of the last send
         self.pending = None  # (apply after step, start step, Average in flight)
+        self.tokens = 0  # this replica's tokens since the fragment's last sync (--merge-weights)
 
     def local_slice(self) -> torch.Tensor:
         return flatten(self.params)[self.lo: self.hi]
@@ -68,7 +74,7 @@ class Landed:
 
 @dataclass
 class StreamingOptions(Options):
-    title = "fragments and exchange"
+    title = "fragments"
     fragments: int = option(None, "P: fragments synced in turn (diloco 1, streaming 4)", kind=int)
     fragment_pattern: str = option("strided", "strided (block i -> fragment i mod P) or "
                                    "sequential", ("strided", "sequential"))
@@ -76,11 +82,6 @@ class StreamingOptions(Options):
                           "it (diloco 0, streaming 1)", kind=int)
     alpha: float = option(None, "merge theta <- alpha*local + (1-alpha)*outer (diloco 0, "
                           "streaming 0.5)", kind=float)
-    codec: str = option(None, f"outer exchange codec: {', '.join(CODECS)} (diloco fp32, "
-                        "streaming fp4-e3m0)", kind=str)
-    codec_block: int = option(64, "values per quantization block (one bf16 scale each)")
-    error_feedback: bool = option(True, "add what quantization dropped to the fragment's next "
-                                  "pseudo-gradient")
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -98,16 +99,12 @@ class StreamingOptions(Options):
                               f"{H // P}, so a fragment's exchange lands before its next one starts.")
         if not 0 <= cfg.alpha <= 1:
             raise ConfigError(f"--alpha must lie in [0, 1], got {cfg.alpha}.")
-        if cfg.codec not in CODECS:
-            raise ConfigError(f"unknown codec '{cfg.codec}': use one of {', '.join(CODECS)}.")
-        if cfg.codec_block <= 0:
-            raise ConfigError(f"--codec-block must be a positive integer, got {cfg.codec_block}.")
 
 
 class Streaming(Algorithm):
     name = "streaming"
     kind = PERIODIC
-    options = (OuterOptions, StreamingOptions)
+    options = (OuterOptions, ExchangeOptions, StreamingOptions)
     defaults = {"fragments": 4, "overlap": 1, "alpha": 0.5, "codec": "fp4-e3m0"}
     summary = ("Streaming DiLoCo: fragments synced in turn, overlapped with training, "
                "quantized exchange")
@@ -147,6 +144,9 @@ class Streaming(Algorithm):
 
     def after_step(self, step):
         s = step + 1
+        c = self.config
+        for f in self.fragments:
+            f.tokens += c.grad_accum * c.batch_size * c.seq_len
         for f in self.fragments:
             if f.pending is not None and f.pending[0] == s:
                 self._apply(f)
@@ -195,9 +195,12 @@ class Streaming(Algorithm):
     def _exchange(self, f: Fragment, s: int) -> None:
         c = self.config
         delta = f.outer.to(self.topo.device, non_blocking=True) - f.local_slice()
-        if f.residual is not None:
-            delta += f.residual
-        avg = self.comm.average(delta, "outer", c.codec, c.codec_block, tag=f"frag{f.index}")
+        if f.residual is not None:  # sparseloco: e <- beta e + delta, beta the outer momentum
+            delta.add_(f.residual, alpha=c.outer_momentum if c.outer_rule == "sparseloco" else 1.0)
+        weight = f.tokens if c.merge_weights == "tokens" else None
+        f.tokens = 0
+        avg = self.comm.average(delta, "outer", c.codec, exchange_block(c), tag=f"frag{f.index}",
+                                exchange=c.exchange, weight=weight)
         healed = self.comm.elastic is not None and self.comm.elastic.healed_now
         if c.error_feedback and c.codec != "fp32" and not healed:
             f.residual = delta - avg.sent
@@ -219,12 +222,15 @@ class Streaming(Algorithm):
             self._skip(f, started)
             return
         self.skips = 0
-        outer = nesterov_step(f.outer, f.momentum, delta, c.outer_lr, c.outer_momentum)
+        if c.outer_rule == "sparseloco":
+            outer = sgd_step(f.outer, delta, c.outer_lr)
+        else:
+            outer = nesterov_step(f.outer, f.momentum, delta, c.outer_lr, c.outer_momentum)
         merged = c.alpha * f.local_slice() + (1 - c.alpha) * outer
         write_flat(f.params, self._gather(f, merged))
         if self.comm.events is not None:
             self.comm.events.emit("sync", step=started, fragment=f.index, applied_step=started + c.overlap,
-                                  pseudo_grad_norm=norm, weight=self._weight(),
+                                  pseudo_grad_norm=norm, weight=self._weight(avg),
                                   anomaly=False, outer_lr=c.outer_lr)
 
     def _vote(self, avg) -> bool:
@@ -233,8 +239,11 @@ class Streaming(Algorithm):
         committed = getattr(avg, "committed", None)
         return self.comm.elastic.commit() if committed is None else committed
 
-    def _weight(self) -> float:
-        """Each replica's share of the average: 1/R, or 1/(groups of the quorum) when elastic."""
+    def _weight(self, avg) -> float:
+        """This replica's share of the average: its tokens' share (--merge-weights tokens), 1/R,
+        or 1/(groups of the quorum) when elastic."""
+        if getattr(avg, "share", None) is not None:
+            return avg.share
         elastic = self.comm.elastic
         return 1 / (len(elastic.members) if elastic is not None else self.topo.replicas)
 
@@ -266,7 +275,7 @@ class Streaming(Algorithm):
                 vote = self._vote(avg) if self.comm.elastic is not None else None
                 f.pending = (apply_at, started, Landed(value, vote))
         frags = [{"outer": f.outer, "momentum": f.momentum, "residual": f.residual,
-                  "pending": self._landed(f)} for f in self.fragments]
+                  "pending": self._landed(f), "tokens": f.tokens} for f in self.fragments]
         elastic = self.comm.elastic
         return {"fragments": frags, "skips": self.skips,
                 "manager": elastic.manager.state_dict() if elastic is not None else None}
@@ -284,6 +293,7 @@ class Streaming(Algorithm):
             f.outer.copy_(st["outer"])
             f.momentum.copy_(st["momentum"])
             f.residual = st["residual"]
+            f.tokens = st.get("tokens", 0)
             p = st["pending"]
             f.pending = None if p is None else (p[0], p[1], Landed(p[2], (p + [None])[3]))
         self.skips = state["skips"]

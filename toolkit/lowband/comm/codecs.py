@@ -1,4 +1,5 @@
-"""Codecs for what crosses the outer link: fp32, bf16, int8 and two 4-bit floats.
+"""Codecs for what crosses the outer link: fp32, bf16, int8, two 4-bit floats, and two sparse
+codecs (top-k with 2-bit or 4-bit values).
 
 `encode(x)` turns a flat fp32 tensor into ONE uint8 tensor, the exact bytes that travel;
 `decode(payload, n)` turns it back into n fp32 values. Decoding (and any sum over replicas)
@@ -18,6 +19,16 @@ Worst-case error per value, s the block's scale: int8 s/2; fp4-e2m1 s (between 4
 fp4-e3m0 |x|/3 for |x| >= 2^-6 s, else |x| (flushed to zero or rounded up to 2^-6 s);
 plus the bf16 rounding of s (2^-8 relative). s is capped so that the largest code times s stays
 finite: in a block whose absmax is above 3.38e38 (near the fp32 maximum) add up to 2^-7 |x|.
+The topk codecs (SparseLoCo's, arXiv 2508.15706) send of each chunk of `block` values the
+max(1, round(density x length)) largest in magnitude, each with its index in the chunk in
+ceil(log2 block) bits, zero elsewhere (layout and ties: comm/sparse.py); values are coded as
+  topk-2bit  sign + one bit: the upper half of the chunk's kept values by magnitude decode to
+             hi, the rest to lo, two bf16 scales a chunk: the halves' mean magnitudes (the
+             least squared error for that split)
+  topk-fp4   fp4-e2m1, one bf16 scale a chunk
+`block` for a topk codec: the chunk (an int, with `density`) or a Chunks(size, density).
+Bytes for n values in c chunks, K kept, b code bits (2 or 4), s scales a chunk (2 or 1):
+  2 s c + ceil(K (b + ceil(log2 block)) / 8).
 Inputs holding NaN or inf are refused with NonFiniteError: a broken pseudo-gradient must not be
 quietly turned into numbers.
 
@@ -40,27 +51,37 @@ import torch.nn.functional as F
 
 from dataclasses import dataclass
 
+from lowband.comm import sparse
+from lowband.comm.sparse import CHUNK, DENSITY, Chunks  # noqa: F401 (CHUNK: for importers)
+
 
 @dataclass(frozen=True)
 class Codec:
     """One codec's facts, read by the collectives, the config, the CLI's help and the planner."""
     name: str
     value_bytes: float  # bytes a value on the wire, before scales
-    scaled: bool        # one bf16 scale (2 bytes) per block of values
+    scaled: bool        # bf16 scales (2 bytes each) per block of values
     help: str
+    sparse: bool = False  # topk: only a `density` share of each block travels, with its indices
+    scales: int = 1     # bf16 scales per block, when scaled
 
-    def bytes_per_value(self, block: int = 64) -> float:
-        return self.value_bytes + (SCALE_BYTES / block if self.scaled else 0.0)
+    def bytes_per_value(self, block: "int | Chunks" = 64, density: float = DENSITY) -> float:
+        """Wire bytes per value of whole blocks (for a topk codec: per value of the input)."""
+        if self.sparse:  # 8 chunks: their words end on a byte
+            chunk, density, _, _ = _topk(self.name, block, density)
+            return payload_bytes(self.name, 8 * chunk, chunk, density) / (8 * chunk)
+        return self.value_bytes + (SCALE_BYTES * self.scales / block if self.scaled else 0.0)
 
-    def payload_bytes(self, n: int, block: int = 64) -> int:
-        return payload_bytes(self.name, n, block)
+    def payload_bytes(self, n: int, block: "int | Chunks" = 64, density: float = DENSITY) -> int:
+        return payload_bytes(self.name, n, block, density)
 
-    def encode(self, x: torch.Tensor, block: int = 64, compiled: bool | None = None) -> torch.Tensor:
-        return encode(x, self.name, block, compiled)
-
-    def decode(self, payload: torch.Tensor, n: int, block: int = 64,
+    def encode(self, x: torch.Tensor, block: "int | Chunks" = 64, density: float = DENSITY,
                compiled: bool | None = None) -> torch.Tensor:
-        return decode(payload, n, self.name, block, compiled)
+        return encode(x, self.name, block, density, compiled)
+
+    def decode(self, payload: torch.Tensor, n: int, block: "int | Chunks" = 64,
+               density: float = DENSITY, compiled: bool | None = None) -> torch.Tensor:
+        return decode(payload, n, self.name, block, density, compiled)
 
 
 SCALE_BYTES = 2  # one bf16 scale per block
@@ -70,14 +91,22 @@ CODEC_RECORDS = {c.name: c for c in (
     Codec("int8", 1.0, True, "8-bit integers, a bf16 scale per block"),
     Codec("fp4-e3m0", 0.5, True, "4-bit floats, 3-bit exponent (the Streaming DiLoCo paper's)"),
     Codec("fp4-e2m1", 0.5, True, "4-bit floats, OCP MX FP4"),
+    # value_bytes of a topk codec: a kept value's code, before its index
+    Codec("topk-2bit", 0.25, True, "top --density of each --sparse-chunk values by magnitude, "
+          "2 bits each + an index (SparseLoCo's)", sparse=True, scales=2),
+    Codec("topk-fp4", 0.5, True, "top --density of each --sparse-chunk values by magnitude, "
+          "fp4-e2m1 each + an index", sparse=True),
 )}
 CODECS = tuple(CODEC_RECORDS)  # the names
+SPARSE = tuple(name for name, c in CODEC_RECORDS.items() if c.sparse)
 
 _LEVELS = {
     "fp4-e2m1": (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0),
     "fp4-e3m0": (0.0,) + tuple(2.0 ** (k - 7) for k in range(1, 8)),
 }
-_TOP = {"int8": 127.0, "fp4-e2m1": 6.0, "fp4-e3m0": 1.0}  # the largest code magnitude
+_LEVELS["topk-fp4"] = _LEVELS["fp4-e2m1"]
+# the largest code magnitude (topk-2bit: its levels are the scales themselves)
+_TOP = {"int8": 127.0, "fp4-e2m1": 6.0, "fp4-e3m0": 1.0, "topk-fp4": 6.0, "topk-2bit": 1.0}
 
 
 def _bf16_below(v: float) -> float:
@@ -95,10 +124,44 @@ class NonFiniteError(ValueError):
     pass
 
 
-def payload_bytes(codec: str, n: int, block: int = 64) -> int:
-    """The exact size of encode()'s output for n values."""
+def payload_bytes(codec: str, n: int, block: "int | Chunks" = 64, density: float = DENSITY) -> int:
+    """The exact size of encode()'s output for n values (density: topk codecs only)."""
+    if codec in SPARSE:
+        return sparse.size(n, *_topk(codec, block, density))
     scales = SCALE_BYTES * math.ceil(n / block)
     return {"fp32": 4 * n, "bf16": 2 * n, "int8": n + scales}.get(codec, (n + 1) // 2 + scales)
+
+
+def _topk(codec: str, block: "int | Chunks", density: float) -> tuple[int, float, int, int]:
+    """A topk codec's chunk, density, code bits and bf16 scales a chunk."""
+    chunk, density = (block.size, block.density) if isinstance(block, Chunks) else (block, density)
+    c = CODEC_RECORDS[codec]
+    return chunk, density, round(8 * c.value_bytes), c.scales
+
+
+def _scale(absmax: torch.Tensor, codec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks' bf16 scales from their largest magnitudes, and the fp32 divisors of their values
+    (one a row; 1 where the scale is 0)."""
+    # a divisor tensor, not a Python number: CUDA multiplies by the reciprocal of a scalar
+    # divisor (one bit off at times), which would make the GPU's scales differ from the CPU's
+    top = torch.full((), _TOP[codec], device=absmax.device)
+    scale = torch.clamp(absmax / top, max=_CAP[codec]).bfloat16()
+    s = scale.float()
+    return scale, torch.where(s > 0, s, 1.0)[:, None]
+
+
+def _nibbles(v: torch.Tensor, s: torch.Tensor, codec: str) -> torch.Tensor:
+    """4-bit codes of v / s: the count of midpoints between levels below |v| / s (ties go down,
+    as torch.bucketize did), the sign in bit 3."""
+    levels, a = _LEVELS[codec], v.abs() / s
+    mag = sum((a > (lo + hi) / 2).to(torch.uint8) for lo, hi in itertools.pairwise(levels))
+    return mag | (v < 0).to(torch.uint8) << 3
+
+
+def _table(codec: str, device) -> torch.Tensor:
+    """A 4-bit code's value at scale 1 (code 8 + m is minus level m)."""
+    levels = _LEVELS[codec]
+    return torch.tensor(levels + tuple(-v for v in levels), device=device)
 
 
 def _encode_blocks(x: torch.Tensor, codec: str, block: int):
@@ -106,19 +169,12 @@ def _encode_blocks(x: torch.Tensor, codec: str, block: int):
     n = x.numel()
     padded = F.pad(x, (0, (-n) % block)).view(-1, block)
     absmax = padded.abs().amax(dim=1)  # NaN or inf where the block holds one
-    # a divisor tensor, not a Python number: CUDA multiplies by the reciprocal of a scalar
-    # divisor (one bit off at times), which would make the GPU's scales differ from the CPU's
-    top = torch.full((), _TOP[codec], device=x.device)
-    scale = torch.clamp(absmax / top, max=_CAP[codec]).bfloat16()
-    s = scale.float()
-    s = torch.where(s > 0, s, 1.0)[:, None]
+    scale, s = _scale(absmax, codec)
     if codec == "int8":
         codes = torch.clamp(torch.round(padded / s), -127, 127).to(torch.int8).view(torch.uint8)
         size = n
-    else:  # the count of midpoints below |x| / s: ties go down, as torch.bucketize did
-        levels, a = _LEVELS[codec], padded.abs() / s
-        mag = sum((a > (lo + hi) / 2).to(torch.uint8) for lo, hi in itertools.pairwise(levels))
-        nib = mag | (padded < 0).to(torch.uint8) << 3
+    else:
+        nib = _nibbles(padded, s, codec)
         if block % 2:  # pairs cross blocks
             nib = F.pad(nib.view(-1), (0, nib.numel() % 2))
         nib = nib.reshape(-1, 2)  # value 2i in the low nibble
@@ -145,9 +201,40 @@ def _decode_blocks(payload: torch.Tensor, scale: torch.Tensor, codec: str, block
         q = torch.where(u >= 128, u - 256, u)
     else:
         nib = (byte >> ((i % 2) * 4).to(torch.uint8)) & 15
-        levels = _LEVELS[codec]
-        q = torch.tensor(levels + tuple(-v for v in levels), device=payload.device)[nib.int()]
+        q = _table(codec, payload.device)[nib.int()]
     return (q.view(nb, block) * scale.float()[:, None]).view(-1)
+
+
+def _quantize_2bit(values: torch.Tensor, valid: torch.Tensor):
+    """topk-2bit: bit 0 marks the upper half of a chunk's kept values by magnitude, bit 1 the
+    sign; the chunk's scales (hi, lo) are the halves' mean magnitudes."""
+    half = (valid.sum(1, keepdim=True) + 1) // 2
+    upper = torch.arange(values.shape[1], device=values.device) < half
+    lower = valid & ~upper
+    mag = values.abs().double()  # a sum of fp32 maxima would overflow fp32
+    hi = (mag * upper).sum(1) / upper.sum(1).clamp(min=1)
+    lo = (mag * lower).sum(1) / lower.sum(1).clamp(min=1)
+    scales = torch.clamp(torch.stack([hi, lo], 1), max=_CAP["topk-2bit"]).bfloat16()
+    return scales, upper.to(torch.int32) | (values < 0).to(torch.int32) << 1
+
+
+def _dequantize_2bit(code: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    mag = torch.where(code & 1 == 1, scale[:, 0], scale[:, 1])
+    return torch.where(code & 2 == 2, -mag, mag)
+
+
+def _quantize_fp4(values: torch.Tensor, valid: torch.Tensor):
+    """topk-fp4: fp4-e2m1 codes, the chunk's scale its absmax (its first value's) / 6."""
+    scale, s = _scale(values[:, 0].abs(), "topk-fp4")
+    return scale[:, None], _nibbles(values, s, "topk-fp4").to(torch.int32)
+
+
+def _dequantize_fp4(code: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return _table("topk-fp4", code.device)[code] * scale[:, 0]
+
+
+_QUANTIZE = {"topk-2bit": (_quantize_2bit, _dequantize_2bit),
+             "topk-fp4": (_quantize_fp4, _dequantize_fp4)}
 
 
 @functools.cache
@@ -190,13 +277,19 @@ def _mids(codec: str) -> tuple:
     return tuple((lo + hi) / 2 for lo, hi in itertools.pairwise(_LEVELS[codec])) if codec in _LEVELS else ()
 
 
-def encode(x: torch.Tensor, codec: str, block: int = 64, compiled: bool | None = None) -> torch.Tensor:
-    """x's bytes in the codec. compiled: torch.compile (Triton kernels on CUDA) rather than
-    eager; None: compiled on CUDA, eager elsewhere. The bytes are the same either way."""
+def encode(x: torch.Tensor, codec: str, block: "int | Chunks" = 64, density: float = DENSITY,
+           compiled: bool | None = None) -> torch.Tensor:
+    """x's bytes in the codec. density: topk codecs only (a Chunks block brings its own).
+    compiled: torch.compile (Triton kernels on CUDA) rather than eager; None: compiled on CUDA,
+    eager elsewhere. The bytes are the same either way; the topk codecs always run eager."""
     x = x.detach().reshape(-1).float()
     if codec in ("fp32", "bf16"):  # one copy each, compiled or not
         finite = torch.isfinite(x).all()
         payload = (x.clone() if codec == "fp32" else x.bfloat16()).view(torch.uint8)
+    elif codec in SPARSE:
+        finite = torch.isfinite(x).all()
+        chunk, density, bits, _ = _topk(codec, block, density)
+        payload = sparse.encode(x, chunk, density, bits, _QUANTIZE[codec][0]) if finite else None
     elif (fast := _triton(x, block, compiled)) is not None:
         payload, finite = fast.encode(x.contiguous(), payload_bytes(codec, x.numel(), block),
                                       block, _TOP[codec], _CAP[codec], _mids(codec))
@@ -207,22 +300,21 @@ def encode(x: torch.Tensor, codec: str, block: int = 64, compiled: bool | None =
     return payload
 
 
-def decode(payload: torch.Tensor, n: int, codec: str, block: int = 64,
-           compiled: bool | None = None) -> torch.Tensor:
-    """n fp32 values from encode()'s bytes; compiled as for encode()."""
-    if payload.numel() != payload_bytes(codec, n, block):
-        raise ValueError(f"a {codec} payload of {n} values has {payload_bytes(codec, n, block)} "
-                         f"bytes, got {payload.numel()}")
+def decode(payload: torch.Tensor, n: int, codec: str, block: "int | Chunks" = 64,
+           density: float = DENSITY, compiled: bool | None = None) -> torch.Tensor:
+    """n fp32 values from encode()'s bytes; density and compiled as for encode()."""
+    size = payload_bytes(codec, n, block, density)
+    if payload.numel() != size:
+        raise ValueError(f"a {codec} payload of {n} values has {size} bytes, got {payload.numel()}")
     if codec == "fp32":
         return payload.view(torch.float32).clone()
     if codec == "bf16":
         return payload.view(torch.bfloat16).float()
+    if codec in SPARSE:
+        return sparse.decode(payload, n, *_topk(codec, block, density), _QUANTIZE[codec][1])
     fast = _triton(payload, block, compiled)
     if fast is not None:
-        table = None
-        if codec in _LEVELS:
-            levels = _LEVELS[codec]
-            table = torch.tensor(levels + tuple(-v for v in levels), device=payload.device)
+        table = _table(codec, payload.device) if codec in _LEVELS else None
         return fast.decode(payload.contiguous(), n, block, table)
     scale = payload[: 2 * math.ceil(n / block)].view(torch.bfloat16)
     return _run(_decode_blocks, codec, block, bool(compiled), payload, scale)[:n]

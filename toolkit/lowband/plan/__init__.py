@@ -18,10 +18,10 @@ from lowband.plan.api import SimResult, figure, plan, plan_config, required_band
 from lowband.plan.check import check_run, measured_figure
 from lowband.plan.cli import main, table
 from lowband.plan.inputs import (ALGORITHMS, BLOCK_SIZE, CODECS, GRAD_DTYPES, MODELS,
-                                 SCALE_BYTES, PlanError, Run, bytes_per_value, exchange_wire_bytes,
-                                 make_run, parse_bandwidth, ring_wire_bytes)
+                                 PlanError, Run, exchange_phases, make_run, parse_bandwidth,
+                                 payload_bytes)
 
-__all__ = ["ALGORITHMS", "BLOCK_SIZE", "CODECS", "GRAD_DTYPES", "MODELS", "SCALE_BYTES",
-           "PlanError", "Run", "SimResult", "bytes_per_value", "check_run", "measured_figure", "exchange_wire_bytes", "figure",
-           "main", "make_run", "parse_bandwidth", "plan", "plan_config", "required_bandwidth",
-           "ring_wire_bytes", "simulate", "table"]
+__all__ = ["ALGORITHMS", "BLOCK_SIZE", "CODECS", "GRAD_DTYPES", "MODELS", "PlanError", "Run",
+           "SimResult", "check_run", "exchange_phases", "figure", "main", "make_run",
+           "measured_figure", "parse_bandwidth", "payload_bytes", "plan", "plan_config",
+           "required_bandwidth", "simulate", "table"]

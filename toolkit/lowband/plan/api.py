@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Mapping
 
 from lowband.algorithms import ALGORITHMS as REGISTRY
-from lowband.plan.inputs import (ALGORITHMS, GRAD_DTYPES, PlanError, Run, _number,
-                                 bytes_per_value, fmt_bandwidth, fmt_count, make_run)
+from lowband.plan.inputs import (ALGORITHMS, GRAD_DTYPES, SHAPE, PlanError, Run, _number,
+                                 fmt_bandwidth, fmt_count, make_run, payload_bytes)
 from lowband.plan.timeline import Timeline, schedule, steady_stall
 
 
@@ -59,14 +59,15 @@ def _simulate(algorithm: str, run: Run, bandwidth: float) -> SimResult:
         units, timeline = run.steps * s.units_per_step, Timeline(s, bandwidth, run.latency)
         stall = timeline.advance(units) + timeline.drain()
     compute = units * s.unit_s
-    sending = len(s.offsets) * s.units_per_step / s.period  # sending units per step
-    peak = max((send.nbytes for send in s.sends), default=0.0)
+    per_step = s.units_per_step / s.period  # each sending unit comes this often a step
+    sizes = [send.nbytes for send in s.every()]
+    peak = max(sizes, default=0.0)
     return SimResult(
         algorithm, compute / (compute + stall), compute, stall, round(compute / run.step_time),
         run.step_time, bandwidth, run.latency,
-        wire_bytes_per_step=round(sum(send.nbytes for send in s.sends) * sending, 3),
-        transfers_per_step=len(s.sends) * sending, peak_transfer_bytes=round(peak, 3),
-        peak_transfer_s=run.latency + peak * 8 / bandwidth if s.sends else 0.0)
+        wire_bytes_per_step=round(sum(sizes) * per_step, 3),
+        transfers_per_step=len(sizes) * per_step, peak_transfer_bytes=round(peak, 3),
+        peak_transfer_s=run.latency + peak * 8 / bandwidth if sizes else 0.0)
 
 
 def required_bandwidth(algorithm: str, target_cu: float = 0.9, **params) -> float | None:
@@ -115,7 +116,7 @@ def plan(target_cu: float = 0.9, algorithms=ALGORITHMS, **params) -> dict:
     run, target = _run(params), _target(target_cu)
     inputs = asdict(run) | {
         "bandwidth": "inf" if run.bandwidth == math.inf else run.bandwidth,  # JSON has no inf
-        "codec_bytes_per_value": bytes_per_value(run.codec, run.block_size, run.scale_bytes),
+        "codec_bytes_per_value": payload_bytes(run, round(run.params)) / round(run.params),
         "grad_bytes_per_value": GRAD_DTYPES[run.grad_dtype]}
     out = {"inputs": inputs, "target_cu": target, "algorithms": {}}
     for alg in algorithms:
@@ -133,15 +134,18 @@ def config_inputs(cfg: Mapping, **overrides) -> tuple[str, dict]:
     """(algorithm, make_run's keyword arguments) of a lowband config-like dict, e.g.
     Config.to_dict() plus the measured step_time.
 
-    Keys read: algorithm (or algo), params or model, layers (or n_layer; 0 keeps the preset),
-    step_time, replicas, sync_every, fragments, overlap, codec, block_size (or codec_block),
-    bandwidth (or link_bandwidth; empty or 0: no emulated link), latency (or link_latency),
-    bucket_mb, steps, grad_dtype; other keys are ignored. Unset fragments/overlap/codec take
-    lowband's per-algorithm defaults, and ddp sends fp32 gradients as lowband's ddp does.
+    Keys read: algorithm (or algo), params and/or model, layers (or n_layer; 0 keeps the
+    preset), n_head, d_model, vocab_size, seq_len, step_time, replicas, sync_every, fragments,
+    fragment_pattern, overlap, codec, exchange, density, sparse_chunk, block_size (or
+    codec_block), bandwidth (or link_bandwidth; empty or 0: no emulated link), latency (or
+    link_latency), bucket_mb, steps, grad_dtype; other keys are ignored. Unset
+    fragments/overlap/codec take lowband's per-algorithm defaults, and ddp sends fp32 gradients
+    as lowband's ddp does.
     overrides: the same keys, taking precedence over cfg."""
     aliases = {"algo": "algorithm", "n_layer": "layers", "codec_block": "block_size",
                "link_bandwidth": "bandwidth", "link_latency": "latency"}
-    known = {f.name for f in fields(Run)} | {"model", "flops_per_step", "flops", "algorithm"}
+    known = {f.name for f in fields(Run)} | {"model", "flops_per_step", "flops", "algorithm",
+                                             *SHAPE[1:]}
     kw: dict = {}
     for key, value in list(cfg.items()) + list(overrides.items()):
         name = aliases.get(key, key)

@@ -33,11 +33,18 @@ def _measured(run_dir, warmup_steps: int) -> tuple[dict, dict, float]:
 
 
 def check_run(run_dir, warmup_steps: int = 3) -> dict:
+    """The run's measured compute utilization beside the plan's for its config and measured step
+    time, and its largest transfer over the outer link (wire bytes of one collective) beside the
+    plan's. warmup_steps=0 takes every step's compute, so the plan computes as long as the run."""
     cfg, summary, step_time = _measured(run_dir, warmup_steps)
     predicted = plan_config(cfg, step_time=step_time)
+    sent = [e["wire_bytes"] for e in read_events(RunDir(run_dir), ("comm",))
+            if e["group"] == "outer"]
     return {"run_dir": str(run_dir), "algorithm": cfg["algo"], "step_time": step_time,
             "bandwidth": cfg.get("link_bandwidth") or "unlimited",
-            "measured_cu": summary["compute_utilization"], "predicted_cu": predicted["cu"]}
+            "measured_cu": summary["compute_utilization"], "predicted_cu": predicted["cu"],
+            "sent_peak_transfer_bytes": max(sent, default=0),
+            "planned_peak_transfer_bytes": predicted["peak_transfer_bytes"]}
 
 
 def measured_figure(run_dirs, algorithms=("ddp", "diloco", "streaming"), warmup_steps: int = 3):

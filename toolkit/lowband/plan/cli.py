@@ -7,10 +7,11 @@ import json
 import os
 import sys
 
+from lowband.comm.codecs import CHUNK, DENSITY
 from lowband.config import ArgParser
 from lowband.plan.api import plan
-from lowband.plan.inputs import (BLOCK_SIZE, CODECS, MODELS, SCALE_BYTES,
-                                 fmt_bandwidth, fmt_bytes, fmt_count, fmt_seconds)
+from lowband.plan.inputs import (BLOCK_SIZE, CODECS, MODELS, fmt_bandwidth, fmt_bytes,
+                                 fmt_count, fmt_seconds)
 
 EXAMPLE = ("lowband plan --params 1e9 --layers 24 --step-time 0.1 --replicas 2 --sync-every 100 "
            "--fragments 8 --overlap 1 --codec fp4-e3m0 --bandwidth 1gbit --target-cu 0.9")
@@ -24,8 +25,10 @@ def table(result: dict) -> str:
     lines = [
         f"{fmt_count(i['params'])} params, {i['layers']} blocks, "
         f"step {fmt_seconds(i['step_time'])}, {i['replicas']} replicas, "
-        f"H={i['sync_every']} P={i['fragments']} tau={i['overlap']}",
-        f"outer codec {i['codec']} ({i['codec_bytes_per_value']:g} B/value), "
+        f"H={i['sync_every']} P={i['fragments']} tau={i['overlap']}"
+        f"{_fragments(i['fragment_sizes'])}",
+        f"outer codec {i['codec']} ({i['codec_bytes_per_value']:.4g} B/value), exchange "
+        f"{i['exchange']}, "
         f"ddp/acco send {i['grad_dtype']}; link {link}, latency {fmt_seconds(i['latency'])}",
         ""]
     rows = [("algorithm", "CU", "stall/step", "wire/step", "largest transfer",
@@ -39,6 +42,13 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _fragments(sizes) -> str:
+    """', largest fragment 73.9k values (33%)': of the real split, for P > 1."""
+    if len(sizes) == 1:
+        return ""
+    return f", largest fragment {fmt_count(max(sizes))} values ({max(sizes) / sum(sizes):.0%})"
+
+
 def _parser() -> argparse.ArgumentParser:
     # every value is read as text and validated by make_run, so that errors read the same
     p = ArgParser(prog="lowband plan", epilog=f"example: {EXAMPLE}",
@@ -46,9 +56,11 @@ def _parser() -> argparse.ArgumentParser:
                 "diloco, streaming and acco on one slow link (docs/plan.md).")
     add = p.add_argument
     add("--params", help="parameter count, e.g. 1e9 or 1.3B")
-    add("--layers", help="number of blocks")
+    add("--layers", help="number of blocks (with a preset --model: its n_layer, as lowband "
+        "train's --n-layer)")
     add("--model", help=f"a preset instead of --params/--layers: {', '.join(MODELS)}, or hf:PATH "
-        "(a Hugging Face model directory or config.json, counted without building it)")
+        "(a Hugging Face model directory or config.json); built on the meta device for its "
+        "parameter count and real fragments")
     add("--step-time", help="compute seconds per step, e.g. 0.1 or 100ms")
     add("--flops-per-step", help="FLOPs of one step (with --flops, instead of --step-time)")
     add("--flops", help="achieved FLOP/s of one replica")
@@ -63,7 +75,13 @@ def _parser() -> argparse.ArgumentParser:
     add("--steps", help="simulate a whole run of this many steps (default: the steady state)")
     add("--target-cu", default="0.9", help="compute utilization to reach (default 0.9)")
     add("--block-size", default=str(BLOCK_SIZE), help="values per quantization scale (64)")
-    add("--scale-bytes", default=str(SCALE_BYTES), help="bytes per scale (default 2: bf16)")
+    add("--exchange", default="auto", help="how a quantized average travels: all-gather, "
+        "two-phase or auto (the fewer bytes, as lowband train's --exchange; default auto)")
+    add("--density", default=str(DENSITY), help="topk codecs: the share of each chunk's values "
+        f"sent (default {DENSITY})")
+    add("--sparse-chunk", default=str(CHUNK), help=f"topk codecs: values a chunk (default {CHUNK})")
+    add("--fragment-pattern", default="strided", help="strided (block i -> fragment i mod P) or "
+        "sequential, as lowband train's (default strided)")
     add("--bucket-mb", help="ddp buckets of this many MiB of fp32 grads (default: one per block)")
     add("--acco-rounds", default="2", help="acco communication rounds per step (default 2)")
     add("--json", action="store_true", help="print JSON for scripts instead of a table")

@@ -8,16 +8,16 @@ from dataclasses import dataclass
 
 from lowband import units
 from lowband.algorithms import ALGORITHMS as REGISTRY
-from lowband.comm.codecs import CODEC_RECORDS, SCALE_BYTES
+from lowband.comm import codecs, collectives
+from lowband.comm.codecs import CHUNK, CODEC_RECORDS, DENSITY, SPARSE, Chunks
 from lowband.model import MODELS as MODEL_SPECS
 from lowband.options import ConfigError
+from lowband.plan.fragments import even_fragments, model_fragments, model_size
 from lowband.sources import HF, spec
 
 # the algorithms whose schedule the planner models (timeline.py), in the registry's order
 ALGORITHMS = tuple(name for name in REGISTRY if name in ("ddp", "diloco", "streaming", "acco"))
-# bytes per value on the wire; the quantized codecs add one scale per block of values
-CODECS = {name: c.value_bytes for name, c in CODEC_RECORDS.items()}
-SCALED = tuple(name for name, c in CODEC_RECORDS.items() if c.scaled)
+CODECS = tuple(CODEC_RECORDS)  # what diloco and streaming may send (lowband.comm.codecs)
 GRAD_DTYPES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}
 BLOCK_SIZE = 64  # values per scale block
 # preset -> (parameters, blocks), from the model registry at each preset's own context length
@@ -44,9 +44,13 @@ class Run:
     latency: float = 0.0
     steps: int | None = None
     block_size: int = BLOCK_SIZE
-    scale_bytes: float = SCALE_BYTES
+    density: float = DENSITY      # topk codecs: the share of each chunk's values sent
+    sparse_chunk: int = CHUNK     # topk codecs: values a chunk
+    exchange: str = "auto"        # how a quantized average travels (collectives.EXCHANGES)
     bucket_mb: float | None = None
     acco_rounds: int = 2
+    fragment_pattern: str = "strided"
+    fragment_sizes: tuple[int, ...] = ()  # values in each of the P fragments
 
 
 _SI = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9, "t": 1e12}
@@ -88,24 +92,27 @@ def _integer(value, name: str, low: int) -> int:
     return int(number)
 
 
+SHAPE = ("n_layer", "n_head", "d_model", "vocab_size", "seq_len")  # lowband's size overrides
+
+
 def make_run(params=None, layers=None, step_time=None, *, model=None, flops_per_step=None,
              flops=None, replicas=2, sync_every=100, fragments=1, overlap=0, codec="fp32",
              grad_dtype="bf16", bandwidth=None, latency=0.0, steps=None, block_size=BLOCK_SIZE,
-             scale_bytes=SCALE_BYTES, bucket_mb=None, acco_rounds=2) -> Run:
-    """Validate and normalize the inputs; raises PlanError (a ValueError) naming the fix."""
-    if model is not None and model.startswith(HF):  # a Hugging Face config: counted, not built
-        try:
-            hf = spec(model)
-        except ConfigError as e:
-            raise PlanError(str(e)) from None
-        params = hf.param_count() if params is None else params
-        layers = hf.n_layer if layers is None else layers
-    elif model is not None:
-        if model not in MODELS:
-            raise PlanError(f"unknown model '{model}': use one of {', '.join(MODELS)}, or "
-                            "hf:PATH (a Hugging Face model directory or config.json).")
-        params = MODELS[model][0] if params is None else params
-        layers = MODELS[model][1] if layers is None else layers
+             density=DENSITY, sparse_chunk=CHUNK, exchange="auto", bucket_mb=None,
+             acco_rounds=2, fragment_pattern="strided", fragment_sizes=None, n_head=0, d_model=0,
+             vocab_size=0, seq_len=0) -> Run:
+    """Validate and normalize the inputs; raises PlanError (a ValueError) naming the fix.
+
+    model: a preset or hf:PATH, built on the meta device for its parameter count, blocks and
+    real fragment sizes; `layers` (a preset's n_layer) and n_head, d_model, vocab_size, seq_len
+    (0: the preset's) size it as lowband train does. With `params` given too and different from
+    the model's count (a user's own module), the parameters are spread evenly over the blocks,
+    as they are without a model."""
+    shape = None
+    if model is not None:
+        layers, shape = _model_layers(model, layers, (n_head, d_model, vocab_size, seq_len))
+        counted = model_size(model, *shape)[0]
+        params = counted if params is None else params
     if params is None or layers is None:
         raise PlanError("give the model size with --params and --layers, or a preset with "
                         "--model.")
@@ -137,10 +144,20 @@ def make_run(params=None, layers=None, step_time=None, *, model=None, flops_per_
     if overlap >= sync_every:
         raise PlanError(f"--overlap {overlap} must be smaller than --sync-every {sync_every} "
                         "(a fragment must be merged before its next sync).")
+    if fragment_pattern not in ("strided", "sequential"):
+        raise PlanError(f"unknown fragment pattern '{fragment_pattern}': use strided or "
+                        "sequential.")
     codec = str(codec).lower().replace("_", "-")
     codec = {"fp4": "fp4-e3m0", "e3m0": "fp4-e3m0", "e2m1": "fp4-e2m1"}.get(codec, codec)
     if codec not in CODECS:
         raise PlanError(f"unknown codec '{codec}': use one of {', '.join(CODECS)}.")
+    density, sparse_chunk = _number(density, "density"), _integer(sparse_chunk, "sparse-chunk", 1)
+    if not 0 < density <= 1:
+        raise PlanError(f"--density must lie in (0, 1], got {density:g}.")
+    try:  # refuses an unknown exchange, or two phases for a codec that cannot take them
+        collectives.exchange_plan(codec, 0, 2, 1, exchange)
+    except ValueError as e:
+        raise PlanError(f"--exchange: {e}.") from None
     grad_dtype = str(grad_dtype).lower()
     if grad_dtype not in GRAD_DTYPES:
         raise PlanError(f"unknown grad dtype '{grad_dtype}': use one of "
@@ -151,33 +168,63 @@ def make_run(params=None, layers=None, step_time=None, *, model=None, flops_per_
         raise PlanError(f"--latency must be zero or a positive number of seconds, "
                         f"got {latency:g}.")
     steps = None if steps is None else _integer(steps, "steps", 1)
-    scale_bytes = _number(scale_bytes, "scale-bytes")
-    if scale_bytes < 0:
-        raise PlanError(f"--scale-bytes must be zero or positive, got {scale_bytes:g}.")
     bucket_mb = None if bucket_mb is None else _number(bucket_mb, "bucket-mb")
     if bucket_mb is not None and not bucket_mb > 0:
         raise PlanError(f"--bucket-mb must be positive, got {bucket_mb:g}.")
+    if fragment_sizes is None:
+        real = shape is not None and params == counted  # the model that ran, split as lowband does
+        fragment_sizes = (model_fragments(model, fragments, fragment_pattern, *shape) if real
+                          else even_fragments(round(params), layers, fragments, fragment_pattern))
+    fragment_sizes = tuple(int(n) for n in fragment_sizes)
+    if len(fragment_sizes) != fragments or sum(fragment_sizes) != round(params):
+        raise PlanError(f"fragment_sizes {list(fragment_sizes)} must be {fragments} counts "
+                        f"adding up to the {round(params)} parameters.")
     return Run(params, layers, step_time, replicas, sync_every, fragments, overlap, codec,
-               grad_dtype, bandwidth, latency, steps, block_size, scale_bytes, bucket_mb,
-               acco_rounds)
+               grad_dtype, bandwidth, latency, steps, block_size, density, sparse_chunk, exchange,
+               bucket_mb, acco_rounds, fragment_pattern, fragment_sizes)
 
 
-def bytes_per_value(codec: str, block_size: int = BLOCK_SIZE,
-                    scale_bytes: float = SCALE_BYTES) -> float:
-    """Wire bytes per value: fp32 4, bf16 2, int8 1, fp4 0.5; + scale_bytes/block_size if scaled."""
-    return CODECS[codec] + (scale_bytes / block_size if codec in SCALED else 0.0)
+def _model_layers(model: str, layers, sizes: tuple) -> tuple[int, tuple[int, ...]]:
+    """(blocks, the size overrides model_size takes) of a named model; PlanError naming the fix
+    for an unknown or unusable one, or a --layers a Hugging Face config fixes."""
+    try:
+        record = spec(model)
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
+    n_layer = 0 if layers is None else _integer(layers, "layers", 1)
+    flags = ("n-head", "d-model", "vocab-size", "seq-len")
+    shape = (n_layer, *(_integer(v, flag, 0) for v, flag in zip(sizes, flags)))
+    if model.startswith(HF):
+        if n_layer not in (0, record.n_layer) or any(shape[1:-1]):
+            raise PlanError(f"--layers and the model's sizes do not apply to --model {model}: "
+                            "its config.json sets them.")
+        shape = (0,) * len(SHAPE)
+    return model_size(model, *shape)[1], shape
 
 
-def ring_wire_bytes(payload: float, replicas: int) -> float:
-    """Bytes each replica sends in a ring all-reduce of `payload` bytes among R replicas."""
-    return 2 * (replicas - 1) / replicas * payload
+def block(run: Run) -> int | Chunks:
+    """What the run's codec takes as its block, as streaming passes it: --block-size, or for a
+    topk codec its chunk and density."""
+    return Chunks(run.sparse_chunk, run.density) if run.codec in SPARSE else run.block_size
 
 
-def exchange_wire_bytes(payload: float, replicas: int, codec: str) -> float:
-    """Bytes each replica sends to average `payload` bytes (encoded) over R replicas, as
-    lowband.comm does: fp32 is a ring all-reduce; any other codec all-gathers the encoded
-    payloads ((R-1) x payload: quantized values cannot be summed on the way)."""
-    return ring_wire_bytes(payload, replicas) if codec == "fp32" else (replicas - 1) * payload
+def payload_bytes(run: Run, values: int) -> int:
+    """The exact bytes `values` values take in the run's codec (lowband.comm.codecs)."""
+    return codecs.payload_bytes(run.codec, values, block(run))
+
+
+def exchange_phases(run: Run, values: int) -> tuple[int, ...]:
+    """Wire bytes each replica sends in each collective of one average of `values` values over
+    the run's R replicas, as lowband.comm's Comm.average sends it: fp32 one all-reduce; another
+    codec one all-gather of the encoded payloads, or two phases (an all-to-all of encoded
+    chunks, then, once it has arrived, an all-gather of the owners' re-encoded means: half the
+    bytes each). collectives.exchange_plan picks the exchange, exchange_wire_bytes counts it."""
+    if run.replicas == 1:
+        return ()
+    how, _ = collectives.exchange_plan(run.codec, values, run.replicas, block(run), run.exchange)
+    total = collectives.exchange_wire_bytes(run.codec, payload_bytes(run, values), run.replicas,
+                                            run.exchange, block(run))
+    return (total // 2, total - total // 2) if how == "two-phase" else (total,)
 
 
 # ----------------------------------------------------------------------------- printing

@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from lowband.plan.inputs import (ALGORITHMS, GRAD_DTYPES, PlanError, Run, bytes_per_value,
-                                 exchange_wire_bytes, ring_wire_bytes)
+from lowband.comm.collectives import wire_bytes
+from lowband.plan.inputs import ALGORITHMS, GRAD_DTYPES, PlanError, Run, exchange_phases
 
 
 class Send(NamedTuple):
@@ -27,39 +27,49 @@ class Send(NamedTuple):
 @dataclass(frozen=True)
 class Schedule:
     """What one algorithm sends, and what waits for it."""
-    unit_s: float                # compute time of one unit (a step; for acco a round's window)
+    unit_s: float                     # compute time of one unit (a step; for acco a round's)
     units_per_step: int
-    period: int                  # the send pattern repeats every `period` units
-    offsets: frozenset[int]      # units (mod period) that send at their release points
-    sends: tuple[Send, ...]      # what each sending unit sends, in this order
+    period: int                       # the send pattern repeats every `period` units
+    offsets: tuple[int, ...]          # units (mod period) that send, in increasing order
+    sends: tuple[tuple[Send, ...], ...]  # what the unit at each offset sends, in this order
+
+    def every(self):
+        return (send for sends in self.sends for send in sends)
+
+
+def average(run: Run, values: int, gate: int) -> tuple[Send, ...]:
+    """The collectives of one average of `values` values in the run's codec, released at the end
+    of a step: each phase of the exchange pays its own latency, the next once it has arrived."""
+    phases = exchange_phases(run, values)
+    return tuple(Send(0.0 if i else run.step_time, w, gate, chained=i > 0)
+                 for i, w in enumerate(phases))
 
 
 def schedule(algorithm: str, run: Run) -> Schedule:
     """The schedule of an algorithm (docs/plan.md has the formulas)."""
     T, N, R = run.step_time, run.params, run.replicas
-    code = N * bytes_per_value(run.codec, run.block_size, run.scale_bytes)
     grad = N * GRAD_DTYPES[run.grad_dtype]
     if algorithm == "ddp":  # buckets leave during the backward pass; next forward waits for all
         # one bucket per block, or buckets of bucket_mb MiB of fp32 gradients (lowband's ddp)
         n = run.layers if run.bucket_mb is None else math.ceil(N * 4 / (run.bucket_mb * 2**20))
-        sends = tuple(Send(T / 3 + (k + 1) / n * 2 * T / 3, ring_wire_bytes(grad, R) / n, 1)
-                      for k in range(n))
-        s = Schedule(T, 1, 1, frozenset({0}), sends)
+        sends = tuple(Send(T / 3 + (k + 1) / n * 2 * T / 3, wire_bytes("all_reduce", grad / n, R),
+                           1) for k in range(n))
+        s = Schedule(T, 1, 1, (0,), (sends,))
     elif algorithm == "diloco":  # the whole model after every H-th step, waited for at once
-        s = Schedule(T, 1, run.sync_every, frozenset({run.sync_every - 1}),
-                     (Send(T, exchange_wire_bytes(code, R, run.codec), 1),))
+        s = Schedule(T, 1, run.sync_every, (run.sync_every - 1,),
+                     (average(run, sum(run.fragment_sizes), 1),))
     elif algorithm == "streaming":  # fragment p after steps floor((p+1)H/P) - 1 (mod H), tau late
         H, P = run.sync_every, run.fragments
-        s = Schedule(T, 1, H, frozenset((p + 1) * H // P - 1 for p in range(P)),
-                     (Send(T, exchange_wire_bytes(code / P, R, run.codec), 1 + run.overlap),))
+        s = Schedule(T, 1, H, tuple((p + 1) * H // P - 1 for p in range(P)),
+                     tuple(average(run, n, 1 + run.overlap) for n in run.fragment_sizes))
     elif algorithm == "acco":  # per round: reduce-scatter, then all-gather, behind one round
-        u, half = T / run.acco_rounds, (R - 1) / R * grad
-        s = Schedule(u, run.acco_rounds, 1, frozenset({0}),
-                     (Send(u, half, 2), Send(0.0, half, 2, chained=True)))
+        u = T / run.acco_rounds
+        rs, ag = wire_bytes("reduce_scatter", grad, R), wire_bytes("all_gather", grad / R, R)
+        s = Schedule(u, run.acco_rounds, 1, (0,), ((Send(u, rs, 2), Send(0.0, ag, 2, True)),))
     else:
         raise PlanError(f"unknown algorithm '{algorithm}': plan models {', '.join(ALGORITHMS)}.")
     if R == 1:  # nothing crosses the link
-        s = Schedule(s.unit_s, s.units_per_step, s.period, s.offsets, ())
+        s = Schedule(s.unit_s, s.units_per_step, s.period, (), ())
     return s
 
 
@@ -69,7 +79,7 @@ class Timeline:
 
     def __init__(self, s: Schedule, bandwidth: float, latency: float):
         self.s, self.bandwidth, self.latency = s, bandwidth, latency
-        self.offsets = sorted(s.offsets) if s.sends else []
+        self.offsets = s.offsets
         self.clock = 0.0  # when unit `next` may start, inputs aside
         self.next = 0     # the first unit not started yet
         self.link = 0.0   # when the link is free
@@ -91,7 +101,7 @@ class Timeline:
             if u == send:
                 self.k += 1
                 arrive = start
-                for send in s.sends:  # first in, first out
+                for send in s.sends[r]:  # first in, first out
                     release = arrive if send.chained else start + send.offset
                     self.link = max(self.link, release) + send.nbytes * 8 / self.bandwidth
                     arrive = self.link + self.latency
@@ -115,7 +125,7 @@ class Timeline:
 def steady_stall(s: Schedule, bandwidth: float, latency: float) -> tuple[int, float]:
     """(units, stall) of one chunk of whole periods once the timeline repeats itself."""
     timeline = Timeline(s, bandwidth, latency)
-    max_gate = max((send.gate for send in s.sends), default=1)
+    max_gate = max((send.gate for send in s.every()), default=1)
     chunk = s.period * math.ceil(16 / s.period)
     timeline.advance(s.period * math.ceil((max_gate + 1) / s.period))
     previous, tol = None, 1e-9 * chunk * s.unit_s

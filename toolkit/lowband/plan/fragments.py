@@ -1,0 +1,58 @@
+"""How many values each fragment holds: the real split of the real model, or an even one.
+
+lowband's streaming splits a model with params.split_fragments: whole blocks per fragment, and
+the parameters outside the blocks (embeddings, through tying the output head; the final norm)
+join the first and the last block's fragment. So fragment 0 of a small-vocabulary GPT is larger
+than params/P. A named model (a preset or hf:PATH) is built on the meta device (no memory, no
+weights) and split exactly so; bare --params/--layers are spread evenly over the blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from lowband.params import fragment_of_blocks, split_fragments
+from lowband.sources import HFModel, blocks_of, spec
+
+
+@functools.lru_cache(maxsize=16)
+def _meta_model(model: str, n_layer: int, n_head: int, d_model: int, vocab_size: int,
+                seq_len: int):
+    """(model, blocks) built on the meta device: a preset with lowband's size overrides (0 keeps
+    the preset's), or hf:PATH (its sizes are its config's)."""
+    record = spec(model)
+    with torch.device("meta"):
+        if isinstance(record, HFModel):
+            from transformers import AutoModelForCausalLM
+
+            net = AutoModelForCausalLM.from_config(record.config)
+        else:
+            net = record.build(n_layer=n_layer, n_head=n_head, d_model=d_model,
+                               vocab_size=vocab_size, seq_len=seq_len or record.seq_len)
+    return net, blocks_of(net)
+
+
+def model_size(model: str, *shape: int) -> tuple[int, int]:
+    """(parameters, blocks) of a model as lowband builds it; shape: n_layer, n_head, d_model,
+    vocab_size, seq_len (0 keeps the preset's)."""
+    net, blocks = _meta_model(model, *shape)
+    return sum(p.numel() for p in net.parameters()), len(blocks)
+
+
+def model_fragments(model: str, fragments: int, pattern: str, *shape: int) -> tuple[int, ...]:
+    """Values in each of the P fragments lowband's streaming makes of the model."""
+    net, blocks = _meta_model(model, *shape)
+    return tuple(sum(p.numel() for p in ps)
+                 for ps in split_fragments(net, blocks, fragments, pattern))
+
+
+def even_fragments(params: int, layers: int, fragments: int, pattern: str) -> tuple[int, ...]:
+    """Values in each fragment when the parameters are spread evenly over the blocks (nothing
+    outside them): whole blocks per fragment as lowband assigns them, so with P not dividing L
+    some fragments hold more blocks than others."""
+    sizes = [0] * fragments
+    for i, p in enumerate(fragment_of_blocks(layers, fragments, pattern)):
+        sizes[p] += params * (i + 1) // layers - params * i // layers
+    return tuple(sizes)
