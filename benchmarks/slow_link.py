@@ -47,7 +47,9 @@ from machine import describe, model_line, write_llama_mini  # benchmarks/machine
 from lowband import recipes
 from lowband.testbed import TestHosts
 
-ALGOS = ("ddp", "diloco", "streaming")
+ALGOS = ("ddp", "diloco", "streaming", "sparse")  # sparse: streaming with topk-2bit, sparseloco
+SPARSE = ["--codec", "topk-2bit", "--outer-rule", "sparseloco", "--outer-lr", "1",
+          "--outer-momentum", "0.95"]
 LINKS = ("emulated", "real")
 
 
@@ -63,12 +65,12 @@ def common_args(a) -> list[str]:
 
 def algo_args(algo: str, a) -> list[str]:
     """The row's recipe (lowband.recipes.slow_link_ALGO), with this benchmark's H and P."""
-    args = ["--recipe", f"slow_link_{algo}"]
+    args = ["--recipe", f"slow_link_{'streaming' if algo == 'sparse' else algo}"]
     if algo != "ddp":
         args += ["--sync-every", str(a.sync_every)]
-    if algo == "streaming":
+    if algo in ("streaming", "sparse"):
         args += ["--fragments", str(a.fragments)]
-    return args
+    return args + (SPARSE if algo == "sparse" else [])
 
 
 _WORKER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
@@ -249,6 +251,19 @@ def check_goals(results: dict, a) -> list[dict]:
         goal(6, link, dv <= 0.03, f"streaming final validation loss {st['final_val_loss']:.4f} "
              f"vs ddp's {ddp['final_val_loss']:.4f} = {100 * dv:+.2f}% (goal within 3%, "
              "i.e. at most 3% higher)")
+    for link, by in results.items():  # the sparse codec (issue 16)
+        ddp, sp, st = by.get("ddp"), by.get("sparse"), by.get("streaming")
+        if ddp and sp:
+            r7 = ddp["bytes_per_token"] / sp["bytes_per_token"]
+            goal(7, link, r7 >= 100 * H, f"streaming topk-2bit sends {r7:,.0f}x fewer outer bytes "
+                 f"per token than ddp (goal >= 100*H = {100 * H})")
+            goal(8, link, sp["compute_utilization"] >= 0.9, f"streaming topk-2bit compute "
+                 f"utilization {100 * sp['compute_utilization']:.1f}% (goal >= 90%)")
+        if st and sp:
+            dv = sp["final_val_loss"] / st["final_val_loss"] - 1
+            goal(9, link, dv <= 0.03, f"streaming topk-2bit final validation loss "
+                 f"{sp['final_val_loss']:.4f} vs fp4's {st['final_val_loss']:.4f} = {100 * dv:+.2f}% "
+                 "(goal within 3%)")
     if all(k in results for k in LINKS):
         for algo in ALGOS:
             e, r = results["emulated"].get(algo), results["real"].get(algo)
@@ -319,7 +334,8 @@ def main(argv=None) -> int:
     p.add_argument("--rate-mbit", type=float, default=100.0, help="link bandwidth, Mbit/s")
     p.add_argument("--tbf-burst", default="64kb", help="tbf burst of the real link")
     p.add_argument("--tbf-latency", default="50ms", help="tbf latency (queue) of the real link")
-    p.add_argument("--algos", default=",".join(ALGOS), help="comma-separated subset to run")
+    p.add_argument("--algos", default=",".join(ALGOS), help="comma-separated subset to run "
+                   "(sparse: streaming with --codec topk-2bit --outer-rule sparseloco)")
     p.add_argument("--skip-real", action="store_true", help="skip the real (netns) link")
     p.add_argument("--skip-emulated", action="store_true", help="skip the emulated link")
     p.add_argument("--out-dir", default="", help="where run directories go (default: a new temp dir)")
