@@ -77,7 +77,7 @@ def run_job(hosts: TestHosts, flags: list[str], run_dir: Path, port: int, timeou
     """Run the component's node command on every host (or only some). Returns exit codes, logs,
     seconds and the veth counters' increase."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmds = node_commands(flags, str(run_dir), port, rdzv_timeout)
+    cmds = node_commands(flags, str(run_dir), port, rdzv_timeout, nnodes=len(hosts.names))
     before = hosts.counters()
     t0 = time.monotonic()
     procs, logs = [], []
