@@ -15,26 +15,25 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections import Counter
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from lowband.comm.elastic import LIGHTHOUSE_ENV, REPLICA_ENV
+from lowband.comm.elastic import LIGHTHOUSE_ENV, NO_TORCHFT, REPLICA_ENV, quiet_rust
 from lowband.faults import lighthouse_kill_asked
 from lowband.local import LocalJob, describe_exit, free_port, last_line
 from lowband.options import ConfigError
 from lowband.summary import add_ddp_bytes, summarize
-from lowband.telemetry import RunDir, write_json_atomic
+from lowband.telemetry import RunDir, read_events, write_json_atomic
 
-NO_TORCHFT = "--elastic needs torchft ({} is not installed): pip install 'lowband[elastic]'."
-QUIET = {"RUST_LOG": os.environ.get("RUST_LOG", "warn")}  # torchft's Rust side logs every quorum
 
 
 def lighthouse(min_replicas: int, join_timeout_s: float = 10.0, port: int = 0):
     """torchft's Lighthouse, serving in this process (port 0: a free one)."""
-    os.environ.update(QUIET)
+    quiet_rust()
     try:
         from torchft._torchft import LighthouseServer
     except ImportError as e:
@@ -50,11 +49,12 @@ def lighthouse_process(min_replicas: int, log: Path, join_timeout_s: float = 10.
     if not Path(exe).exists():
         raise ConfigError(NO_TORCHFT.format("torchft_lighthouse"))
     port = free_port()
+    quiet_rust()
     with open(log, "ab") as out:
         proc = subprocess.Popen([exe, "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}",
                                  "--join_timeout_ms", str(int(join_timeout_s * 1000))],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **QUIET})
+                                env=os.environ)
     deadline = time.monotonic() + ready_s
     while proc.poll() is None and time.monotonic() < deadline:
         try:
@@ -127,17 +127,14 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
 def write_summary(cfg, run: RunDir) -> dict:
     """summary.json from the groups that finished, with how many times each was restarted
     (its lives: the `run` events with phase start of its first rank, less one)."""
-    from lowband.telemetry import read_events
-
     records = [run.read_json(p) for p in sorted(run.groups.glob("replica*.json"))]
     records = [r for r in records if r]
     ranks = [rank for r in records for rank in r["ranks"]]
     summary = summarize(cfg, ranks)
     add_ddp_bytes(summary, records[0]["ddp_one_step"], len(records))
-    starts = [e["replica"] for e in read_events(run, ("run",))
-              if e.get("phase") == "start" and e["rank"] % cfg.shards == 0]
+    lives = Counter(e["replica"] for e in read_events(run, ("run",))
+                    if e.get("phase") == "start" and e["rank"] % cfg.shards == 0)
     summary["elastic"] = {"groups_finished": sorted({r["replica"] for r in ranks}),
-                          "restarts": {str(g): starts.count(g) - 1 for g in sorted(set(starts))
-                                       if starts.count(g) > 1}}
+                          "restarts": {str(g): n - 1 for g, n in sorted(lives.items()) if n > 1}}
     write_json_atomic(run.summary, summary)
     return summary

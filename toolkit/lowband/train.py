@@ -203,16 +203,14 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from):
     model.train()
     dist.barrier()  # every rank starts the clock together: set-up skew is not link time
     algo.join(done.step)  # --elastic: the first quorum; a group behind heals to a peer's step
-    if algo.healed_step is not None:
-        done.step, algo.healed_step = algo.healed_step, None
+    _take_heal(algo, done)
     bar = _progress(cfg, topo.rank, done.step)
     t_start, paused_s = time.time(), 0.0  # paused: evaluations and checkpoints
     while True:
         t0 = time.perf_counter()
         if algo.should_stop(done.step):  # after --steps by default; aedit decides (and syncs)
             break                        # here, elastic ddp takes its quorum
-        if algo.healed_step is not None:  # --elastic: behind the others, healed to their step
-            done.step, algo.healed_step = algo.healed_step, None
+        _take_heal(algo, done)
         step = done.step
         if algo.owns_step:  # e.g. acco: micro-batches accumulate while its round is in flight
             loss, micro_batches = algo.train_step(step, batches, lr_at(cfg, step))
@@ -229,8 +227,7 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from):
         step_s = time.perf_counter() - t0
         step_compute = max(step_s - comm.take_wait_s(), 0.0)
         done.advance(loss, micro_batches * cfg.batch_size * cfg.seq_len, step_compute)
-        if algo.healed_step is not None:  # --elastic: behind the others, healed to their step
-            done.step, algo.healed_step = algo.healed_step, None
+        _take_heal(algo, done)
         events.emit("step", step=step + 1, loss=loss, lr=lr_at(cfg, step), tokens=done.tokens,
                     step_s=step_s, compute_s=step_compute)
         t_pause = time.time()
@@ -299,6 +296,13 @@ def _digest(tensors: dict | None) -> str | None:
         h.update(key.encode())
         h.update(tensors[key].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def _take_heal(algo, done: "Progress") -> None:
+    """--elastic: a group behind the others, healed from a live peer in a quorum, continues
+    from that peer's step."""
+    if algo.healed_step is not None:
+        done.step, algo.healed_step = algo.healed_step, None
 
 
 def _group(cfg: Config, topo) -> int | None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lowband.algorithms.base import EVERY_STEP, Algorithm
+from lowband.comm.elastic import load_manager_state, manager_state
 
 
 def pack(sizes: list[int], limit_bytes: int) -> list[list[int]]:
@@ -181,8 +182,7 @@ class DDP(Algorithm):
             offset += p.numel()
 
     def state_dict(self) -> dict:
-        return {"manager": self.elastic.manager.state_dict()} if self.elastic is not None else {}
+        return {"manager": manager_state(self.elastic)} if self.elastic is not None else {}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.elastic is not None and state.get("manager") is not None:
-            self.elastic.manager.load_state_dict(state["manager"])
+        load_manager_state(self.elastic, state.get("manager"))

@@ -59,6 +59,7 @@ from lowband.algorithms.exchange import ExchangeOptions, exchange_block
 from lowband.algorithms.outer import (OuterOptions, kept_at, nesterov_step, outer_home, settle,
                                       sgd_step)
 from lowband.algorithms.penalty import EWMA, clip_scale
+from lowband.comm.elastic import load_manager_state, manager_state
 from lowband.options import ConfigError, Options, non_negative, option, positive, require
 from lowband.params import is_dtensor
 
@@ -499,7 +500,7 @@ class EDiT(Algorithm):
                 "anchored": self.anchored, "steps_done": self.steps_done,
                 "last_prepared": self.last_prepared, "syncs": self.syncs,
                 "sync_info": dict(self.sync_info), "skips": getattr(self, "skips", 0),
-                "manager": None if self.elastic is None else self.elastic.manager.state_dict()}
+                "manager": manager_state(self.elastic)}
 
     def load_state_dict(self, state: dict) -> None:
         settle(self.device)
@@ -515,8 +516,7 @@ class EDiT(Algorithm):
         self.last_prepared, self.syncs = state["last_prepared"], state["syncs"]
         self.sync_info = dict(state["sync_info"])
         self.skips = state.get("skips", 0)
-        if self.elastic is not None and state.get("manager") is not None:
-            self.elastic.manager.load_state_dict(state["manager"])
+        load_manager_state(self.elastic, state.get("manager"))
 
 
 def _local_state(optim_state: dict) -> dict:

@@ -40,6 +40,7 @@ from lowband.algorithms.ddp import DDP
 from lowband.algorithms.outer import (OuterOptions, kept_at, nesterov_step, outer_home, settle,
                                       sgd_step)
 from lowband.algorithms.exchange import ExchangeOptions, exchange_block
+from lowband.comm.elastic import load_manager_state, manager_state
 from lowband.options import ConfigError, Options, option
 from lowband.params import flatten, split_fragments, write_flat
 
@@ -276,9 +277,8 @@ class Streaming(Algorithm):
                 f.pending = (apply_at, started, Landed(value, vote))
         frags = [{"outer": f.outer, "momentum": f.momentum, "residual": f.residual,
                   "pending": self._landed(f), "tokens": f.tokens} for f in self.fragments]
-        elastic = self.comm.elastic
         return {"fragments": frags, "skips": self.skips,
-                "manager": elastic.manager.state_dict() if elastic is not None else None}
+                "manager": manager_state(self.comm.elastic)}
 
     @staticmethod
     def _landed(f: Fragment) -> list | None:
@@ -297,8 +297,7 @@ class Streaming(Algorithm):
             p = st["pending"]
             f.pending = None if p is None else (p[0], p[1], Landed(p[2], (p + [None])[3]))
         self.skips = state["skips"]
-        if self.comm.elastic is not None and state.get("manager") is not None:
-            self.comm.elastic.manager.load_state_dict(state["manager"])
+        load_manager_state(self.comm.elastic, state.get("manager"))
 
     def _gather(self, f: Fragment, piece: torch.Tensor) -> torch.Tensor:
         """The whole fragment from every shard's slice (over the fast inner link)."""

@@ -34,6 +34,22 @@ import torch
 from lowband.options import ConfigError, Options, option
 
 LIGHTHOUSE_ENV, REPLICA_ENV = "TORCHFT_LIGHTHOUSE", "LOWBAND_REPLICA"
+NO_TORCHFT = "--elastic needs torchft ({} is not installed): pip install 'lowband[elastic]'."
+
+
+def quiet_rust() -> None:
+    """torchft's Rust side logs every quorum at info: warnings only, unless RUST_LOG says."""
+    os.environ.setdefault("RUST_LOG", "warn")
+
+
+def manager_state(elastic: "Membership | None") -> dict | None:
+    """The torchft Manager's step for a checkpoint (None without --elastic)."""
+    return None if elastic is None else elastic.manager.state_dict()
+
+
+def load_manager_state(elastic: "Membership | None", state: dict | None) -> None:
+    if elastic is not None and state is not None:
+        elastic.manager.load_state_dict(state)
 
 
 @dataclass
@@ -82,14 +98,13 @@ class Membership:
     """This rank's torchft Manager and the process group it reconfigures (see module doc)."""
 
     def __init__(self, topo, cfg, events):
-        os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum
+        quiet_rust()
         logging.getLogger("torchft").setLevel(logging.ERROR)  # and its Python side warns of NCCL
         try:
             from torchft.manager import Manager
             from torchft.process_group import ProcessGroupGloo
         except ImportError as e:
-            raise ConfigError(f"--elastic needs torchft ({e.name} is not installed): pip install "
-                              "'lowband[elastic]'.") from None
+            raise ConfigError(NO_TORCHFT.format(e.name)) from None
         lighthouse = os.environ.get(LIGHTHOUSE_ENV)
         if not lighthouse:
             raise ConfigError(f"--elastic needs a Lighthouse: run it through `lowband train "
@@ -181,8 +196,6 @@ class Membership:
         unless `healed_counts` (ddp: it healed before computing x); wait() gives the mean.
         When the exchange fails the error goes to the Manager, never up: commit() then says
         False."""
-        from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceOp
-
         from lowband.comm.collectives import encoded
 
         weight = 0.0 if self.healed_now and not healed_counts else 1.0
