@@ -26,6 +26,31 @@ from multinode import run_job  # benchmarks/multinode.py
 from lowband.testbed import TestHosts
 
 
+def algo_flags(a) -> dict[str, list[str]]:
+    """The two runs compared, ddp and streaming, from the arguments (model, steps, H, P)."""
+    common = ["--model", a.model, "--steps", str(a.steps), "--batch-size", "4", "--seq-len", "128",
+              "--eval-every", "0", "--eval-batches", "2"]
+    return {"ddp": [*common, "--algo", "ddp"],
+            "streaming": [*common, "--algo", "streaming", "--sync-every", str(a.sync_every),
+                          "--fragments", str(a.fragments)]}
+
+
+def row(name: str, summary: dict, extra: str = "") -> dict:
+    """A run's figures from its summary, printed as one line."""
+    r = {k: summary[k] for k in ("tokens_per_s", "compute_utilization", "outer_wire_bytes",
+                                 "tokens", "final_val_loss")}
+    print(f"{name:>9}: {r['tokens_per_s']:8,.0f} tokens/s, CU {100 * r['compute_utilization']:5.1f}%, "
+          f"{r['outer_wire_bytes'] / r['tokens']:10,.1f} outer B/token, val loss "
+          f"{r['final_val_loss']:.4f}{extra}", flush=True)
+    return r
+
+
+def ratios(rows: dict) -> str:
+    d, s = rows["ddp"], rows["streaming"]
+    return (f"tokens/s {s['tokens_per_s'] / d['tokens_per_s']:.2f}x, outer bytes per token 1/"
+            f"{(d['outer_wire_bytes'] / d['tokens']) / (s['outer_wire_bytes'] / s['tokens']):.0f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="mini")
@@ -40,31 +65,18 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"four_hosts: skipped: it {why}.")
         return 0
-    common = ["--model", a.model, "--steps", str(a.steps), "--batch-size", "4", "--seq-len", "128",
-              "--eval-every", "0", "--eval-batches", "2"]
-    runs = {"ddp": ["--algo", "ddp"],
-            "streaming": ["--algo", "streaming", "--sync-every", str(a.sync_every),
-                          "--fragments", str(a.fragments)]}
     out, rows = Path(tempfile.mkdtemp(prefix="lowband-four-hosts-")), {}
     try:
         hosts.setup()
-        for port, (name, flags) in enumerate(runs.items(), start=29611):
-            job = run_job(hosts, [*common, *flags], out / name, port, timeout=900)
+        for port, (name, flags) in enumerate(algo_flags(a).items(), start=29611):
+            job = run_job(hosts, flags, out / name, port, timeout=900)
             if any(job["codes"]):
                 print(f"four_hosts: {name} failed {job['codes']}; logs: {job['logs']}")
                 return 1
-            s = json.loads((out / name / "summary.json").read_text())
-            rows[name] = {k: s[k] for k in ("tokens_per_s", "compute_utilization",
-                                            "outer_wire_bytes", "tokens", "final_val_loss")}
-            r = rows[name]
-            print(f"{name:>9}: {r['tokens_per_s']:8,.0f} tokens/s, CU {100 * r['compute_utilization']:5.1f}%, "
-                  f"{r['outer_wire_bytes'] / r['tokens']:10,.1f} outer B/token, val loss "
-                  f"{r['final_val_loss']:.4f}", flush=True)
+            rows[name] = row(name, json.loads((out / name / "summary.json").read_text()))
     finally:
         hosts.teardown()
-    d, s = rows["ddp"], rows["streaming"]
-    print(f"streaming/ddp: tokens/s {s['tokens_per_s'] / d['tokens_per_s']:.2f}x, outer bytes per "
-          f"token 1/{(d['outer_wire_bytes'] / d['tokens']) / (s['outer_wire_bytes'] / s['tokens']):.0f}")
+    print(f"streaming/ddp: {ratios(rows)}")
     if a.json:
         Path(a.json).write_text(json.dumps({"settings": vars(a), "results": rows}, indent=2))
     return 0

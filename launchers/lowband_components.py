@@ -137,7 +137,10 @@ def _nodes(flags, script, algo, replicas, shards, n, p, run_dir, config, name, i
             args += ["--no-progress"]
         program = {"m": "lowband.cli"}
     layout = (str(replicas), str(shards), run_dir, "1" if progress else "0")
-    env = {**dict(env or {}), **dict(zip(LAYOUT_ENV, layout))}
+    # the node's name: its log is RUN/logs/<name>.log (the agent copies its output there)
+    env = dict(env or {})
+    env = {**env, **dict(zip(LAYOUT_ENV, layout)),
+           "LOWBAND_NODE": env.get("LOWBAND_NODE", f"node{macros.replica_id}")}
     app = dist.ddp(
         *args, *flags, **program, name=name, image=image, h=h, cpu=cpu, gpu=gpu,
         memMB=memMB, j=f"{n}x{p}", env=env, max_retries=max_retries,
@@ -175,7 +178,7 @@ def _elastic(flags, script, algo, replicas, shards, run_dir, config, name, image
     for g in range(replicas):
         group = _nodes(flags, None, algo, replicas, shards, 1, shards, run_dir, config, name,
                        image, h, cpu, gpu, memMB,
-                       {**env, "LOWBAND_REPLICA": str(g)}, mounts,
+                       {**env, "LOWBAND_REPLICA": str(g), "LOWBAND_NODE": f"group{g}"}, mounts,
                        29500, rdzv_timeout, 0, progress, debug)
         role = group.roles[0]
         role.name = f"group{g}"

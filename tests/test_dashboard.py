@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from lowband.dashboard.model import RunModel, SpikeDetector, bin_transfers, detect_spikes
+from lowband.dashboard.restarts import restart_text
 from lowband.dashboard.synthetic import SyntheticRun, make_run
 from lowband.telemetry import EventWriter, RunDir, read_events, write_json_atomic
 
@@ -366,6 +367,90 @@ def test_dashboard_draws_membership_changes_as_they_come(tmp_path):
     quiet = Dashboard(small_run(tmp_path / "plain").root)
     assert not any("membership" in t.name or "commit" in t.name
                    for t in (*quiet.loss_fig.data, *quiet.timeline_fig.data))
+
+
+# -- restarts -----------------------------------------------------------------------------------
+
+# attempt 0 checkpoints after step 20 and dies at step 27; attempt 1, Slurm's first requeue,
+# resumes from the checkpoint
+REQUEUE = {"at": 20, "crash": 27, "slurm_restart": 1}
+RESUMED = "attempt 1 resumed from step 20 (steps 21–27 of the lost attempt redone; Slurm requeue 1)"
+
+
+def _series(m: RunModel):
+    return ([(q, rs.steps, rs.loss, rs.t, rs.tokens) for q, rs in sorted(m.replicas.items())],
+            list(m.steps), m.syncs, m.outer, m.restarts())
+
+
+def test_a_restarted_run_reads_the_same_in_one_poll_and_incrementally(tmp_path):
+    run = SyntheticRun(tmp_path / "run", steps=40)
+    live = RunModel(run.rd.root)
+    run.emit_steps(0, 21)
+    kept = run.checkpoint(20)
+    run.emit_steps(21, 28)
+    live.poll()
+    assert live.replicas[0].steps[-1] == 27 and live.restarts() == []
+    lost = {q: set(rs.loss[21:]) for q, rs in live.replicas.items()}
+    version = live.version
+    run.resume(20, kept, crashed_at=27, slurm_restart=1)
+    run.emit_steps(21, 40)
+    run.close()
+    live.poll()                      # it had folded in steps 21-27 of the lost attempt
+    assert live.version > version
+    whole = RunModel(run.rd.root).load()
+    assert _series(live) == _series(whole)
+    (r,) = whole.restarts()
+    assert (r.attempt, r.step, r.superseded_to, r.slurm_restart) == (1, 20, 27, 1)
+    assert [rank for rank, _ in r.reports] == [0, 1, 2, 3] and r.t == r.reports[0][1]
+    assert restart_text(r) == RESUMED
+    for q, rs in whole.replicas.items():
+        assert rs.steps == list(range(40)) and not lost[q] & set(rs.loss)
+    assert [s.n_steps for s in live.ranks.values()] == [40] * 4
+    assert live.status() == whole.status() == "running"
+
+
+def test_a_resume_after_the_end_runs_again(tmp_path):
+    run = SyntheticRun(tmp_path / "run", steps=10)
+    run.emit_steps(0, 10)
+    t_end = run.step_end(3, 9) + 0.05
+    for w in run.writers.values():
+        w.emit("run", t=t_end, phase="end", world=4)
+    m = RunModel(run.rd.root)
+    m.poll()
+    assert m.status() == "ended" and m.restarts() == []
+    run.writers[0].emit("run", t=t_end + 1, phase="resume", world=4, step=9, attempt=1)
+    m.poll()
+    assert m.status() == "running"     # rank 0 runs again
+    assert [restart_text(r) for r in m.restarts()] == ["attempt 1 resumed from step 9"]
+    run.writers[0].emit("run", t=t_end + 2, phase="end", world=4)
+    m.poll()
+    assert m.status() == "ended"
+
+
+def test_restarts_are_drawn_on_the_loss_figure_and_timeline(tmp_path):
+    from lowband.dashboard import figures as F
+
+    m = RunModel(make_run(tmp_path / "run", steps=40, restart=REQUEUE).root).load()
+    (r,) = m.restarts()
+    traces = {t["name"]: t for t in F.loss_spec([m])[0]}
+    line, mark = traces["restart"], traces["restart mark"]
+    assert line["x"] == [20, 20, None] and mark["x"] == [20] and not mark["showlegend"]
+    assert mark["text"] == [RESUMED] and mark["marker"]["color"] == F.RESTART_COLOR
+    times = {t["name"]: t for t in F.loss_spec([m], "time")[0]}["restart mark"]
+    assert times["x"] == [pytest.approx(r.t - m.t0)]
+    tokens = {t["name"]: t for t in F.loss_spec([m], "tokens")[0]}["restart mark"]
+    assert tokens["x"] == [m.run_tokens(m.replicas[0].tokens_at(20))]
+    F.make_figure(F.loss_spec([m]))
+    # the timeline: on each rank's lane, when it resumed
+    (tl,) = [t for t in F.timeline_spec(m, window_s=None)[0] if t["name"] == "restart"]
+    assert tl["y"] == [0, 1, 2, 3]
+    assert tl["x"] == [pytest.approx(t - m.t0) for _, t in r.reports]
+    assert tl["text"][1] == f"{RESUMED}<br>rank 1"
+    F.make_figure(F.timeline_spec(m))
+    plain = RunModel(small_run(tmp_path / "plain").root).load()
+    assert plain.restarts() == []
+    for spec in (F.loss_spec([plain]), F.timeline_spec(plain)):
+        assert not any("restart" in t["name"] for t in spec[0])
 
 
 # -- the widget ---------------------------------------------------------------------------------

@@ -138,6 +138,27 @@ def test_report_lists_failed_commit_votes(runs, tmp_path):
     assert "commit vote failed" not in plain and 'id="failed-commits"' not in plain
 
 
+def test_report_lists_restarts(runs, tmp_path):
+    rq = make_run(tmp_path / "rq", name="requeued", steps=40,
+                  restart={"at": 20, "crash": 27, "slurm_restart": 1})
+    text = write_report(rq.root, tmp_path / "rq.html").read_text(encoding="utf-8")
+    section = re.search(r'<section id="restarts">(.*?)</section>', text, re.S).group(1)
+    rows = re.findall(r"<tr>(<td>.*?)</tr>", section)
+    assert [re.findall(r"<td>(.*?)</td>", r) for r in rows] == [
+        ["20", "7.80 s", "1", "21–27", "1"]]     # step, time, attempt, lost steps, requeue
+    hover = "attempt 1 resumed from step 20 (steps 21–27 of the lost attempt redone; Slurm " \
+            "requeue 1)"
+    assert json.dumps(hover)[1:-1] in text       # the figures' hover text (JSON, \u2013)
+    assert "dash-dot teal lines" in text and "teal triangle" in text
+    (run,) = report_data(text)["runs"]
+    assert [(r["attempt"], r["step"], r["superseded_to"], r["slurm_restart"])
+            for r in run["restarts"]] == [(1, 20, 27, 1)]
+    # a run that never restarted: none of it in its report
+    plain = write_report(runs[0], tmp_path / "plain.html").read_text(encoding="utf-8")
+    assert 'id="restarts"' not in plain and "resumed from step" not in plain
+    assert "teal lines" not in plain and "restarts" not in report_data(plain)["runs"][0]
+
+
 def test_write_report_refuses_what_is_not_a_run(tmp_path, runs):
     with pytest.raises(ReportError, match="not a lowband run directory"):
         write_report([tmp_path], tmp_path / "x.html")

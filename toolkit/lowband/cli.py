@@ -51,7 +51,11 @@ def cmd_train(argv: list[str]) -> int:
             os._exit(code)
 
         try:
-            train(cfg, resume=resume)  # its files (events, summary, weights) are closed
+            summary = train(cfg, resume=resume)  # its files (events, summary, weights) are closed
+            if summary and not os.environ.get("LOWBAND_WORKER"):  # not `lowband train`'s own
+                # a launched job's log (stderr: the stream schedulers keep) ends with the result
+                print(f"run directory: {cfg.run_dir}\n{one_line(summary)}", file=sys.stderr,
+                      flush=True)
         except (ConfigError, TrainingStopped, ElasticStopped) as e:
             error = "error: " if isinstance(e, ConfigError) else ""
             print(f"lowband: {error}{e}", file=sys.stderr)
@@ -80,7 +84,10 @@ def launch_local(cfg: Config, argv: list[str], main_job: bool = False, resume: b
     # touched: a model too small for its vocabulary loses nothing
     check_vocab(cfg, vocab_needed(load_corpus(cfg.data, cfg.tokenizer, cfg.progress)))
     if cfg.run_dir:  # refused before any worker starts if it holds another run (see RunDir.claim)
-        run = RunDir(cfg.run_dir).create() if resume else RunDir(cfg.run_dir).claim(cfg.overwrite)
+        from lowband.train import relaunched
+
+        keep = resume or relaunched(cfg)  # --auto-resume into the same run: its workers continue it
+        run = RunDir(cfg.run_dir).create() if keep else RunDir(cfg.run_dir).claim(cfg.overwrite)
     else:
         run = new_run_dir(cfg.algo)
     if cfg.elastic:  # the Lighthouse and R groups, each a job of its own (supervise.py)

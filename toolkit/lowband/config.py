@@ -67,6 +67,10 @@ class RunOptions(Options):
     # checkpoints and faults
     checkpoint_every: int = _f(0, "write a checkpoint every N steps and at the end (0: never)")
     keep_checkpoints: int = _f(3, "how many of the newest checkpoints to keep")
+    auto_resume: bool = _f(False, "if --run-dir already holds this run (the same options), "
+                           "continue it from its latest complete checkpoint, or start it over "
+                           "in place when it has none, instead of refusing; implied when Slurm "
+                           "restarts the job (SLURM_RESTART_COUNT > 0: a requeue or preemption)")
     stop_after: int = _f(0, "stop after this many steps as if interrupted (0: run to --steps); "
                          "the schedule still spans --steps, so --resume continues it")
     max_skips: int = _f(10, "stop after this many updates in a row skipped for NaN or inf")

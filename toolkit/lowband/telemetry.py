@@ -16,7 +16,12 @@ Every event carries v (schema version), t (unix seconds), rank, replica and kind
   sync  step, fragment/block, pseudo_grad_norm, weight, anomaly, outer_lr
   eval  step, val_loss
   spike step, loss, z
-  run   phase (start, resume or end: one start or resume a rank), world, config_hash, step
+  run   phase (start, resume or end: one start or resume a rank an attempt), world,
+        config_hash, step, attempt (0, 1, ...: this rank's starts and resumes before it);
+        events_kept (bytes): an attempt that continues a run (resume from a checkpoint, or a
+        start over in place) says how much of this rank's file stands: the events from that
+        byte up to this one belong to a lost attempt and readers drop them (the file is never
+        truncated: a live reader may have read them); slurm_restart: SLURM_RESTART_COUNT
   fault step, what (e.g. corrupt), scale       (injected faults, lowband/faults.py)
   skip  step, what, fragment: an update skipped: for NaN or inf (what: gradient,
         pseudo-gradient), or a failed --elastic commit vote (what: commit)
@@ -144,7 +149,13 @@ class EventWriter:
     def __init__(self, run_dir: RunDir, rank: int, replica: int):
         self.rank, self.replica = rank, replica
         run_dir.events.mkdir(parents=True, exist_ok=True)
-        self._file = open(run_dir.event_file(rank), "a", buffering=1)
+        path = run_dir.event_file(rank)
+        self._file = open(path, "a", buffering=1)
+        if self._file.tell() > 0:  # a crash may have torn the last line: end it, readers skip it
+            with open(path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    self._file.write("\n")
         self._lock = threading.Lock()
 
     def emit(self, kind: str, **fields) -> dict:
@@ -166,11 +177,16 @@ class EventTail:
 
     poll() returns the events appended since the last call. A last line without its newline is
     being written (or was torn by a crash): it is left for the next poll, never parsed half.
+    Events of a lost attempt (before a `run` event's events_kept byte) are dropped, and that run
+    event gets `superseded_to`, the last step the lost attempt reached; when an earlier poll had
+    already returned some of them, `rewound` turns True: the reader should start over with a
+    new EventTail (what a fresh read returns is the run without the lost attempts).
     """
 
     def __init__(self, run_dir: str | os.PathLike | RunDir):
         self.run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
         self.offsets: dict[Path, int] = {}  # bytes of each file consumed so far
+        self.rewound = False
 
     def poll(self, kinds: tuple[str, ...] = KINDS) -> list[dict]:
         out: list[dict] = []
@@ -188,10 +204,21 @@ class EventTail:
             if end < 0:
                 continue
             self.offsets[path] = offset + end + 1
-            for line in chunk[: end + 1].splitlines():
+            mine: list[tuple[int, dict]] = []  # (byte position, event) read from this file now
+            pos = offset
+            for line in chunk[: end + 1].splitlines(keepends=True):
                 event = parse_event(line)
-                if event is not None and event["kind"] in kinds:
-                    out.append(event)
+                if event is not None:
+                    kept = event.get("events_kept") if event["kind"] == "run" else None
+                    if isinstance(kept, int) and not isinstance(kept, bool) and kept < pos:
+                        self.rewound |= kept < offset
+                        lost = [e["step"] for p, e in mine if p >= kept and e["kind"] == "step"]
+                        if lost:
+                            event["superseded_to"] = max(lost)
+                        mine = [(p, e) for p, e in mine if p < kept]
+                    mine.append((pos, event))
+                pos += len(line)
+            out.extend(e for _, e in mine if e["kind"] in kinds)
         return out
 
 

@@ -39,6 +39,10 @@ class TestHosts:
     latency). n = 2: -v0 <-> -v1 directly. n > 2: -v<i> <-> port -p<i> of bridge -br in
     namespace <prefix>-<host>sw (unshaped).
 
+    With `uplink` (an address in the subnet, e.g. "<subnet>.254"), the hosts always meet at the
+    bridge, and this machine's own (root) namespace joins it too, by veth <prefix>-up (unshaped)
+    with that address: services run here (a Slurm controller) and the hosts reach each other.
+
     With `hostnames`, a command run on host i (`exec_prefix(i)`, `popen`) also gets its own UTS
     namespace with the host's name as hostname, and an /etc/hosts naming every host, as cluster
     nodes resolve each other (torch's rendezvous and TCPStore need it).
@@ -47,16 +51,20 @@ class TestHosts:
     __test__ = False  # not a pytest test class, whatever module imports it
 
     def __init__(self, prefix: str, subnet: str, rate: str, burst: str, latency: str, *,
-                 host: str = "h", hostnames: bool = False, n: int = 2):
+                 host: str = "h", hostnames: bool = False, n: int = 2,
+                 uplink: str | None = None):
         if n < 2:
             raise ValueError(f"n={n}: test hosts come two or more")
         self.names = [f"{prefix}-{host}{i}" for i in range(n)]
         self.devs = [f"{prefix}-v{i}" for i in range(n)]
         self.addrs = [f"{subnet}.{i + 1}" for i in range(n)]
-        # n > 2: the bridge, its namespace and its port for each host
-        self.switch = f"{prefix}-{host}sw" if n > 2 else None
-        self.bridge = f"{prefix}-br" if n > 2 else None
-        self.ports = [f"{prefix}-p{i}" for i in range(n)] if n > 2 else []
+        # n > 2 (or an uplink): the bridge, its namespace and its port for each host
+        bridged = n > 2 or uplink is not None
+        self.switch = f"{prefix}-{host}sw" if bridged else None
+        self.bridge = f"{prefix}-br" if bridged else None
+        self.ports = [f"{prefix}-p{i}" for i in range(n)] if bridged else []
+        self.uplink = uplink
+        self.uplink_dev = f"{prefix}-up"
         self.rate, self.burst, self.latency = rate, burst, latency
         self.hostnames = hostnames
         self.procs: list[subprocess.Popen] = []
@@ -102,6 +110,12 @@ class TestHosts:
                      "netns", ns_b)
             for port in self.ports:
                 _run("ip", "-n", sw, "link", "set", port, "master", br, "up")
+            if self.uplink:
+                up, port = self.uplink_dev, self.uplink_dev + "p"
+                _run("ip", "link", "add", up, "type", "veth", "peer", "name", port, "netns", sw)
+                _run("ip", "-n", sw, "link", "set", port, "master", br, "up")
+                _run("ip", "addr", "add", f"{self.uplink}/24", "dev", up)
+                _run("ip", "link", "set", up, "up")
             for ns, dev, ip in zip(self.names, self.devs, self.addrs):
                 _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
                 _run("ip", "-n", ns, "link", "set", dev, "up")
@@ -149,7 +163,7 @@ class TestHosts:
             _run("ip", "link", "delete", "dev", dev, check=False)
 
     def _stray_links(self) -> list[str]:
-        return [d for d in self.devs + self.ports
+        return [d for d in self.devs + self.ports + ([self.uplink_dev] if self.uplink else [])
                 if _run("ip", "link", "show", "dev", d, check=False).returncode == 0]
 
     def leftovers(self) -> list[str]:

@@ -77,6 +77,43 @@ def _resolve_run_dir(cfg: Config, resume: bool) -> RunDir:
     return RunDir(cfg.run_dir).create()
 
 
+# what may differ between a run's attempts, when a relaunch continues it (--auto-resume)
+_RELAUNCH_MAY_CHANGE = ("progress", "steps", "stop_after", "crash_checkpoint", "auto_resume",
+                        "run_dir", "overwrite")
+
+
+def relaunched(cfg: Config) -> str | bool:
+    """'auto' when this process continues a run already in --run-dir: --auto-resume, or Slurm
+    restarted the job (SLURM_RESTART_COUNT > 0), and the directory holds the same run. A
+    directory holding another run is refused with one sentence (rank 0 decides)."""
+    requeued = int(os.environ.get("SLURM_RESTART_COUNT", 0) or 0) > 0
+    if not (cfg.auto_resume or requeued) or not cfg.run_dir or cfg.overwrite:
+        return False
+    run = RunDir(cfg.run_dir)
+    saved = run.read_json(run.config)
+    if saved is None:
+        return "auto" if run.holds_run() else False  # stopped before its config: start over
+    saved.pop("meta", None)
+    mine = {k: v for k, v in cfg.to_dict().items() if k not in _RELAUNCH_MAY_CHANGE}
+    theirs = {k: v for k, v in saved.items() if k not in _RELAUNCH_MAY_CHANGE}
+    differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    if differ:
+        raise ConfigError(f"{run.root} holds a run with other options (--{differ[0].replace('_', '-')}"
+                          f" {theirs.get(differ[0])!r}, not {mine.get(differ[0])!r}), so it is not "
+                          "continued: give another --run-dir, or --overwrite to replace it.")
+    return "auto"
+
+
+def _attempts_before(run: RunDir, rank: int) -> int:
+    """This run's attempts so far: the starts and resumes in this rank's event file."""
+    try:
+        with open(run.event_file(rank), "rb") as f:
+            return sum(1 for line in f if b'"kind":"run"' in line and
+                       (b'"phase":"start"' in line or b'"phase":"resume"' in line))
+    except OSError:
+        return 0
+
+
 def _decided_by_rank0(decide):
     """decide() run on rank 0 and its result given to every rank; a ConfigError it raises is
     raised on every rank, so all of them stop with the same sentence."""
@@ -93,14 +130,16 @@ def _decided_by_rank0(decide):
     return box[0]
 
 
-def _resume_point(run: RunDir, group: int | None) -> Path | None:
+def _resume_point(run: RunDir, group: int | None, required: bool = True) -> Path | None:
     """The newest checkpoint of the run (with --elastic, of this replica group) whose files
     match their checksums, chosen by rank 0; each newer, damaged one is named on rank 0's
     stderr. None: an elastic group that has none while others do starts afresh (and heals
-    from a live peer in its first quorum)."""
+    from a live peer in its first quorum); a relaunch (not `required`) with none starts over."""
 
     def pick():
         path, damaged = checkpoint.newest_intact(run, group)
+        if path is None and not damaged and not required:
+            return None
         if path is None and not damaged and group is not None and \
                 any(p.parent.name != f"replica{group}" for p in run.checkpoints.glob("replica*/step-*")):
             return None
@@ -147,22 +186,27 @@ def train(cfg: Config, model: nn.Module | None = None, blocks: nn.ModuleList | N
     tokens = load_corpus(cfg.data, cfg.tokenizer)
     if model is None:  # before the run directory is touched: bad input loses nothing
         check_vocab(cfg, vocab_needed(tokens))
+    resume = resume or _decided_by_rank0(lambda: relaunched(cfg))
     run = _resolve_run_dir(cfg, resume)
-    resume_from = None
+    resume_from, attempt = None, {}
     if resume:
-        path = _resume_point(run, _group(cfg, topo))
-        if path is not None:
+        path = _resume_point(run, _group(cfg, topo), required=resume is True)
+        if path is not None:  # the events after the checkpoint belong to a lost attempt
             resume_from = (path, checkpoint.read_rank_state(path, dist.get_rank()))
-            with open(run.event_file(topo.rank), "r+b") as f:  # drop events after the checkpoint
-                f.truncate(resume_from[1]["events_offset"])
+            attempt["events_kept"] = resume_from[1]["events_offset"]
+        elif not cfg.elastic:  # relaunched before its first checkpoint: start over in place
+            attempt["events_kept"] = 0
+    attempt["attempt"] = _decided_by_rank0(lambda: _attempts_before(run, topo.rank))
+    if int(os.environ.get("SLURM_RESTART_COUNT", 0) or 0):
+        attempt["slurm_restart"] = int(os.environ["SLURM_RESTART_COUNT"])
     events = EventWriter(run, topo.rank, topo.replica)
     try:
-        return _train(cfg, topo, run, events, tokens, model, blocks, resume_from)
+        return _train(cfg, topo, run, events, tokens, model, blocks, resume_from, attempt)
     finally:
         events.close()
 
 
-def _train(cfg, topo, run, events, tokens, model, blocks, resume_from):
+def _train(cfg, topo, run, events, tokens, model, blocks, resume_from, attempt):
     device = topo.device
     batches = Batches(tokens, rank=topo.rank, world=topo.world, seq_len=cfg.seq_len,
                       batch_size=cfg.batch_size, seed=cfg.seed, val_fraction=cfg.val_fraction,
@@ -198,7 +242,7 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from):
         torch.set_rng_state(resume_from[1]["rng"])
     # one run event a rank: where this process starts (a resumed run continues the same files)
     events.emit("run", phase="start" if resume_from is None else "resume", world=topo.world,
-                config_hash=cfg.hash(), step=done.step)
+                config_hash=cfg.hash(), step=done.step, **attempt)
 
     model.train()
     dist.barrier()  # every rank starts the clock together: set-up skew is not link time

@@ -3,13 +3,15 @@
 
 One self-contained file: plotly.js is embedded inline (no CDN, nothing fetched when opened),
 with the dashboard's figures (built by the same code), the summary and config of every run side
-by side, and the membership changes and failed commit votes of --elastic runs. Runs that have
-not finished are reported as they stand.
+by side, the restarts of runs continued after a crash or a requeue, and the membership changes
+and failed commit votes of --elastic runs. Runs that have not finished are reported as they
+stand.
 
 For tests in a browser, the page has stable hooks: figure divs #lowband-loss,
-#lowband-bandwidth and #lowband-timeline-<i>, sections #summary, #config (and #membership for
---elastic runs, with #failed-commits where a commit vote failed), and the report's numbers as
-JSON in <script type="application/json" id="lowband-report-data">.
+#lowband-bandwidth and #lowband-timeline-<i>, sections #summary, #config (#restarts for runs
+that restarted, #membership for --elastic runs, with #failed-commits where a commit vote
+failed), and the report's numbers as JSON in <script type="application/json"
+id="lowband-report-data">.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from .bandwidth_figure import bandwidth_spec
 from .loss_figure import loss_figure_static
 from .model import RunModel, is_run_dir
 from .specs import make_figure
-from .tables import (commits_table, config_table, elastic_text, membership_table, run_record,
-                     summary_table)
+from .tables import (commits_table, config_table, elastic_text, membership_table,
+                     restarts_table, run_record, summary_table)
 from .timeline_figure import timeline_spec
 
 
@@ -104,6 +106,7 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
              else "each run's mean per link")
     elastic = any(m.membership() or m.failed_commits() for m in models)
     failed = any(m.failed_commits() for m in models)
+    restarts = restarts_table(models)
     parts = [
         f'<section id="summary"><h2>Summary</h2><div class="scroll">{summary_table(records)}'
         f"</div></section>",
@@ -114,6 +117,8 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
            if elastic else "")
         + ("; outer syncs whose commit vote failed, their update skipped (dotted orange lines)"
            if failed else "")
+        + ("; restarts, at the step each attempt resumed from (dash-dot teal lines)"
+           if restarts else "")
         + f". The buttons switch the x axis.</p>{_figure_html(loss, 'lowband-loss', 460)}"
         "</section>",
         f'<section id="bandwidth-section"><h2>Outer-link bandwidth</h2><p class="meta">Bytes on '
@@ -121,6 +126,12 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
         f"; the peak is the highest bin, so it depends on the bin width.</p>"
         f"{_figure_html(bandwidth, 'lowband-bandwidth', 340)}</section>",
     ]
+    if restarts:
+        parts.append('<section id="restarts"><h2>Restarts</h2><p class="meta">One row per '
+                     "attempt that continued a run after a crash or a Slurm requeue: the step it "
+                     "resumed from (0: it started over) and the steps of the lost attempt it "
+                     "redid. The lost attempt's events are left out of every figure and number."
+                     f'</p><div class="scroll">{restarts}</div></section>')
     if elastic:
         parts.append(_membership_section(models))
     plan = _plan_section([m.run_dir for m in models if m.finished])
@@ -139,6 +150,7 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
                     "it was healed)" if elastic else "")
                  + ("; a crossed-out orange diamond where a rank's commit vote failed (the outer "
                     "step not applied)" if failed else "")
+                 + ("; a teal triangle where a rank resumed after a restart" if restarts else "")
                  + ". Drag to zoom, double-click to see everything.</p>" + "".join(tl_parts)
                  + "</section>")
     parts.append(f'<section id="config"><h2>Config</h2><div class="scroll">'
@@ -148,7 +160,8 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
          "stats": rec, "config": m.config,
          **({"membership": [r._asdict() for r in m.membership()]} if m.membership() else {}),
          **({"failed_commits": [c._asdict() for c in m.failed_commits()]}
-            if m.failed_commits() else {})}
+            if m.failed_commits() else {}),
+         **({"restarts": [r._asdict() for r in m.restarts()]} if m.restarts() else {})}
         for m, rec in zip(models, records)]}
     data_json = json.dumps(_clean(data), allow_nan=False).replace("</", "<\\/")
     generated = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")

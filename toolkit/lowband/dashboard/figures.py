@@ -21,14 +21,15 @@ from .bandwidth_figure import bandwidth_spec
 from .loss_figure import downsample, loss_figure_static, loss_spec
 from .specs import NUMERIC, make_figure, trace_signature, update_figure
 from .style import (ANOMALY_COLOR, BASE_LAYOUT, COMPUTE_COLOR, DASHES, FAILED_COMMIT_COLOR,
-                    FRAGMENT_PALETTE, INNER_COLOR, MAX_TAGS, MEMBERSHIP_COLOR, PALETTE, XAXES, Spec,
-                    fmt_bits, fmt_bytes, fmt_rate, fmt_value, fragment_colors)
+                    FRAGMENT_PALETTE, INNER_COLOR, MAX_TAGS, MEMBERSHIP_COLOR, PALETTE,
+                    RESTART_COLOR, XAXES, Spec, fmt_bits, fmt_bytes, fmt_rate, fmt_value,
+                    fragment_colors)
 from .tables import STATUS_COLORS, SUMMARY_COLUMNS, summary_html
 from .timeline_figure import timeline_spec
 
 __all__ = ["ANOMALY_COLOR", "BASE_LAYOUT", "COMPUTE_COLOR", "DASHES", "FAILED_COMMIT_COLOR",
            "FRAGMENT_PALETTE", "INNER_COLOR", "MAX_TAGS", "MEMBERSHIP_COLOR", "NUMERIC", "PALETTE",
-           "STATUS_COLORS", "SUMMARY_COLUMNS", "Spec", "XAXES", "bandwidth_spec", "downsample",
-           "fmt_bits", "fmt_bytes", "fmt_rate", "fmt_value", "fragment_colors",
+           "RESTART_COLOR", "STATUS_COLORS", "SUMMARY_COLUMNS", "Spec", "XAXES", "bandwidth_spec",
+           "downsample", "fmt_bits", "fmt_bytes", "fmt_rate", "fmt_value", "fragment_colors",
            "loss_figure_static", "loss_spec", "make_figure", "summary_html", "timeline_spec",
            "trace_signature", "update_figure"]

@@ -1,6 +1,7 @@
-"""The loss figure: loss per replica, validation loss, loss spikes, outer-sync marks and the
-membership changes and failed commit votes of --elastic runs, against steps, tokens or wall time
-(loss_spec); and the report's version with x-axis buttons."""
+"""The loss figure: loss per replica, validation loss, loss spikes, outer-sync marks, the
+restarts of a continued run and the membership changes and failed commit votes of --elastic
+runs, against steps, tokens or wall time (loss_spec); and the report's version with x-axis
+buttons."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import numpy as np
 
 from .commits import commit_text, reported_text
 from .model import RunModel
+from .restarts import restart_text
 from .specs import make_figure
 from .style import (ANOMALY_COLOR, BASE_LAYOUT, DASHES, FAILED_COMMIT_COLOR, MEMBERSHIP_COLOR,
-                    PALETTE, XAXES, Spec, empty_note, figure_title)
+                    PALETTE, RESTART_COLOR, XAXES, Spec, empty_note, figure_title)
 
 
 def downsample(n: int, max_points: int) -> np.ndarray:
@@ -56,7 +58,7 @@ def _vlines(xs: list, texts: list) -> dict:
 def loss_spec(models: list[RunModel], xaxis: str = "step", max_points: int = 2000,
               max_marks: int = 500) -> Spec:
     """Loss per replica (mean over its ranks), validation loss, spikes, outer syncs and, for
-    runs that have them, membership changes and failed commit votes."""
+    runs that have them, restarts, membership changes and failed commit votes."""
     multi = len(models) > 1
     traces: list[dict] = []
     for ri, m in enumerate(models):
@@ -100,6 +102,7 @@ def loss_spec(models: list[RunModel], xaxis: str = "step", max_points: int = 200
                                run_color if multi else "#999")
         traces += _membership_traces(m, xaxis, max_marks, prefix, group)
         traces += _commit_traces(m, xaxis, max_marks, prefix, group)
+        traces += _restart_traces(m, xaxis, max_marks, prefix, group)
     layout = dict(BASE_LAYOUT, title=figure_title("loss"),
                   xaxis=dict(title=dict(text=XAXES.get(xaxis, xaxis))),
                   yaxis=dict(title=dict(text="loss")),
@@ -177,6 +180,23 @@ def _commit_traces(m: RunModel, xaxis: str, max_marks: int, prefix: str, group) 
         dict(name=f"{prefix}failed commit mark", y=[0.8] * len(xs),
              marker=dict(symbol="diamond-x-open", size=10, color=FAILED_COMMIT_COLOR,
                          line=dict(width=2, color=FAILED_COMMIT_COLOR))))
+
+
+def _restart_traces(m: RunModel, xaxis: str, max_marks: int, prefix: str, group) -> list:
+    """A dash-dot teal line at the step each restart resumed from (the steps after it, up to
+    where the lost attempt got, were redone), a triangle near its top; nothing for a run that
+    never restarted."""
+    marks = m.restarts()[-max_marks:]
+    if not marks:
+        return []
+    # x kept when unknown, as the membership marks' are
+    xs = [_at(m, xaxis, r.step, r.t, r.replica)[1] for r in marks]
+    return _marked_lines(
+        xs, [restart_text(r) for r in marks], group if group is not None else "restart",
+        dict(name=f"{prefix}restart", opacity=0.8,
+             line=dict(color=RESTART_COLOR, width=1.5, dash="dashdot")),
+        dict(name=f"{prefix}restart mark", y=[0.7] * len(xs),
+             marker=dict(symbol="triangle-right", size=10, color=RESTART_COLOR)))
 
 
 def _marked_lines(xs: list, hover: list, legend, line: dict, mark: dict) -> list:

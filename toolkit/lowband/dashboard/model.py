@@ -3,14 +3,15 @@
 Pure Python (and numpy for binning), no widgets and no plotting, so it is cheap to test and
 shared by the live dashboard and the static report. A RunModel tails a run directory with
 telemetry.EventTail (by byte offset, torn last lines left for later) and folds each new event
-into running aggregates; nothing is ever re-read.
+into running aggregates; nothing is re-read, unless a continued run (a resume after a crash or
+a requeue) makes events already folded in those of a lost attempt: then the model starts over.
 
 This module holds RunModel itself: reading the run directory, folding events in, and the
 headline numbers. Its parts live beside it: records.py (the records it keeps and the event field
 readers), losses.py (per-replica loss curves, spike detection), syncs.py (outer-sync marks),
 membership.py (replica groups joining and leaving an --elastic run's quorum), commits.py (its
-failed commit votes) and bandwidth.py (outer-link traffic binned over time). Their public names
-import from here too.
+failed commit votes), restarts.py (attempts that continued the run) and bandwidth.py
+(outer-link traffic binned over time). Their public names import from here too.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from .bandwidth import OuterTraffic, bin_transfers, nice_width, parse_bits, pars
 from .commits import FailedCommits
 from .losses import ReplicaSeries, SpikeDetector, detect_spikes
 from .membership import MembershipChanges
-from .records import (FailedCommit, Membership, MembershipMark, Spike, StepSpan, SyncMark,
-                      Transfer, _int, _num, sync_label)
+from .records import (FailedCommit, Membership, MembershipMark, Restart, Spike, StepSpan,
+                      SyncMark, Transfer, _int, _num, sync_label)
+from .restarts import Restarts
 from .syncs import SyncMarks
 
 __all__ = ["FailedCommit", "Membership", "MembershipMark", "RankState", "ReplicaSeries",
-           "RunModel", "Spike", "SpikeDetector", "StepSpan", "SyncMark", "Transfer",
+           "Restart", "RunModel", "Spike", "SpikeDetector", "StepSpan", "SyncMark", "Transfer",
            "bin_transfers", "detect_spikes", "is_run_dir", "nice_width", "parse_bits",
            "parse_seconds", "sync_label"]
 
@@ -58,7 +60,7 @@ def is_run_dir(path) -> bool:
     return p.is_dir() and ((p / "config.json").is_file() or (p / "events").is_dir())
 
 
-class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits):
+class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits, Restarts):
     """Everything the dashboard draws about one run, updated incrementally by poll().
 
     source: a run directory (str or Path) or a launch handle with a `.run_dir` attribute (read
@@ -70,10 +72,16 @@ class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits):
         self.source = source
         self.spike_params = (spike_z, spike_alpha, spike_warmup)
         self.stall_after = stall_after
+        self.max_spans = max_spans
         self._run_dir: RunDir | None = None
         self._tail: EventTail | None = None
         self.config: dict = {}
         self.summary: dict | None = None
+        self.version = 0                          # bumps whenever something new was folded in
+        self._reset()
+
+    def _reset(self) -> None:
+        """Forget every event folded in: a new model but for its source, config and summary."""
         self.events_seen = 0
         self.unknown_events = 0
         self.t0: float | None = None
@@ -85,8 +93,8 @@ class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits):
         self.syncs: list[SyncMark] = []
         self._anomalies: set = set()
         self.outer: list[Transfer] = []
-        self.inner: deque[Transfer] = deque(maxlen=max_spans)
-        self.steps: deque[StepSpan] = deque(maxlen=max_spans)
+        self.inner: deque[Transfer] = deque(maxlen=self.max_spans)
+        self.steps: deque[StepSpan] = deque(maxlen=self.max_spans)
         self.outer_wire_bytes = 0.0
         self.outer_payload_bytes = 0.0
         self.inner_wire_bytes = 0.0
@@ -94,9 +102,9 @@ class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits):
         self.run_events: list[dict] = []
         self._members: dict = {}                 # (replica, quorum) -> what its ranks said
         self._commits: dict = {}                 # (step, fragment) -> failed votes' reports
+        self._restarts: dict = {}                # (attempt, step) -> what its ranks said
         self.max_step_s = 0.0
         self.files_mtime: float | None = None
-        self.version = 0                          # bumps whenever something new was folded in
         self._cache: dict = {}
 
     # -- reading -------------------------------------------------------------------------------
@@ -141,6 +149,10 @@ class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits):
         # so the events read below are all of them.
         summary = rd.read_json(rd.summary) if self.summary is None else None
         events = self._tail.poll(READ_KINDS)
+        if self._tail.rewound:  # some events folded in belong to a lost attempt: read afresh
+            self._reset()
+            self._tail = EventTail(rd)
+            events = self._tail.poll(READ_KINDS)
         for event in events:
             self._ingest(event)
         self.events_seen += len(events)
@@ -269,6 +281,7 @@ class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits):
     def _on_run(self, e, t, rank, replica):
         self._see_time(t)
         self.run_events.append(e)
+        self._fold_run(e, t, rank, replica)
 
     def _settle(self, flush: bool = False) -> None:
         shards = _int(self.config.get("shards"))
@@ -323,12 +336,14 @@ class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits):
 
     def status(self, now: float | None = None) -> str:
         """waiting (no events yet), running, stalled (event files untouched for a while),
-        ended (a run end event but no summary yet) or finished (summary.json exists)."""
+        ended (every rank's latest run event is its end, but no summary yet) or finished
+        (summary.json exists)."""
         if self.summary is not None:
             return "finished"
         if not self.events_seen:
             return "waiting"
-        if any(e.get("phase") == "end" for e in self.run_events):
+        latest = {e.get("rank"): e.get("phase") for e in self.run_events}  # in each file's order
+        if latest and all(phase == "end" for phase in latest.values()):
             return "ended"
         now = time.time() if now is None else now
         stall_after = self.stall_after or max(60.0, 5 * self.max_step_s)

@@ -2,10 +2,10 @@
 
 Transfer (a comm event), StepSpan (a step window), SyncMark (an outer sync), Spike (a loss
 spike), Membership (a replica group's view of a new quorum, --elastic runs), MembershipMark
-(a quorum change, every group's view merged) and FailedCommit (an outer sync whose commit vote
-failed, --elastic runs) are what the figures draw; _num and _int read a
-number from an event field whatever odd value it holds, _ints a list of them; _natural sorts
-names like "rank10" after "rank9".
+(a quorum change, every group's view merged), FailedCommit (an outer sync whose commit vote
+failed, --elastic runs) and Restart (an attempt that continued the run) are what the figures
+draw; _num and _int read a number from an event field whatever odd value it holds, _ints a list
+of them; _natural sorts names like "rank10" after "rank9".
 """
 
 from __future__ import annotations
@@ -100,6 +100,18 @@ class FailedCommit(NamedTuple):
     label: str                    # "frag0", as sync marks name it
     replicas: tuple[int, ...]     # the groups that reported it
     reports: tuple[tuple[int, int, float], ...]   # (rank, group, t) of each reporting rank
+
+
+class Restart(NamedTuple):
+    """An attempt that continued the run after a crash or a Slurm requeue: its ranks' `run`
+    events (phase resume, or start over in place with events_kept) merged."""
+    t: float                      # the earliest rank's run event
+    step: int | None              # the step it resumed at (0: started over)
+    attempt: int | None           # 1, 2, ...: the attempts before it
+    superseded_to: int | None     # the last step the lost attempt reached (max over ranks)
+    slurm_restart: int | None     # SLURM_RESTART_COUNT, when Slurm requeued the job
+    replica: int                  # a replica that resumed (for its tokens and steps)
+    reports: tuple[tuple[int, float], ...]   # (rank, t) of each rank's run event
 
 
 def sync_label(event: dict) -> str:

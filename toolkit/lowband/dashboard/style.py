@@ -22,6 +22,7 @@ INNER_COLOR = "#f0a04b"
 ANOMALY_COLOR = "#d62728"
 MEMBERSHIP_COLOR = "#7b3294"      # replica groups joining or leaving an --elastic run's quorum
 FAILED_COMMIT_COLOR = "#e6550d"   # an --elastic outer sync whose commit vote failed (not applied)
+RESTART_COLOR = "#00897b"         # an attempt that continued the run after a crash or a requeue
 XAXES = {"step": "step", "tokens": "tokens (whole run)", "time": "wall time (s)"}
 MAX_TAGS = 10
 

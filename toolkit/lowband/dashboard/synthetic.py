@@ -5,6 +5,7 @@ training anything. For tests, docs and trying the dashboard or a report in secon
     make_run("runs/demo", steps=300)             # a finished run
     make_run("runs/elastic", elastic={"kill": 1, "at": 60, "back": 100})   # group 1 lost, back
     make_run("runs/vote", elastic={"kill": 1, "at": 60, "back": 100, "uncommitted": 60})
+    make_run("runs/requeued", restart={"at": 100, "crash": 130, "slurm_restart": 1})
     run = SyntheticRun("runs/live"); run.emit_steps(0, 50)   # ... later: run.emit_steps(50, 80)
 """
 
@@ -36,6 +37,8 @@ class SyntheticRun:
         self.step_s, self.bw, self.model_bytes = step_s, link_bandwidth, model_bytes
         self.eval_every, self.spike, self.anomaly_at = eval_every, spike, anomaly_at
         self.t_start, self.noise = t_start, noise
+        self.t_shift = 0.0            # the time lost to restarts so far
+        self.attempt = 0
         self.rng = random.Random(seed)
         self.config = {"name": name or self.rd.root.name, "algo": algo, "replicas": replicas,
                        "shards": shards, "steps": steps, "fragments": fragments,
@@ -60,14 +63,15 @@ class SyntheticRun:
         self.last_loss: list[float] = []
         self.last_val = None
         for w in self.writers.values():
-            w.emit("run", t=t_start, phase="start", world=self.world, config_hash="synthetic")
+            w.emit("run", t=t_start, phase="start", world=self.world, config_hash="synthetic",
+                   step=0, attempt=0)
         self.writers[0].emit("mystery", t=t_start, note="an unknown kind readers must skip")
 
     def base_loss(self, step: int) -> float:
         return 1.6 + 3.0 * math.exp(-step / 60)
 
     def step_end(self, rank: int, step: int) -> float:
-        return self.t_start + (step + 1) * self.step_s + 0.002 * rank
+        return self.t_start + self.t_shift + (step + 1) * self.step_s + 0.002 * rank
 
     def _next_sync(self, step: int) -> int:
         """The first step from `step` on at which a fragment syncs."""
@@ -157,6 +161,28 @@ class SyntheticRun:
                 self.writers[0].emit("eval", t=self.step_end(0, s) + 0.01, step=s,
                                      val_loss=self.last_val)
 
+    def checkpoint(self, step: int) -> dict[int, int]:
+        """A checkpoint after step `step` on every rank: its event, and the size of each rank's
+        event file then (what a resume from it keeps, for resume())."""
+        kept = {}
+        for r, w in self.writers.items():
+            w.emit("checkpoint", t=self.step_end(r, step), step=step, path=f"step-{step}")
+            kept[r] = self.rd.event_file(r).stat().st_size
+        return kept
+
+    def resume(self, step: int, kept: dict[int, int], crashed_at: int, gap_s: float = 5.0,
+               slurm_restart: int | None = None) -> None:
+        """A new attempt after the run died at step `crashed_at`: it resumes gap_s later from
+        the checkpoint of step `step` (kept: what checkpoint() returned); emit_steps(step + 1,
+        ...) goes on from there."""
+        self.t_shift += self.step_end(0, crashed_at) - self.step_end(0, step) + gap_s
+        self.attempt += 1
+        extra = {} if slurm_restart is None else {"slurm_restart": slurm_restart}
+        for r, w in self.writers.items():
+            w.emit("run", t=self.step_end(r, step), phase="resume", world=self.world,
+                   config_hash="synthetic", step=step, attempt=self.attempt,
+                   events_kept=kept[r], **extra)
+
     def tear(self, rank: int = 0) -> bytes:
         """Append half an event line to a rank's file, as a crash mid-write leaves it. Returns
         the rest of the line (append it to complete the event)."""
@@ -195,10 +221,20 @@ class SyntheticRun:
             w.close()
 
 
-def make_run(root, *, finished: bool = True, **kwargs) -> RunDir:
-    """A whole synthetic run in `root` (summary.json written when finished)."""
+def make_run(root, *, finished: bool = True, restart: dict | None = None, **kwargs) -> RunDir:
+    """A whole synthetic run in `root` (summary.json written when finished). restart: it dies
+    after step `crash` and a new attempt resumes from the checkpoint of step `at` (with
+    slurm_restart: as Slurm's requeue number `slurm_restart`)."""
     run = SyntheticRun(root, **kwargs)
-    run.emit_steps(0, run.steps)
+    done = 0
+    if restart is not None:
+        at, crash = int(restart["at"]), int(restart["crash"])
+        run.emit_steps(0, at + 1)
+        kept = run.checkpoint(at)
+        run.emit_steps(at + 1, crash + 1)
+        run.resume(at, kept, crash, slurm_restart=restart.get("slurm_restart"))
+        done = at + 1
+    run.emit_steps(done, run.steps)
     if finished:
         run.finish()
     else:

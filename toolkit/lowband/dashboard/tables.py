@@ -1,6 +1,6 @@
 """Runs' numbers as HTML tables: the dashboard's summary panel (a row per run), the report's
-summary and config tables (a column per run) and its lists of membership changes and failed
-commit votes (--elastic)."""
+summary and config tables (a column per run) and its lists of restarts, membership changes and
+failed commit votes (--elastic)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import math
 
 from .membership import groups_text
 from .model import RunModel
+from .restarts import lost_steps
 from .style import fmt_bytes, fmt_value
 
 # the dashboard's summary panel
@@ -203,8 +204,27 @@ def commits_table(models: list[RunModel]) -> str:
     return _grid("commits", head, rows)
 
 
+def restarts_table(models: list[RunModel]) -> str:
+    """The attempts that continued a run after a crash or a Slurm requeue, one row each: ""
+    when no run has any."""
+    runs = [(m, m.restarts()) for m in models]
+    if not any(records for _, records in runs):
+        return ""
+    multi = len(models) > 1
+    head = (["run"] if multi else []) + ["resumed from step", "time", "attempt",
+                                         "lost steps redone", "Slurm requeue"]
+    rows = []
+    for m, records in runs:
+        for r in records:
+            cells = _when(m, r, multi) + [
+                "–" if r.attempt is None else str(r.attempt), lost_steps(r) or "–",
+                "–" if r.slurm_restart is None else str(r.slurm_restart)]
+            rows.append("<tr>" + "".join(f"<td>{x}</td>" for x in cells) + "</tr>")
+    return _grid("restarts", head, rows)
+
+
 def _when(m: RunModel, r, multi: bool) -> list[str]:
-    """The first cells of a row of an --elastic table: the run (several runs), step, time."""
+    """The first cells of a row of a table of events: the run (several runs), step, time."""
     return ([html.escape(m.name)] if multi else []) + [
         "–" if r.step is None else f"{r.step:,}", f"{r.t - (m.t0 or 0.0):,.2f} s"]
 

@@ -1,7 +1,7 @@
 """The sync timeline: one lane per rank on a seconds axis, with its step windows (compute),
-inner and outer transfers (outer ones coloured by fragment or block), outer steps and, in
---elastic runs, the membership changes each replica group saw and the outer steps whose commit
-vote failed."""
+inner and outer transfers (outer ones coloured by fragment or block), outer steps, the restarts
+of a continued run and, in --elastic runs, the membership changes each replica group saw and
+the outer steps whose commit vote failed."""
 
 from __future__ import annotations
 
@@ -10,17 +10,19 @@ import math
 from .commits import commit_text
 from .model import RunModel
 from .records import _natural
+from .restarts import restart_text
 from .membership import heal_text
 from .style import (ANOMALY_COLOR, BASE_LAYOUT, COMPUTE_COLOR, FAILED_COMMIT_COLOR, INNER_COLOR,
-                    MAX_TAGS, MEMBERSHIP_COLOR, Spec, empty_note, figure_title, fmt_bytes,
-                    fragment_colors)
+                    MAX_TAGS, MEMBERSHIP_COLOR, RESTART_COLOR, Spec, empty_note, figure_title,
+                    fmt_bytes, fragment_colors)
 
 
 def timeline_spec(model: RunModel, window_s: float | None = 30.0, keep_s: float | None = None,
                   max_spans: int = 3000, follow: bool = True) -> Spec:
     """One lane per rank: step windows (compute), inner and outer transfers, outer steps,
-    membership changes (on the lanes of the group that saw them) and outer steps whose commit
-    vote failed (none of those two without --elastic).
+    restarts (on each lane, when its rank resumed), membership changes (on the lanes of the
+    group that saw them) and outer steps whose commit vote failed (none of those two without
+    --elastic).
 
     Spans ending more than keep_s before the latest event are left out (all kept when None),
     then at most max_spans per trace, the latest. With follow, the x range shows the last
@@ -83,6 +85,7 @@ def timeline_spec(model: RunModel, window_s: float | None = 30.0, keep_s: float 
             visible=True if group or name == "outer step" else "legendonly"))
     traces += _membership_traces(model, lane, replica_of, t0, cut, max_spans)
     traces += _commit_traces(model, lane, t0, cut, max_spans)
+    traces += _restart_traces(model, lane, t0, cut, max_spans)
     xaxis = dict(title=dict(text="seconds since start"))
     if follow and window_s:
         lo = max(t_hi - window_s, 0.0)
@@ -134,6 +137,21 @@ def _commit_traces(model: RunModel, lane: dict, t0: float, cut: float, max_spans
                  y=[y - 0.22 for y in ys], text=list(texts), hoverinfo="text",
                  marker=dict(symbol="diamond-x-open", size=11, color=FAILED_COMMIT_COLOR,
                              line=dict(width=2, color=FAILED_COMMIT_COLOR)))]
+
+
+def _restart_traces(model: RunModel, lane: dict, t0: float, cut: float, max_spans: int) -> list:
+    """A teal triangle on the lane of each rank at the time it resumed (or started over) in an
+    attempt that continued the run; nothing for a run that never restarted."""
+    points = [(t - t0, lane[r], f"{restart_text(rec)}<br>rank {r}")
+              for rec in model.restarts() for r, t in rec.reports
+              if r in lane and t - t0 >= cut][-max_spans:]
+    if not points:
+        return []
+    xs, ys, texts = zip(*points)
+    return [dict(type="scatter", mode="markers", name="restart", x=list(xs), y=list(ys),
+                 text=list(texts), hoverinfo="text",
+                 marker=dict(symbol="triangle-right", size=13, color=RESTART_COLOR,
+                             line=dict(width=1, color="#222")))]
 
 
 def _membership_text(rec, rank: int) -> str:

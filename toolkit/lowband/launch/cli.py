@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 from lowband.config import ArgParser, ConfigError
-from lowband.launch.handle import LOCAL_SCHEDULERS, TERMINAL, LaunchHandle
+from lowband.launch.handle import LOCAL_SCHEDULERS, LaunchHandle
 from lowband.launch.job import launch
 from lowband.launch.node import agent
 from lowband.summary import one_line
@@ -114,29 +113,40 @@ def main(argv: list[str]) -> int:
 
 def _follow(handle: LaunchHandle) -> int:
     """Print node 0's output as it comes, until the job ends; Ctrl-C cancels it."""
-    files, offset = handle.log_files(), 0
+    offset = 0
+
+    def show():
+        nonlocal offset
+        files = handle.log_files()  # a remote job's appear once its nodes start
+        if files and files[0].is_file():
+            with open(files[0], "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            offset += len(chunk)
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+
     try:
-        while True:
-            state = handle.status()
-            if files and files[0].is_file():
-                with open(files[0], "rb") as f:
-                    f.seek(offset)
-                    chunk = f.read()
-                offset += len(chunk)
-                sys.stdout.write(chunk.decode(errors="replace"))
-                sys.stdout.flush()
-            if state in TERMINAL or state == "unknown":
-                break
-            time.sleep(0.5)
+        state = handle.wait(on_poll=show)
+        show()
     except KeyboardInterrupt:
         handle.cancel()
         print("lowband: interrupted; the job was cancelled.", file=sys.stderr)
         return 130
+    except TimeoutError as e:
+        print(f"lowband: error: {e}", file=sys.stderr)
+        return 1
     if state != "succeeded":
-        others = [handle.logs(node=k, tail=5) for k in range(1 if files else 0, handle.nnodes)]
-        where = files[0].parents[2] if files else f"torchx log {handle.app_handle}"
-        print("".join(f"(node {k}) {line}\n" for k, text in enumerate(others, 1 if files else 0)
-                      for line in text.splitlines()) +
+        # the nodes' own sentences (a node agent names the failed worker, its rank and log;
+        # a worker its error), else the last lines of each node's log
+        said = [line[line.index("lowband: "):] for k in range(handle.nnodes)
+                for line in handle.logs(node=k).splitlines() if "lowband: " in line]
+        lines = list(dict.fromkeys(said)) or [
+            f"(node {k}) {line}" for k in range(handle.nnodes)
+            for line in handle.logs(node=k, tail=5).splitlines()]
+        logs = handle.run_dir / "logs" if handle.run_dir is not None else None
+        where = logs if logs is not None and logs.is_dir() else f"torchx log {handle.app_handle}"
+        print("".join(line + "\n" for line in lines) +
               f"lowband: error: {handle.app_handle} {state}; its logs: {where}", file=sys.stderr)
         return 1
     summary = handle.summary()

@@ -76,6 +76,38 @@ def _state_name(app_status) -> str:
     return {"submitted": "pending", "unsubmitted": "pending"}.get(name, name)
 
 
+# Slurm's job states as lowband's (a requeued or preempted job comes back: pending)
+_SLURM = {"PENDING": "pending", "CONFIGURING": "pending", "REQUEUED": "pending",
+          "REQUEUE_FED": "pending", "REQUEUE_HOLD": "pending", "RESIZING": "pending",
+          "SUSPENDED": "pending", "PREEMPTED": "pending", "RUNNING": "running",
+          "COMPLETING": "running", "STAGE_OUT": "running", "SIGNALING": "running",
+          "COMPLETED": "succeeded", "CANCELLED": "cancelled"}
+
+
+def slurm_state(job_id: str) -> str:
+    """A Slurm job's state, from the controller while it knows the job (squeue answers at once
+    after sbatch; accounting may not have seen it yet), then from accounting (sacct). A
+    heterogeneous job's components: running while any runs, failed if any failed (TorchX's own
+    reading takes the last row, and stops at 'CANCELLED by 0')."""
+    import subprocess
+
+    def states(cmd):
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+        return [line.split()[0] for line in out.stdout.splitlines() if line.strip()] \
+            if out.returncode == 0 else []
+
+    found = states(["squeue", "-h", "-j", job_id, "-o", "%T"]) or \
+        states(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"])
+    mine = [_SLURM.get(st, "failed") for st in found]
+    for state in ("running", "pending", "failed", "cancelled"):
+        if state in mine:
+            return state
+    return "succeeded" if mine else "unknown"
+
+
 # -- the handle ------------------------------------------------------------------------------------
 
 class LaunchHandle:
@@ -118,7 +150,10 @@ class LaunchHandle:
                 return "not started"
             if self._final is not None:
                 return self._final
-            state = _state_name(self._runner.status(self.app_handle))
+            if self.scheduler == "slurm":
+                state = slurm_state(self.app_id)
+            else:
+                state = _state_name(self._runner.status(self.app_handle))
             if state in TERMINAL:
                 self._final = state
             return state
@@ -127,13 +162,29 @@ class LaunchHandle:
     def done(self) -> bool:
         return self.status() in TERMINAL
 
-    def wait(self, timeout: float | None = None, interval: float = 0.5) -> str:
-        """Block until the job ends; return its final status. TimeoutError if it runs longer."""
+    def wait(self, timeout: float | None = None, interval: float = 0.5,
+             unknown_timeout: float = 60.0, on_poll=None) -> str:
+        """Block until the job ends; return its final status. TimeoutError if it runs longer,
+        or if the scheduler does not know the job for unknown_timeout seconds on end (a remote
+        scheduler's accounting may need a moment after submission: that is waited for).
+        on_poll(): called at every look (lowband launch prints the new log lines)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        unknown_since = None
         while True:
             state = self.status()
-            if state in TERMINAL or state in ("not started", "unknown"):
+            if on_poll is not None:
+                on_poll()
+            if state in TERMINAL or state == "not started":
                 return state
+            if state == "unknown":
+                unknown_since = unknown_since or time.monotonic()
+                if time.monotonic() - unknown_since >= unknown_timeout:
+                    raise TimeoutError(
+                        f"{self.app_handle} stayed unknown to {self.scheduler} for "
+                        f"{unknown_timeout:g} s: check that the job exists and that the "
+                        "scheduler reports it (on Slurm: squeue and sacct -j ID).")
+            else:
+                unknown_since = None
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"{self.app_handle} is still {state} after {timeout:g} s; "
                                    "wait longer or cancel() it.")
@@ -166,9 +217,13 @@ class LaunchHandle:
         return "\n".join(parts) + ("\n" if parts else "")
 
     def log_files(self) -> list[Path]:
-        """The files a local scheduler writes the nodes' output to (empty for remote ones)."""
+        """The files the nodes' output goes to: a local scheduler's, else the copies the node
+        agents write to RUN/logs/node<k>.log (once the run directory is known and they exist)."""
         if self.scheduler not in LOCAL_SCHEDULERS:
-            return []
+            if self.run_dir is None:
+                return []
+            files = [self.run_dir / "logs" / f"node{k}.log" for k in range(self.nnodes)]
+            return files if any(f.is_file() for f in files) else []
         log_dir = getattr(getattr(self.dryrun_info, "request", None), "log_dir", None)
         if not log_dir and self.app_handle:  # attached: the scheduler's ui_url is file://<dir>
             url = getattr(self._runner.status(self.app_handle), "ui_url", None) or ""

@@ -2,15 +2,25 @@
 
 Each node of a job runs it (launchers/lowband_components.py): it waits, bounded, for the first
 node's rendezvous to accept connections, then runs torchrun, and turns torchrun's rendezvous
-failures into one sentence and an exit status instead of a traceback.
+failures into one sentence and an exit status instead of a traceback. A worker that fails is
+named in one sentence: the node, its global rank, how it ended and the node's log. With the
+job's run directory and node name in its environment (LOWBAND_RUN_DIR, LOWBAND_NODE), the agent
+also copies everything the node prints (its own lines, torchrun's, the workers') to
+RUN/logs/<node>.log, whatever the scheduler does with its output.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
+
+NODE_LOG = "LOWBAND_NODE_LOG"  # set for the agent's own process, under its tee
 
 
 def _is_this_host(host: str, conf: dict) -> bool:
@@ -46,6 +56,42 @@ def agent(argv: list[str]) -> int:
     """torchrun with a bounded, clear failure when the rendezvous cannot be reached or not every
     node joins it in time. A node never trains in a world of its own: the node count is fixed and
     the workers check that the world is replicas x shards."""
+    run_dir, node = os.environ.get("LOWBAND_RUN_DIR"), os.environ.get("LOWBAND_NODE")
+    if run_dir and node and NODE_LOG not in os.environ:
+        return _tee(argv, Path(run_dir) / "logs" / f"{node}.log")
+    return _agent(argv)
+
+
+def _tee(argv: list[str], log: Path) -> int:
+    """Run the agent as a child whose stdout and stderr go both where ours go and to `log`
+    (appended: a requeued job's attempts follow each other). Signals are passed on."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    child = subprocess.Popen([sys.executable, "-m", "lowband.launch", "torchrun", *argv],
+                             env={**os.environ, NODE_LOG: str(log)}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, lambda s, _f: child.send_signal(s))
+    lock = threading.Lock()
+    with open(log, "ab") as out:
+        def copy(pipe, to):
+            for line in iter(pipe.readline, b""):
+                with lock:
+                    to.write(line)
+                    to.flush()
+                    out.write(line)
+                    out.flush()
+
+        threads = [threading.Thread(target=copy, args=(child.stdout, sys.stdout.buffer)),
+                   threading.Thread(target=copy, args=(child.stderr, sys.stderr.buffer))]
+        for t in threads:
+            t.start()
+        code = child.wait()
+        for t in threads:
+            t.join()
+    return code if code >= 0 else 128 - code
+
+
+def _agent(argv: list[str]) -> int:
     # the agent's own C++ warnings (a peer agent's store closing first at the end of a failed
     # job prints a stack trace) stay quiet; the workers keep the level they would have had
     quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ
@@ -98,8 +144,22 @@ def agent(argv: list[str]) -> int:
         if all(f.exitcode == 2 for f in e.failures.values()):
             return 2  # lowband's bad-input status: the workers said why in one sentence
         print(e, file=sys.stderr, flush=True)
+        print(failure_sentence(e.failures, me), file=sys.stderr, flush=True)
         return 1
     except SignalException as e:
         return 128 + int(e.sigval)
     return 0
 
+
+
+def failure_sentence(failures: dict, host: str) -> str:
+    """One sentence for the workers of this node that failed (global rank -> ProcessFailure):
+    the node, the first failed rank, how it ended, and where the node's output is."""
+    from lowband.local import describe_exit
+
+    rank, failure = min(failures.items())
+    node = os.environ.get("LOWBAND_NODE", "this node")
+    log = os.environ.get(NODE_LOG)
+    more = f" (and {len(failures) - 1} more of its workers)" if len(failures) > 1 else ""
+    return (f"lowband: error: {node} ({host}): worker rank {rank} {describe_exit(failure.exitcode)}"
+            f"{more}, so the job stopped" + (f"; its log: {log}." if log else "."))
