@@ -23,7 +23,7 @@ with a corrupted one.
     nats, which would drown the effect. Goal: edit's spike <= 1/5 of diloco's.
 
     python benchmarks/stragglers_and_spikes.py [--model micro] [--steps 120] [--only a|b]
-        [--json out.json]
+        [--edit-flags '--edit-penalty reference ...'] [--json out.json]
 
 Each figure is followed by PASS or MISS; misses are printed, not hidden. ~6-10 minutes on a
 2-core machine (the runs are timed: a busy machine slows ddp and diloco most).
@@ -116,8 +116,10 @@ def part_a(a, out: Path) -> dict:
     algos = {
         "ddp": ["--recipe", "stragglers_ddp"],
         "diloco": ["--recipe", "stragglers_diloco", "--sync-every", a.sync_every, *outer],
-        "edit": ["--recipe", "stragglers_edit", "--sync-every", a.sync_every, *outer],
-        "aedit": ["--recipe", "stragglers_aedit", "--sync-seconds", a.sync_seconds, *outer],
+        "edit": ["--recipe", "stragglers_edit", "--sync-every", a.sync_every, *outer,
+                 *shlex.split(a.edit_flags)],
+        "aedit": ["--recipe", "stragglers_aedit", "--sync-seconds", a.sync_seconds, *outer,
+                  *shlex.split(a.edit_flags)],
     }
     res = {}
     for name, flags in algos.items():
@@ -151,7 +153,8 @@ def part_b(a, out: Path) -> dict:
     res = {}
     for name in ("diloco", "edit"):
         flags = [*common(a, a.spike_batch_size), "--algo", name, "--sync-every", a.sync_every,
-                 "--steps", a.steps, "--corrupt", corrupt, "--eval-every", 5]
+                 "--steps", a.steps, "--corrupt", corrupt, "--eval-every", 5,
+                 *(shlex.split(a.edit_flags) if name == "edit" else [])]
         res[name] = r = train(out / f"b-{name}", flags, a.timeout)
         r["spike"], r["absorbed_at"] = spike(r, a.corrupt_step)
         flagged = f", flagged (step, block): {r['flagged']}" if r["flagged"] else ""
@@ -179,6 +182,8 @@ def main(argv=None) -> int:
     p.add_argument("--corrupt-step", type=int, default=77, help="(b): corrupted after this step")
     p.add_argument("--corrupt-scale", type=float, default=1.0)
     p.add_argument("--only", choices=("a", "b"), default=None)
+    p.add_argument("--edit-flags", default="", help="more flags for the edit and aedit runs, e.g. "
+                   "'--edit-penalty reference --edit-ewma-rate 0.02 --edit-temperature 1'")
     p.add_argument("--out-dir", default="")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", default="")

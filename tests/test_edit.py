@@ -14,6 +14,7 @@ from lowband.algorithms import penalty as pen
 from lowband.config import Config, ConfigError
 from lowband.model import GPT, gpt_config
 from conftest import reference_replicas
+from test_penalty_reference import AtorchPenalty
 from lowband.telemetry import read_events
 
 BATCH, SEQ, LR, WARMUP, CLIP, SEED, OUTER_LR, MU, N_LAYER = 2, 32, 1e-3, 2, 0.5, 5, 0.7, 0.9, 2
@@ -57,6 +58,9 @@ class RefPenalty:
                 w[i] = base[i] * (math.exp(-norms[i] / T) if self.weighted else 1.0)
             w = [x / sum(w) for x in w]
         return z, flags, w
+
+    def clip_scale(self, norm):
+        return self.clip / norm if self.clip > 0 and norm > self.clip else 1.0
 
 
 def test_penalty_matches_reference_on_synthetic_norms():
@@ -208,8 +212,7 @@ def reference(R, S, steps, H, W, penalty=None, corrupt=None, drop=None, bf16=Fal
                             avg[n] = avg[n] + sent
                 if penalty is not None and penalty.clip > 0:
                     norm = math.sqrt(sum(float(avg[n].pow(2).sum()) for n in ns))
-                    if norm > penalty.clip:
-                        avg = {n: v * (penalty.clip / norm) for n, v in avg.items()}
+                    avg = {n: v * penalty.clip_scale(norm) for n, v in avg.items()}
                 for n in ns:
                     mom[n] = MU * mom[n] + avg[n]
                     outer[n] = outer[n] - OUTER_LR * (avg[n] + MU * mom[n])
@@ -285,12 +288,17 @@ def test_edit_with_an_encoded_exchange_and_error_feedback_matches_reference(trai
     assert units == {"bf16"}
 
 
-def test_edit_penalty_with_warmup_and_corruption_matches_reference(train_run):
+@pytest.mark.parametrize("mode", ["lowband", "reference"])
+def test_edit_penalty_with_warmup_and_corruption_matches_reference(train_run, mode):
+    """Also --edit-penalty reference against test_penalty_reference.py's float64 transcription of
+    atorch: a detector per replica, softmax(-norm) at T 1 (0 given), weights not renormalized,
+    atorch's clip."""
     R, S, steps, H, W = 2, 2, 12, 2, 2
     clip = 0.08
     run = train_run(*common(R, S, steps, H, W), "--edit-anomaly-warmup", 2, "--edit-ewma-rate", 0.3,
-                    "--edit-clip", clip, "--corrupt", "1:9:2")
-    ref = RefPenalty(rate=0.3, z=3.0, warmup=2, clip=clip)
+                    "--edit-clip", clip, "--corrupt", "1:9:2", "--edit-penalty", mode)
+    ref = (RefPenalty(rate=0.3, z=3.0, warmup=2, clip=clip) if mode == "lowband" else
+           AtorchPenalty(rate=0.3, z=3.0, warmup=2, temperature=0.0, clip=clip))
     outer, local, flags = reference(R, S, steps, H, W, penalty=ref, corrupt=(1, 9, 2.0))
     assert_close(run, outer, local)
     syncs = sync_events(run)
@@ -337,16 +345,26 @@ def test_aedit_straggler_syncs_by_time(train_run):
     assert len(ends) == 2 and (run.root / "summary.json").exists()
 
 
-def test_aedit_step_budget(train_run):
+@pytest.mark.parametrize("reference", [False, True])
+def test_aedit_step_budget(train_run, reference):
+    """reference: atorch's penalty and its minimum of new steps, with windows far too short to
+    hold 60 steps, so most syncs are called off; the budget still holds."""
+    extra = (["--edit-penalty", "reference", "--aedit-min-new-steps", 60, "--sync-seconds", 0.02]
+             if reference else ["--sync-seconds", 0.3])
     run = train_run("--algo", "aedit", "--model", "nano", "--replicas", 2, "--shards", 1,
-                    "--steps", 60, "--sync-seconds", 0.3, "--warmup-sync-steps", 3,
-                    "--batch-size", BATCH, "--seq-len", SEQ, "--eval-every", 0)
+                    "--steps", 60, "--warmup-sync-steps", 3, "--batch-size", BATCH,
+                    "--seq-len", SEQ, "--eval-every", 0, *extra)
     last = sync_events(run)[-1]
     steps = {r: max(e["step"] for e in read_events(run, ("step",)) if e["rank"] == r) for r in (0, 1)}
     assert last["total_steps"] == steps[0] + steps[1]
     # the run ends at the first sync with R x --steps = 120 steps done; the last window is cut
     # to the steps remaining at the previous window's rate, so it ends close to that
     assert 120 <= last["total_steps"] <= 144
+    if reference:
+        roots = [e for e in sync_events(run) if e["block"] == "root"]
+        assert all(sum(e["replica_steps"]) >= 60 for e in roots[:-1]), roots
+        assert sum(e["skipped"] for e in roots) > 0 and len(roots) <= 2
+        assert all("per_step_norm" not in e for e in roots)  # raw norms
 
 
 
@@ -367,7 +385,7 @@ def test_aedit_budget_holds_and_the_summary_tells_the_steps_run(train_run):
     assert ran[0] > ran[1], ran  # the straggler's windows held fewer of its steps
 
 ROUND_TRIP = textwrap.dedent("""
-    import io, torch
+    import io, os, torch
     from lowband import topology
     from lowband.algorithms.edit import EDiT
     from lowband.algorithms.penalty import EWMA
@@ -378,7 +396,8 @@ ROUND_TRIP = textwrap.dedent("""
     from lowband.train import make_optimizer_factory, standard_step
 
     cfg = Config(algo="edit", replicas=1, shards=1, model="nano", steps=10, sync_every=2,
-                 batch_size=2, seq_len=32, edit_clip=0.05, device="cpu").validate()
+                 batch_size=2, seq_len=32, edit_clip=0.05, device="cpu",
+                 edit_penalty=os.environ["PENALTY"], edit_anomaly_warmup=2).validate()
     topo = topology.init(1, 1, "cpu")
     batches = Batches(load_tokens("builtin"), rank=0, world=1, seq_len=32, batch_size=2, seed=0,
                       val_fraction=0.02)
@@ -418,11 +437,12 @@ ROUND_TRIP = textwrap.dedent("""
 """)
 
 
-def test_state_dict_round_trip(tmp_path):
+@pytest.mark.parametrize("penalty", ["lowband", "reference"])  # reference: per-replica detectors
+def test_state_dict_round_trip(tmp_path, penalty):
     from lowband.local import free_port
 
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
+           "MASTER_PORT": str(free_port()), "PENALTY": penalty}
     proc = subprocess.run([sys.executable, "-c", ROUND_TRIP], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -13,7 +13,7 @@ measures its own window from the moment the last sync was agreed.
 
 The step budget (R x --steps inner steps over all replicas). The all-gather carries every
 replica's steps since the last sync and its elapsed time, so every rank computes the same: the
-penalty on per-step norms (edit_plan.py), the total of inner steps done, whether the run is
+penalty (edit_plan.py; lowband's on per-step norms), the total of inner steps done, whether the run is
 over, and each replica's quota: what is left of the budget split in proportion to the
 replicas' steps in the last window (`split`; evenly for the first window). A replica that has
 done its quota enters the next sync at once. So the replicas' steps never add up to more than
@@ -21,6 +21,15 @@ the budget, and the sync at which they reach it (every quota done) is the last: 
 at once and the trainer's loop stops (`should_stop`). A window that ends by time first is an
 ordinary sync, after which what is left is split again. With --max-seconds the run also ends at
 the first sync at which that much time has passed.
+
+--aedit-min-new-steps N (atorch's min_total_global_steps; 0, off, by default): a sync at which
+the replicas together did fewer than N steps since the last applied one is called off after
+the all-gather (nothing decided, exchanged or applied), unless it would end the run. Each
+replica's window restarts; its steps since the last sync and its quota stay, so the budget
+holds: a replica that entered by time trains on, one whose quota is done enters the next try at
+once (without a step) and waits there. The next applied sync's events say how many were called
+off (`skipped`). With --edit-penalty reference the all-gather also carries each replica's steps
+since the start, for atorch's step shares.
 
 The learning rate follows the schedule at the run's global progress: (total at the last sync)/R
 plus this replica's steps since, scaled by its share of the last window's steps; with
@@ -38,7 +47,8 @@ import torch
 from lowband.algorithms.edit import EDiT, EditOptions
 from lowband.algorithms.exchange import ExchangeOptions
 from lowband.algorithms.outer import OuterOptions
-from lowband.options import ConfigError, Options, flag, non_negative, option, positive, require
+from lowband.options import (ConfigError, Options, flag, non_negative, option, positive, require,
+                             unit_interval)
 from lowband.schedule import lr_at
 
 
@@ -50,11 +60,25 @@ class AEditOptions(Options):
                                 "spent or where all replicas' steps reach --steps x R (0: no limit)")
     edit_step_weights: bool = option(True, "also weigh replicas by their share of the steps "
                                      "since the last sync")
+    edit_step_weight_ratio: float = option(0.5, "--edit-penalty reference: a weight is (1 - r) w "
+                                           "+ r x the replica's share of all steps since the "
+                                           "start (atorch's step_weight_ratio)")
+    aedit_min_new_steps: int = option(0, "call a sync off, and restart its window, when all "
+                                      "replicas together did fewer steps since the last one; "
+                                      "never the run's last (0: off; atorch's "
+                                      "min_total_global_steps, 100)")
 
     @classmethod
     def check(cls, cfg) -> None:
         require(cfg, ("sync_seconds",), positive, "positive")
-        require(cfg, ("max_seconds",), non_negative, "zero or positive")
+        require(cfg, ("max_seconds", "aedit_min_new_steps"), non_negative, "zero or positive")
+        require(cfg, ("edit_step_weight_ratio",), unit_interval, "between 0 and 1")
+        if cfg.edit_step_weight_ratio != 0.5 and cfg.edit_penalty != "reference":
+            raise ConfigError("--edit-step-weight-ratio mixes atorch's step weights, which only "
+                              "--edit-penalty reference has: add it or remove the ratio.")
+        if getattr(cfg, "elastic", False) and cfg.aedit_min_new_steps:
+            raise ConfigError("--aedit-min-new-steps calls syncs off, which --elastic's quorums "
+                              "do not follow: remove one of them.")
         for name in ("checkpoint_every", "stop_after"):
             if getattr(cfg, name, 0):
                 raise ConfigError(f"aedit replicas run different numbers of steps, so there is no "
@@ -92,6 +116,7 @@ class AEDiT(EDiT):
         self.total = 0             # inner steps of all replicas, as of the last sync
         self.share = 1 / topology.replicas  # this replica's share of the last window's steps
         self.stopped = False
+        self.skipped = 0           # syncs called off (--aedit-min-new-steps) since the last one
         self.rejoining = False     # --elastic: healed into the others' sync in the first quorum
         return optimizer
 
@@ -131,15 +156,28 @@ class AEDiT(EDiT):
             self.elastic.begin(step)  # the groups' rendezvous; a group behind heals here
         self.rejoining = False
         self.model.reshard()
-        extras = self._prepare(step, [float(self.window_steps), now - self.t0])
+        while True:
+            extra = [float(self.window_steps), now - self.t0]
+            if self.penalty.mode == "reference":
+                extra.append(float(step))  # steps since the start: atorch's step shares
+            extras = self._prepare(step, extra, skip=self._too_few_new_steps)
+            if extras is not None:
+                break
+            self.skipped += 1  # called off: the window restarts, the steps go on counting
+            now = time.monotonic()
+            self._restart_window(now - self.t0, now)
+            if self.window_steps < self.quota:
+                return False  # (a replica whose quota is done waits in the next sync at once)
         steps = [int(e[0]) for e in extras]
         total = self.total + sum(steps)
         elapsed = max(e[1] for e in extras)
         self.sync_info.update(window=self.syncs, replica_steps=steps, total_steps=total)
+        if c.aedit_min_new_steps:
+            self.sync_info["skipped"], self.skipped = self.skipped, 0
         if sum(steps) > 0 and self.me is not None:
             self.share = steps[self.me] / sum(steps)
         self.total = total
-        if total >= c.steps * R or (c.max_seconds and elapsed >= c.max_seconds):
+        if self._ends(total, elapsed):
             self._drain()  # the last sync lands at once, and the loop ends
             self.stopped = True
             return True
@@ -152,16 +190,32 @@ class AEDiT(EDiT):
         self._open_window(weights, elapsed, time.monotonic(), me)
         return False
 
+    def _ends(self, total: int, elapsed: float) -> bool:
+        """Whether a sync with `total` steps done and `elapsed` seconds passed is the run's last."""
+        c = self.config
+        return total >= c.steps * self.topo.replicas or bool(c.max_seconds and elapsed >= c.max_seconds)
+
+    def _too_few_new_steps(self, extras: list[list[float]]) -> bool:
+        """atorch's min_total_global_steps: all replicas together did fewer than
+        --aedit-min-new-steps steps since the last sync, and this one would not end the run."""
+        new = sum(int(e[0]) for e in extras)
+        return (new < self.config.aedit_min_new_steps
+                and not self._ends(self.total + new, max(e[1] for e in extras)))
+
     def _open_window(self, weights: list[int], elapsed: float, now: float, me: int) -> None:
-        """A window of --sync-seconds (or what is left of --max-seconds), and this replica's
-        quota: its part (`me` in `weights`) of the steps left, split by `weights`."""
+        """A window (`_restart_window`), and this replica's quota: its part (`me` in `weights`)
+        of the steps left, split by `weights`."""
+        self._restart_window(elapsed, now)
+        self.quota = split(self.config.steps * self.topo.replicas - self.total, weights)[me]
+        self.window_steps = 0
+
+    def _restart_window(self, elapsed: float, now: float) -> None:
+        """The window's clock from `now`: --sync-seconds, or what is left of --max-seconds."""
         c = self.config
         length = c.sync_seconds
         if c.max_seconds:
             length = min(length, c.max_seconds - elapsed)
-        self.window_len = max(length, 0.0)
-        self.quota = split(c.steps * self.topo.replicas - self.total, weights)[me]
-        self.window_start, self.window_steps = now, 0
+        self.window_len, self.window_start = max(length, 0.0), now
 
     # --elastic: a joining group takes the run's progress too, and enters the sync at once
     def join(self, step):
@@ -198,7 +252,7 @@ class AEDiT(EDiT):
         return {**super().state_dict(), "aedit": {
             "window_steps": self.window_steps, "quota": self.quota, "total": self.total,
             "share": self.share, "stopped": self.stopped, "window_len": self.window_len,
-            "step_s": self.step_s,
+            "step_s": self.step_s, "skipped": self.skipped,
             "window_elapsed": None if self.window_start is None else time.monotonic() - self.window_start,
             "elapsed": None if self.t0 is None else time.monotonic() - self.t0}}
 
@@ -208,6 +262,7 @@ class AEDiT(EDiT):
         self.window_steps, self.quota = a["window_steps"], a["quota"]
         self.total, self.share = a["total"], a["share"]
         self.stopped, self.window_len = a["stopped"], a["window_len"]
+        self.skipped = a.get("skipped", 0)
         self.window_start = None if a["window_elapsed"] is None else now - a["window_elapsed"]
         self.t0 = None if a["elapsed"] is None else now - a["elapsed"]
         self.elapsed, self.step_s, self.last_boundary = a["elapsed"] or 0.0, a["step_s"], None

@@ -1,6 +1,7 @@
 """edit (EDiT, arXiv 2412.07210): local SGD over FSDP2-sharded replicas, synced layer by layer
 during the forward pass, with the pseudo-gradient penalty (applied in edit_plan.py, its math in
-penalty.py). aedit (aedit.py) is this class with syncs triggered by wall-clock time.
+penalty.py, or in penalty_reference.py with --edit-penalty reference). aedit (aedit.py) is this
+class with syncs triggered by wall-clock time.
 
 Sharding. Each replica group shards its model with FSDP2 over the "shard" dimension of the
 R x S DeviceMesh (topology.py): `fully_shard` on every block, then on the root, with the
@@ -53,12 +54,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from lowband.algorithms.base import PERIODIC, Algorithm
-from lowband.algorithms.edit_plan import (Plan, decide_sync, event_fields, penalty_config,
-                                         plan_from_state, plan_state)
+from lowband.algorithms.edit_plan import (Plan, clip_scale, decide_sync, event_fields, extras_of,
+                                         new_stats, penalty_config, plan_from_state, plan_state,
+                                         stats_from_state)
 from lowband.algorithms.exchange import ExchangeOptions, exchange_block
 from lowband.algorithms.outer import (OuterOptions, kept_at, nesterov_step, outer_home, settle,
                                       sgd_step)
-from lowband.algorithms.penalty import EWMA, clip_scale
+from lowband.algorithms.penalty import EWMA
 from lowband.comm.elastic import load_manager_state, manager_state
 from lowband.options import ConfigError, Options, non_negative, option, positive, require
 from lowband.params import is_dtensor
@@ -77,6 +79,10 @@ class EditOptions(Options):
     edit_weighted: bool = option(True, "weigh replicas by softmax(-norm / T), else equally")
     edit_temperature: float = option(0.0, "T of the weights (0: the mean of the block's norms)")
     edit_clip: float = option(0.0, "clip a block's averaged pseudo-gradient to this norm (0: off)")
+    edit_penalty: str = option("lowband", "the penalty's math: lowband's (pooled statistics, "
+                               "renormalized weights) or reference, atorch's (a detector per "
+                               "replica, raw norms, no renormalization; docs/fidelity.md)",
+                               ("lowband", "reference"))
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -88,6 +94,9 @@ class EditOptions(Options):
         require(cfg, ("edit_z",), positive, "positive")
         require(cfg, ("edit_anomaly_warmup", "edit_temperature", "edit_clip"), non_negative,
                 "zero or positive")
+        if getattr(cfg, "elastic", False) and cfg.edit_penalty == "reference":
+            raise ConfigError("--edit-penalty reference keeps a detector per replica, which "
+                              "--elastic's changing groups do not have: use --edit-penalty lowband.")
         if getattr(cfg, "elastic", False) and cfg.warmup_sync_steps:
             raise ConfigError("--warmup-sync-steps is synchronous training over every rank, which "
                               "--elastic groups do not have: drop one of them.")
@@ -190,6 +199,8 @@ class EDiT(Algorithm):
         for module, u in self.unit_of.items():  # before FSDP's own pre-forward hook
             module.register_forward_pre_hook(functools.partial(self._hook, u), prepend=True)
         self.penalty = penalty_config(c, per_step=self.timed)
+        for u in self.units:
+            u.ewma = new_stats(self.penalty, topology.replicas)
         self.anchored = False     # outer parameters taken from the replicas after the warm-up
         self.steps_done = 0
         self.last_prepared = -1   # steps done at the last sync
@@ -286,9 +297,11 @@ class EDiT(Algorithm):
         W, H = self.config.warmup_sync_steps, self.config.sync_every
         return (steps_done > W and (steps_done - W) % H == 0 and steps_done != self.last_prepared)
 
-    def _prepare(self, steps_done: int, extra: list[float] | None = None) -> list[list[float]]:
+    def _prepare(self, steps_done: int, extra: list[float] | None = None,
+                 skip=None) -> list[list[float]] | None:
         """Exchange every unit's pseudo-gradient norms (and `extra` numbers), decide the sync
-        (edit_plan.py), start the first unit's exchange. Returns each replica's `extra`."""
+        (edit_plan.py), start the first unit's exchange. Returns each replica's `extra`, or None
+        where `skip(those extras)` called the sync off (nothing decided or exchanged)."""
         t = self.topo
         sq = torch.stack([(u.outer.to(self.device, non_blocking=True) - u.local_flat()).double().pow(2).sum()
                           for u in self.units])
@@ -298,6 +311,8 @@ class EDiT(Algorithm):
         if self.elastic is not None:
             rows = self._quorum_rows(rows)
             replicas, shards = len(rows), 1
+        if skip is not None and skip(extras_of(rows, len(self.units), replicas, shards)):
+            return None
         self.plan = decide_sync(rows, [u.ewma for u in self.units], replicas, shards,
                                 self.penalty, per_step=self.timed)
         self.n_summed = replicas  # the rows of the plan: whose weighted deltas are summed
@@ -367,7 +382,7 @@ class EDiT(Algorithm):
                 if t.shards > 1:
                     sq = self.comm.all_reduce(sq, "inner", tag="clip").wait()
                 avg_norm = float(sq.sqrt())
-                scale = clip_scale(avg_norm, self.penalty.clip)
+                scale = clip_scale(self.penalty, avg_norm)
                 if scale != 1.0:
                     avg.mul_(scale)
             if c.outer_rule == "sparseloco":  # the momentum is in the error feedback
@@ -377,7 +392,8 @@ class EDiT(Algorithm):
         else:
             u.write(u.outer.to(self.device, non_blocking=True))
         if self.comm.events is not None:
-            penalty = (event_fields(self.plan, j, self.me, per_step=self.timed)
+            per_step = self.timed and self.penalty.mode == "lowband"  # reference: raw norms
+            penalty = (event_fields(self.plan, j, self.me, per_step=per_step)
                        if self.me is not None else {"weight": 0.0, "healed": True})
             fields = dict(self.sync_info, block=u.name, **penalty, clip_scale=scale,
                           outer_lr=c.outer_lr)
@@ -507,7 +523,7 @@ class EDiT(Algorithm):
         for u, s in zip(self.units, state["units"]):
             u.outer.copy_(s["outer"])
             u.momentum.copy_(s["momentum"])
-            u.ewma = EWMA.from_state(s["ewma"])
+            u.ewma = stats_from_state(self.penalty, s["ewma"])
             u.pending = None if s["pending"] is None else Landed(s["pending"].to(self.device))
             u.residual = s.get("residual")
         self.plan = None if state["plan"] is None else plan_from_state(state["plan"])

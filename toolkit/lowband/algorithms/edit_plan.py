@@ -8,6 +8,10 @@ replica's steps since the last sync first). A replica's norm of a unit is the sq
 the sum over its S ranks. aedit's replicas do different numbers of steps, so there the penalty
 scores norms per step (||delta_i|| / n_i: a replica that did more steps is not more suspicious)
 and may weigh each replica by its share of the steps (--edit-step-weights).
+
+--edit-penalty reference swaps the math for atorch's (penalty_reference.py): raw norms in aedit
+too, one detector per replica, and step shares of the replicas' steps since the start of the
+run (aedit's third extra number).
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lowband.algorithms.penalty import EWMA, Decision, PenaltyConfig, decide
+from lowband.algorithms import penalty, penalty_reference
+from lowband.algorithms.penalty import EWMA, Decision, PenaltyConfig
 
 
 @dataclass
@@ -30,26 +35,52 @@ def penalty_config(c, per_step: bool) -> PenaltyConfig:
     return PenaltyConfig(
         anomaly=c.edit_anomaly, rate=c.edit_ewma_rate, z=c.edit_z, warmup=c.edit_anomaly_warmup,
         weighted=c.edit_weighted, temperature=c.edit_temperature,
-        step_weights=per_step and c.edit_step_weights, clip=c.edit_clip)
+        step_weights=per_step and c.edit_step_weights, clip=c.edit_clip, mode=c.edit_penalty,
+        step_ratio=c.edit_step_weight_ratio)
 
 
-def decide_sync(rows: list[list[float]], stats: list[EWMA], replicas: int, shards: int,
+def _reference(cfg: PenaltyConfig) -> bool:
+    return cfg.mode == "reference"
+
+
+def new_stats(cfg: PenaltyConfig, replicas: int):
+    """A unit's statistics before its first sync: pooled (lowband) or one detector a replica."""
+    return penalty_reference.Detectors.fresh(replicas) if _reference(cfg) else EWMA()
+
+
+def stats_from_state(cfg: PenaltyConfig, state):
+    """A unit's statistics from their `state()` (a checkpoint's)."""
+    return (penalty_reference.Detectors if _reference(cfg) else EWMA).from_state(state)
+
+
+def clip_scale(cfg: PenaltyConfig, norm: float) -> float:
+    """The factor applied to a unit's averaged pseudo-gradient of this norm (1: no change)."""
+    return (penalty_reference if _reference(cfg) else penalty).clip_scale(norm, cfg.clip)
+
+
+def extras_of(rows: list[list[float]], units: int, replicas: int, shards: int) -> list[list[float]]:
+    """Per replica, the numbers it added to its row after the units' squared norms."""
+    return [rows[i * shards][units:] for i in range(replicas)]
+
+
+def decide_sync(rows: list[list[float]], stats: list, replicas: int, shards: int,
                 cfg: PenaltyConfig, per_step: bool) -> Plan:
     """Every unit's decision from the gathered rows and each unit's statistics so far."""
-    n = len(stats)
-    extras = [rows[i * shards][n:] for i in range(replicas)]
+    extras = extras_of(rows, len(stats), replicas, shards)
+    reference = _reference(cfg)
     shares = None
-    if per_step:
-        steps = [e[0] for e in extras]
+    if per_step:  # reference: atorch's shares of the steps since the start of the run
+        steps = [e[2] if reference else e[0] for e in extras]
         shares = [s / sum(steps) if sum(steps) > 0 else 1 / replicas for s in steps]
     decisions, raw_norms = [], []
     for j, ewma in enumerate(stats):
         norms = [math.sqrt(sum(rows[i * shards + k][j] for k in range(shards)))
                  for i in range(replicas)]
         raw_norms.append(norms)
-        if per_step:
+        if per_step and not reference:
             norms = [x / max(e[0], 1.0) for x, e in zip(norms, extras)]
-        decisions.append(decide(norms, ewma, cfg, shares))
+        decisions.append((penalty_reference if reference else penalty).decide(norms, ewma, cfg,
+                                                                               shares))
     return Plan(decisions, raw_norms, extras)
 
 

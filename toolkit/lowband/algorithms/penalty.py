@@ -29,6 +29,9 @@ genuine lasting change of scale is learned instead of freezing the block forever
 
 A non-finite norm (NaN or inf in a replica's block) is always flagged, even during the warm-up
 or with anomaly elimination off: averaging it in would poison the outer parameters for good.
+
+This is the `lowband` mode (--edit-penalty lowband); penalty_reference.py holds the `reference`
+mode, atorch's own computation; edit_plan.py picks one by `PenaltyConfig.mode`.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ class PenaltyConfig:
     temperature: float = 0.0    # T; 0: the mean of the unflagged norms
     step_weights: bool = False  # multiply by each replica's share of steps since the last sync
     clip: float = 0.0           # 3. max norm of the averaged delta; 0: off
+    mode: str = "lowband"       # or "reference": atorch's math (penalty_reference.py)
+    step_ratio: float = 0.5     # reference mode: w <- (1 - r) w + r x step share
 
 
 @dataclass
