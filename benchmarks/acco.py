@@ -8,30 +8,29 @@ measure one step's compute time C (the median over ranks and steps of compute_s)
 a rank sends per step; the emulated outer link is then sized so that those bytes take C:
     bandwidth = 8 x (wire bytes per rank per step) / C
 A zero1 or acco round moves about the same bytes as ddp's all-reduce (reduce-scatter + all-
-gather), so it too lasts about C. Then, on that link:
-  acco    adaptive micro-batch counts, S/2 steps. Each acco step has two rounds, so with a
-          round as long as A micro-batches' compute it takes about m = 2A micro-batches
-  ddp     --grad-accum A, as many steps as give acco's tokens (about S)
+gather), so it too lasts about C. Then, on that link, all with the same --steps and
+--grad-accum A, so the same tokens (acco's budget is ddp's micro-batches: algorithms/acco.py):
+  acco    adaptive micro-batch counts, no clipping in its rounds (the authors'). Each acco step
+          has two rounds, so with a round as long as A micro-batches' compute it takes about
+          m = 2A micro-batches a rank and makes about half ddp's steps
+  ddp     --grad-accum A
   zero1   the same (and the same batches as ddp)
-  ddp-same-batch  ddp with acco's batch per update (--grad-accum = round(m)) and acco's
-          tokens: the same optimisation budget as acco
+  ddp-same-batch  ddp with acco's batch per update (--grad-accum = round(m)) and about the
+          same tokens (information: how much of a gap is the batch per update)
 and the same three again with replica 1 four times slower (--straggler 1:4), for fewer steps
-(throughput only). Prints per run: steps, micro-batches per step, tokens, tokens/s, compute
-utilization, compute seconds per micro-batch (ms/micro: what CPU sharing did to the compute
-itself) and final validation loss; the validation loss at equal tokens is read from each
-run's curve of val_loss against the tokens consumed by all ranks, at the smaller of the two
-runs' final token counts (linearly between evaluations). Then PASS/MISS per goal:
+(throughput only). Prints per run: steps taken, micro-batches per step, tokens, tokens/s,
+compute utilization, compute seconds per micro-batch (ms/micro: what CPU sharing did to the
+compute itself) and final validation loss. Then PASS/MISS per goal:
   1.  acco's compute utilization >= 90% on a link where ddp's is at most ~55%
-  2a. acco's validation loss within 2% of ddp's at equal tokens and equal batch per update
-  2b. the same against ddp --grad-accum A (about half acco's batch per update, twice its
-      updates: what "equal tokens" gives when acco hides a round as long as a ddp step)
+  2.  acco's final validation loss within 2% of ddp's, at equal tokens
   3.  with the straggler, acco's tokens/s >= 1.5 x ddp's
 
     python benchmarks/acco.py [--model nano] [--steps 160] [--grad-accum 2] [--batch-size 8]
-        [--seq-len 128] [--straggler-steps 40] [--skip-straggler] [--keep DIR] [--json FILE]
+        [--seq-len 128] [--straggler-steps 40] [--skip-straggler] [--acco-clip] [--keep DIR]
+        [--json FILE]
 
-On a 2-core machine the four ranks share two cores (one thread each); the defaults take about
-6 minutes there.
+On a 2-core machine the four ranks share two cores (one thread each); the defaults take a few
+minutes there.
 """
 
 from __future__ import annotations
@@ -100,28 +99,25 @@ def worker(rank: int, a, port: int, root: str, queue) -> None:
         print(f"  {name:16s} done in {time.time() - t0:5.1f} s", file=sys.stderr, flush=True)
         return results[-1]
 
-    # acco first: it takes as many micro-batches a step as fit in its two rounds (m, about 2A
-    # when a round lasts A micro-batches' compute), so the ddp runs are then given its tokens
-    half = a.steps // 2
-    acco = run("acco", algo="acco", steps=half, eval_every=max(half // 8, 1))
+    # acco first: its batch per update (m, about 2A when a round lasts A micro-batches' compute)
+    # sets ddp-same-batch's --grad-accum
+    acco = run("acco", algo="acco", steps=a.steps, eval_every=max(a.steps // 16, 1),
+               acco_clip=a.acco_clip)
     match = [None]
     if rank == 0:
-        per_micro = WORLD * a.batch_size * a.seq_len
         accum = max(round(acco["micro_per_step"]), 1)
-        match = [(min(max(round(acco["tokens"] / (per_micro * a.grad_accum)), 1), 3 * a.steps),
-                  accum, max(round(acco["tokens"] / (per_micro * accum)), 1))]
+        match = [(accum, max(round(a.steps * a.grad_accum / accum), 1))]
     dist.broadcast_object_list(match, src=0)
-    steps, accum, same_steps = match[0]
-    run("ddp", algo="ddp", steps=steps, eval_every=max(steps // 8, 1))
-    run("zero1", algo="zero1", steps=steps, eval_every=max(steps // 8, 1))
-    # ddp with acco's batch per update and acco's tokens: the same optimisation budget
+    accum, same_steps = match[0]
+    run("ddp", algo="ddp", steps=a.steps, eval_every=max(a.steps // 8, 1))
+    run("zero1", algo="zero1", steps=a.steps, eval_every=max(a.steps // 8, 1))
     run("ddp-same-batch", algo="ddp", grad_accum=accum, steps=same_steps,
         eval_every=max(same_steps // 8, 1))
     if not a.skip_straggler:
-        k = a.straggler_steps
         for name in ("ddp", "zero1", "acco"):
-            run(f"{name}+straggler", algo=name, steps=k if name != "acco" else k // 2,
-                eval_every=0, straggler=f"1:{a.straggler_factor:g}")
+            run(f"{name}+straggler", algo=name, steps=a.straggler_steps, eval_every=0,
+                straggler=f"1:{a.straggler_factor:g}", **({"acco_clip": a.acco_clip}
+                                                         if name == "acco" else {}))
     if rank == 0:
         queue.put({"plan": {**plan, "link": link}, "runs": results})
     dist.destroy_process_group()
@@ -155,13 +151,14 @@ def _measure(cfg, summary: dict) -> dict:
         rounds.setdefault((e["rank"], e["tag"]), []).append(e)
     spans = [b["end"] - g["start"] for r in range(WORLD) for pre in ("", "est-")
              for g, b in zip(rounds.get((r, pre + "grad"), []), rounds.get((r, pre + "params"), []))]
-    return {"steps": cfg.steps, "tokens": summary["tokens"], "tokens_per_s": summary["tokens_per_s"],
+    return {"steps": summary["steps_run"], "tokens": summary["tokens"],
+            "tokens_per_s": summary["tokens_per_s"],
             "micro_per_step_late": micro_late, "compute_per_step_s": compute_per_step,
             "round_s": statistics.median(spans) if spans else None,
             "compute_utilization": summary["compute_utilization"], "wall_s": summary["wall_s"],
             "ms_per_micro": summary["compute_s"] / (summary["tokens"] / WORLD / per_micro),
             "final_val_loss": summary["final_val_loss"], "curve": points,
-            "micro_per_step": summary["tokens"] / cfg.steps / WORLD / (cfg.batch_size * cfg.seq_len)}
+            "micro_per_step": summary["tokens"] / summary["steps_run"] / WORLD / per_micro}
 
 
 def loss_at(curve: list[tuple[float, float]], tokens: float) -> float:
@@ -199,24 +196,19 @@ def report(out: dict, a) -> list[bool]:
     print(f"\n1. compute utilization: acco {100 * u_a:.1f}% (goal >= 90%), ddp {100 * u_d:.1f}% "
           f"(setting: at most ~55%{'' if u_d <= 0.575 else ', NOT MET: the link is too fast'}) "
           f"-> {'PASS' if ok[-1] else 'MISS'}")
+    l_d, l_a = ddp["final_val_loss"], acco["final_val_loss"]
+    rel = (l_a - l_d) / l_d
+    ok.append(abs(rel) <= 0.02 and acco["tokens"] == ddp["tokens"])
+    print(f"2. final validation loss at equal tokens (acco {acco['tokens']} in {acco['steps']} "
+          f"updates, ddp {ddp['tokens']} in {ddp['steps']}): ddp {l_d:.4f}, zero1 "
+          f"{runs['zero1']['final_val_loss']:.4f}, acco {l_a:.4f} ({100 * rel:+.2f}%, goal within "
+          f"2%) -> {'PASS' if ok[-1] else 'MISS'}")
     same = runs["ddp-same-batch"]
     t_eq = min(same["tokens"], acco["tokens"])
     l_s, l_a = loss_at(same["curve"], t_eq), loss_at(acco["curve"], t_eq)
-    rel = (l_a - l_s) / l_s
-    ok.append(abs(rel) <= 0.02)
-    print(f"2a. validation loss at {t_eq} tokens against ddp with acco's batch per update "
-          f"(--grad-accum {round(same['micro_per_step'])}, {same['steps']} steps, {same['tokens']} "
-          f"tokens; acco {acco['tokens']}): ddp {l_s:.4f}, acco {l_a:.4f} ({100 * rel:+.2f}%, goal "
-          f"within 2%) -> {'PASS' if ok[-1] else 'MISS'}")
-    t_eq = min(ddp["tokens"], acco["tokens"])
-    l_d, l_a = loss_at(ddp["curve"], t_eq), loss_at(acco["curve"], t_eq)
-    rel = (l_a - l_d) / l_d
-    ok.append(abs(rel) <= 0.02)
-    z = loss_at(runs["zero1"]["curve"], t_eq)
-    print(f"2b. validation loss at {t_eq} tokens against ddp --grad-accum {a.grad_accum} (ddp ran "
-          f"{ddp['tokens']} tokens in {ddp['steps']} updates, acco {acco['tokens']} in "
-          f"{acco['steps']}): ddp {l_d:.4f}, zero1 {z:.4f}, acco {l_a:.4f} "
-          f"({100 * rel:+.2f}%, goal within 2%) -> {'PASS' if ok[-1] else 'MISS'}")
+    print(f"   information: against ddp with acco's batch per update (--grad-accum "
+          f"{round(same['micro_per_step'])}, {same['steps']} updates, {same['tokens']} tokens), at "
+          f"{t_eq} tokens: ddp {l_s:.4f}, acco {l_a:.4f} ({100 * (l_a - l_s) / l_s:+.2f}%)")
     if "acco+straggler" in runs:
         sd, sa = runs["ddp+straggler"]["tokens_per_s"], runs["acco+straggler"]["tokens_per_s"]
         sz = runs["zero1+straggler"]["tokens_per_s"]
@@ -231,7 +223,8 @@ def report(out: dict, a) -> list[bool]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="nano")
-    p.add_argument("--steps", type=int, default=160, help="about ddp's steps (acco: half)")
+    p.add_argument("--steps", type=int, default=160,
+                   help="ddp's steps (acco: the same micro-batches, about half the steps)")
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
@@ -240,6 +233,9 @@ def main(argv=None) -> int:
     p.add_argument("--straggler-steps", type=int, default=40)
     p.add_argument("--straggler-factor", type=float, default=4.0)
     p.add_argument("--skip-straggler", action="store_true")
+    p.add_argument("--acco-clip", action="store_true",
+                   help="clip acco's rounds at --grad-clip as ddp does (default: the authors' "
+                   "none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", help="keep the run directories here (default: a temporary directory)")
     p.add_argument("--json", help="write the figures to this file")

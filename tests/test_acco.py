@@ -3,19 +3,23 @@
 The acco reference follows the schedule documented in lowband/algorithms/acco.py, written out
 here on its own: per step t, group 1 at the estimate θ̃(t), the estimate θ̃(t+1) = Opt(θ(t),
 mean of group 1) with the optimizer state untouched, group 2 at θ(t), and the real step
-θ(t+1) = Opt(θ(t), mean over both groups); micro-batch k of rank r is its batch (k // A, k % A).
+θ(t+1) = Opt(θ(t), mean over both groups); micro-batch k of rank r is its batch (k // A, k % A);
+both rounds of a step use the schedule at the micro-batches done before it / (A x world).
 """
 
 import math
 import os
+import random
 import statistics
 
 import pytest
 import torch
 import torch.nn.functional as F
+from lowband.algorithms.acco import MicroBudget, trim
 from lowband.config import Config, ConfigError
 from lowband.data import Batches, load_tokens
 from lowband.model import GPT, gpt_config, num_params
+from lowband.summary import one_line
 from lowband.telemetry import RunDir, read_events
 from test_ddp import ACCUM as DDP_ACCUM
 from test_ddp import BATCH as DDP_BATCH
@@ -30,7 +34,8 @@ STEPS, BATCH, SEQ, LR, WARMUP, SEED = 4, 2, 32, 1e-3, 2, 7
 B1, B2, EPS, WD = 0.9, 0.95, 1e-8, 0.1
 
 
-def reference_lr(step: int) -> float:
+def reference_lr(step: float) -> float:
+    """The schedule at a (fractional) step."""
     if step < WARMUP:
         return LR * (step + 1) / WARMUP
     progress = (step - WARMUP) / (STEPS - WARMUP)
@@ -63,11 +68,14 @@ class Reference:
         return {n: p.grad.detach().clone() for n, p in self.model.named_parameters()}
 
 
+def norm_of(g: dict) -> float:
+    return math.sqrt(sum(float(v.pow(2).sum()) for v in g.values()))
+
+
 def clipped(g: dict, clip: float) -> dict:
     if clip <= 0:
         return g
-    norm = math.sqrt(sum(float(v.pow(2).sum()) for v in g.values()))
-    coef = min(1.0, clip / (norm + 1e-6))
+    coef = min(1.0, clip / (norm_of(g) + 1e-6))
     return {n: v * coef for n, v in g.items()}
 
 
@@ -87,14 +95,16 @@ def opt_step(theta, state, g, lr, kind, wd):
     return new, {"step": k, "m": m, "v": v}
 
 
-def acco_reference(counts, kind, clip, wd, accum=1):
-    """The documented two-round schedule with fixed per-rank counts [(N1, N2), ...]."""
-    ref = Reference(len(counts))
+def acco_reference(schedule, kind, clip, wd, accum=1):
+    """The documented two-round schedule; schedule[t] holds each rank's (N1, N2) of step t.
+    Returns the parameters and the smallest gradient norm a round saw (before clipping)."""
+    world = len(schedule[0])
+    ref = Reference(world)
     theta = ref.params()
     estimate = {n: t.clone() for n, t in theta.items()}  # θ̃(0) = θ(0)
     zeros = {n: torch.zeros_like(t) for n, t in theta.items()}
     state = {"step": 0, "m": dict(zeros), "v": dict(zeros)}
-    counter = [0] * len(counts)
+    counter, done, norms = [0] * world, 0, []
 
     def group(at, sizes):
         total, n = {k: torch.zeros_like(t) for k, t in theta.items()}, 0
@@ -107,16 +117,18 @@ def acco_reference(counts, kind, clip, wd, accum=1):
                 n += 1
         return total, n
 
-    for t in range(STEPS):
-        lr = reference_lr(t)
+    def update(g):
+        norms.append(norm_of(g))
+        return opt_step(theta, state, clipped(g, clip), lr, kind, wd)
+
+    for counts in schedule:
+        lr = reference_lr(done / (accum * world))
         g1, c1 = group(estimate, [c[0] for c in counts])  # at θ̃(t)
-        next_estimate, _ = opt_step(theta, state, clipped({n: g / c1 for n, g in g1.items()}, clip),
-                                    lr, kind, wd)  # the state returned is thrown away
+        next_estimate, _ = update({n: g / c1 for n, g in g1.items()})  # its state is thrown away
         g2, c2 = group(theta, [c[1] for c in counts])  # at θ(t)
-        mean = {n: (g1[n] + g2[n]) / (c1 + c2) for n in theta}
-        theta, state = opt_step(theta, state, clipped(mean, clip), lr, kind, wd)
-        estimate = next_estimate
-    return theta
+        theta, state = update({n: (g1[n] + g2[n]) / (c1 + c2) for n in theta})
+        estimate, done = next_estimate, done + c1 + c2
+    return theta, min(norms)
 
 
 def assert_close(run, want: dict, tol: float):
@@ -134,21 +146,24 @@ WORLD = 2
 COMMON = dict(model="nano", steps=STEPS, batch_size=BATCH, seq_len=SEQ, lr=LR,
               warmup_steps=WARMUP, seed=SEED, eval_every=0, progress=False)
 RUNS = {
-    # plain SGD, fixed 2:1 (= --grad-accum 3), two replicas over an emulated outer link
+    # plain SGD, fixed 2:1 (= --grad-accum 3), two replicas over an emulated outer link;
+    # --grad-clip far below the gradients' norms, which acco's rounds leave alone by default
     "acco-sgd": dict(COMMON, algo="acco", replicas=2, shards=1, shard_optimizer="sgd",
-                     acco_micro="2:1", grad_accum=3, weight_decay=0.0, grad_clip=0.0,
+                     acco_micro="2:1", grad_accum=3, weight_decay=0.0, grad_clip=0.05,
                      link_bandwidth="2Gbit"),
-    # AdamW with clipping, unequal counts per rank, two shards of one replica (inner link)
+    # AdamW with --acco-clip, unequal counts per rank (7 a step against a budget of 4 x 3 x 2:
+    # the fourth step is cut to 3), two shards of one replica (inner link)
     "acco-adamw": dict(COMMON, algo="acco", replicas=1, shards=2, acco_micro="1:2,3:1",
-                       grad_clip=0.5),
+                       grad_accum=3, grad_clip=0.5, acco_clip=True),
     # zero1 with exactly tests/test_ddp.py's flags (R=2), against its reference
     "zero1": dict(algo="zero1", model="nano", replicas=2, shards=1, steps=DDP_STEPS,
                   grad_accum=DDP_ACCUM, batch_size=DDP_BATCH, seq_len=DDP_SEQ, lr=DDP_LR,
                   warmup_steps=DDP_WARMUP, grad_clip=DDP_CLIP, seed=3, eval_every=0,
                   progress=False),
-    # adaptive counts with replica 1 four times slower
-    "acco-adaptive": dict(algo="acco", model="nano", replicas=2, shards=1, steps=6,
-                          batch_size=BATCH, seq_len=SEQ, straggler="1:4", link_bandwidth="40Mbit",
+    # adaptive counts with replica 1 four times slower; a budget of 6 x 30 x 2 micro-batches,
+    # about 6 steps on a link where a round lasts several of these small micro-batches
+    "acco-adaptive": dict(algo="acco", model="nano", replicas=2, shards=1, steps=6, grad_accum=30,
+                          batch_size=BATCH, seq_len=SEQ, straggler="1:4", link_bandwidth="400Mbit",
                           eval_every=3, progress=False),
 }
 
@@ -177,10 +192,20 @@ def runs(tmp_path_factory):
     return {name: RunDir(root / name) for name in RUNS}, roundtrip
 
 
-def test_acco_sgd_is_theta_minus_lr_times_mean_gradient(runs):
-    """Plain SGD: θ(t+1) = θ(t) − η·(mean over both groups), group 1 taken at the estimate."""
+def ddp_tokens(fields: dict) -> int:
+    """What ddp computes with these flags: --steps x --grad-accum micro-batches on every rank."""
+    world = fields["replicas"] * fields["shards"]
+    micro_batches = fields["steps"] * fields.get("grad_accum", 1) * world
+    return micro_batches * fields["batch_size"] * fields["seq_len"]
+
+
+def test_acco_sgd_is_theta_minus_lr_times_mean_gradient_unclipped(runs):
+    """Plain SGD: θ(t+1) = θ(t) − η·(mean over both groups), group 1 taken at the estimate;
+    no clipping although every round's gradient norm is far above --grad-clip."""
     run = runs[0]["acco-sgd"]
-    assert_close(run, acco_reference([(2, 1), (2, 1)], "sgd", clip=0, wd=0, accum=3), 1e-6)
+    want, smallest_norm = acco_reference([[(2, 1), (2, 1)]] * STEPS, "sgd", clip=0, wd=0, accum=3)
+    assert smallest_norm > 10 * RUNS["acco-sgd"]["grad_clip"]  # clipping would shrink each update
+    assert_close(run, want, 1e-6)
     events = read_events(run)
     tokens = {e["tokens"] for e in events if e["kind"] == "step" and e["step"] == STEPS}
     assert tokens == {STEPS * 3 * BATCH * SEQ}  # N1 + N2 = A: exactly ddp's batches
@@ -192,15 +217,22 @@ def test_acco_sgd_is_theta_minus_lr_times_mean_gradient(runs):
     assert all(e["group"] == "outer" and "begin" in e for e in comm)
 
 
-def test_acco_adamw_heterogeneous_counts_on_the_inner_link(runs):
-    """AdamW with clipping, unequal counts per rank (every micro-batch weighs the same), the
-    estimate leaving the optimizer state alone; two shards of one replica (the inner link)."""
+def test_acco_adamw_clipped_heterogeneous_counts_cut_to_the_budget(runs):
+    """AdamW with --acco-clip, unequal counts per rank (every micro-batch weighs the same), the
+    estimate leaving the optimizer state alone; 7 micro-batches a step against ddp's budget of
+    24, so the last step is cut to 3 (largest counts first) and the learning rate follows the
+    micro-batches done; two shards of one replica (the inner link)."""
     run = runs[0]["acco-adamw"]
+    schedule = [[(1, 2), (3, 1)]] * 3 + [[(1, 0), (2, 0)]]
+    want, smallest_norm = acco_reference(schedule, "adamw", clip=0.5, wd=WD, accum=3)
+    assert smallest_norm > 0.5  # every round was clipped
     # fp32 against float64 through AdamW: ~1e-6, depending on the CPU's kernels (2.1e-6 seen)
-    assert_close(run, acco_reference([(1, 2), (3, 1)], "adamw", clip=0.5, wd=WD), 5e-6)
+    assert_close(run, want, 5e-6)
     events = read_events(run)
     tokens = {e["rank"]: e["tokens"] for e in events if e["kind"] == "step" and e["step"] == STEPS}
-    assert tokens == {0: STEPS * 3 * BATCH * SEQ, 1: STEPS * 4 * BATCH * SEQ}
+    assert tokens == {0: (3 * 3 + 1) * BATCH * SEQ, 1: (3 * 4 + 2) * BATCH * SEQ}
+    summary = run.read_json(run.summary)
+    assert summary["tokens"] == ddp_tokens(RUNS["acco-adamw"]) and summary["steps_run"] == STEPS
     assert {e["group"] for e in events if e["kind"] == "comm"} == {"inner"}
 
 
@@ -228,15 +260,60 @@ def test_zero1_matches_data_parallel_reference_and_shards_the_state(runs):
         assert {e["group"] for e in mine} == {"outer"}
 
 
-def test_adaptive_counts_follow_speed(runs):
-    """Adaptive mode with a 4x straggler: the fast rank fills the straggler's idle time."""
+def test_adaptive_counts_follow_speed_within_ddps_tokens(runs):
+    """Adaptive mode with a 4x straggler: the fast rank fills the straggler's idle time, and
+    the run ends on exactly ddp's micro-batches over both ranks."""
     run = runs[0]["acco-adaptive"]
     steps = read_events(run, ("step",))
     tokens = {r: max(e["tokens"] for e in steps if e["rank"] == r) for r in (0, 1)}
     assert tokens[0] > 2 * tokens[1] > 0
-    fast = statistics.fmean(e["compute_s"] / e["step_s"] for e in steps if e["rank"] == 0)
-    assert fast > 0.8  # the fast rank computes while the rounds are in flight
-    assert len(read_events(run, ("eval",))) == 2 * 2
+    # the fast rank computes while the rounds are in flight, once the caps know its speed (from
+    # step 3: step 1's counts, before the straggler's first sleep, were even)
+    fast = statistics.fmean(e["compute_s"] / e["step_s"] for e in steps
+                            if e["rank"] == 0 and e["step"] >= 3)
+    assert fast > 0.8
+    summary = run.read_json(run.summary)
+    assert summary["tokens"] == sum(tokens.values()) == ddp_tokens(RUNS["acco-adaptive"])
+    taken = summary["steps_run"]
+    assert taken == max(e["step"] for e in steps) >= 3
+    per_step = summary["tokens"] / (BATCH * SEQ) / WORLD / taken
+    assert summary["micro_batches_per_step"] == pytest.approx(per_step)
+    assert f"{per_step:.1f} micro-batches/step over {taken} steps" in one_line(summary)
+    assert len(read_events(run, ("eval",))) == 2 * (1 + (taken >= 3))
+
+
+def test_budget_ends_on_exactly_its_micro_batches():
+    """MicroBudget on its own, with random adaptive counts: no group goes over its caps, no
+    round is empty, the real rounds add up to the budget exactly, and the caps follow the
+    ranks' speeds (a rank 30 times faster than the others does most of the work)."""
+    rnd = random.Random(0)
+    for total, speed in [(1280, [2, 2, 2, 2]), (1280, [4, 4, 1, 1]), (36, [4, 1]),
+                         (7, [1, 1, 1, 1]), (4, [3, 3, 3, 3]), (100, [10, 10]),
+                         (320, [30, 1, 1, 1])]:
+        world = len(speed)
+        budget, step, in_flight, mine = MicroBudget(total, world, None), 0, None, [0] * world
+
+        def computed(caps):  # adaptive: as many as fit (around the speed), at least one
+            return [min(c, max(1, s + rnd.randint(-1, 2))) for c, s in zip(caps, speed)]
+
+        while not budget.spent():
+            g1 = computed(budget.first(step))
+            if in_flight is not None:
+                budget.real_landed(in_flight)
+            caps, last = budget.second()
+            g2 = computed(caps)
+            assert sum(g1) > 0
+            budget.estimate_landed(g1)
+            if last:
+                top = budget.top_up()
+                assert all(t >= n for t, n in zip(top, g2))
+                g2 = top
+            in_flight, step = [a + b for a, b in zip(g1, g2)], step + 1
+            mine = [m + n for m, n in zip(mine, in_flight)]
+        budget.real_landed(in_flight)
+        assert budget.done == sum(mine) == total and step <= total
+    assert mine[0] > 0.75 * total  # the fast rank of the last case
+    assert trim([1, 3], 3) == [1, 2] and trim([2, 2], 3) == [2, 1] and trim([2, 1], 0) == [0, 0]
 
 
 def _roundtrip(rank, world) -> dict:
@@ -252,9 +329,9 @@ def _roundtrip(rank, world) -> dict:
 
     topo = topology.init(world, 1)
     results = {}
-    for algo_name, micro in (("zero1", "adaptive"), ("acco", "1:2,2:1")):
+    for algo_name, micro, accum in (("zero1", "adaptive", 1), ("acco", "1:2,2:1", 3)):
         cfg = Config(algo=algo_name, model="nano", replicas=world, batch_size=BATCH, seq_len=SEQ,
-                     steps=6, warmup_steps=2, acco_micro=micro).validate()
+                     steps=6, warmup_steps=2, acco_micro=micro, grad_accum=accum).validate()
         batches = Batches(load_tokens("builtin"), rank=rank, world=world, seq_len=SEQ,
                           batch_size=BATCH, seed=SEED, val_fraction=0.02)
 
@@ -286,6 +363,8 @@ def _roundtrip(rank, world) -> dict:
         same = all(torch.equal(p, q) for p, q in zip(model_a.parameters(), model_b.parameters()))
         same &= torch.equal(a.opt.master, b.opt.master) and torch.equal(a.opt.m, b.opt.m)
         same &= torch.equal(a.opt.v, b.opt.v) and a.opt.step == b.opt.step
+        if algo_name == "acco":
+            same &= a.budget.state_dict() == b.budget.state_dict() and a.budget.spent()
         results[algo_name] = bool(same)
     return results
 
@@ -299,6 +378,7 @@ def test_state_dict_round_trip_continues_bitwise(runs):
     ({"algo": "acco", "acco_micro": "1:0"}, "N1:N2"),
     ({"algo": "acco", "acco_micro": "1:1,1:1,1:1"}, "3 counts for 2 ranks"),
     ({"algo": "ddp", "acco_micro": "1:1"}, "only to --algo acco"),
+    ({"algo": "zero1", "acco_clip": True}, "only to --algo acco"),
     ({"algo": "ddp", "shard_optimizer": "sgd"}, "only to --algo zero1 or acco"),
     ({"algo": "zero1", "shard_optimizer": "lion"}, "is not one of adamw, sgd"),
 ])

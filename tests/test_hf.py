@@ -30,8 +30,10 @@ def runs(llama, tmp_path_factory):
     def run(algo, shards=1):
         if (algo, shards) not in done:
             out = root / f"{algo}-s{shards}"
+            # acco's budget is ddp's micro-batches: enough of them for a few of its updates
+            more = ["--grad-accum", 4] if algo == "acco" else []
             proc = lowband("train", "--model", f"hf:{llama}", "--algo", algo, "--replicas", 2,
-                           "--shards", shards, "--run-dir", out, *SMALL, cwd=root)
+                           "--shards", shards, "--run-dir", out, *SMALL, *more, cwd=root)
             assert proc.returncode == 0, proc.stdout + proc.stderr
             done[algo, shards] = out
         return done[algo, shards]

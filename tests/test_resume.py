@@ -17,7 +17,9 @@ from lowband.telemetry import RunDir, read_events
 FLAGS = {  # per algorithm: a schedule with syncs both before and after the stop
     "diloco": ["--sync-every", "3"],
     "streaming": ["--sync-every", "4", "--fragments", "2", "--overlap", "1"],
-    "acco": ["--acco-micro", "1:1"],  # adaptive counts follow the clock: not reproducible
+    # adaptive counts follow the clock: not reproducible; 1:1 is two micro-batches a step, so
+    # ddp's budget of --grad-accum 2 gives acco the same 10 steps
+    "acco": ["--acco-micro", "1:1", "--grad-accum", "2"],
     "edit": ["--sync-every", "3"],
 }
 COMMON = ["--model", "nano", "--steps", "10", "--seq-len", "32", "--batch-size", "4",

@@ -25,13 +25,28 @@ def summarize(cfg, ranks: list[dict]) -> dict:
         "final_loss": mean([r["loss"] for r in ranks]),
         "final_val_loss": mean([r["val_loss"] for r in ranks if r["shard"] == 0]),
         "run_dir": cfg.run_dir,
+        **_acco(cfg, tokens, len(ranks), run),
     }
 
 
-def add_ddp_bytes(summary: dict, one_step: int, replicas: int) -> None:
+def _acco(cfg, tokens: int, world: int, steps_run: float) -> dict:
+    """acco's steps take as many micro-batches as its budget and rounds give them:
+    micro_batches_per_step is their mean per rank and step (ddp's is --grad-accum)."""
+    if cfg.algo != "acco" or not steps_run:
+        return {}
+    return {"micro_batches_per_step": tokens / (cfg.batch_size * cfg.seq_len) / world / steps_run}
+
+
+def add_ddp_bytes(summary: dict, one_step: int, replicas: int,
+                  tokens_per_step: int | None = None) -> None:
     """ddp_outer_wire_bytes: what ddp would have sent for the inner steps the run took
-    (R x steps_run), from its bytes for one step."""
-    summary["ddp_outer_wire_bytes"] = one_step * sum(summary["steps_run_per_replica"]) // replicas
+    (R x steps_run), from its bytes for one step; with tokens_per_step (ddp's tokens in one
+    step over all ranks), for the tokens the run trained on (the same for every algorithm whose
+    step is ddp's; acco's steps take more micro-batches)."""
+    if tokens_per_step:
+        summary["ddp_outer_wire_bytes"] = one_step * summary["tokens"] // tokens_per_step
+    else:
+        summary["ddp_outer_wire_bytes"] = one_step * sum(summary["steps_run_per_replica"]) // replicas
 
 
 def one_line(s: dict) -> str:
@@ -39,6 +54,8 @@ def one_line(s: dict) -> str:
             f"loss {s.get('final_loss', float('nan')):.4f}, "
             f"val loss {s.get('final_val_loss', float('nan')):.4f}, "
             f"{s.get('tokens_per_s', 0):,.0f} tokens/s, "
+            + (f"{s['micro_batches_per_step']:.1f} micro-batches/step over {s.get('steps_run')} "
+               "steps, " if "micro_batches_per_step" in s else "") +
             f"outer link {fmt_si(s.get('outer_wire_bytes', 0), 'B')}, "
             f"compute utilization {100 * s.get('compute_utilization', 0):.0f}%")
 

@@ -275,9 +275,9 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from, attempt):
         events.emit("step", step=step + 1, loss=loss, lr=lr_at(cfg, step), tokens=done.tokens,
                     step_s=step_s, compute_s=step_compute)
         t_pause = time.time()
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+        last = algo.ends_after(step + 1) or step + 1 == cfg.stop_after
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and not last:
             done.val_loss = _eval(algo, model, batches, cfg, events, step + 1)
-        last = step + 1 == cfg.steps or step + 1 == cfg.stop_after
         if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or last):
             elapsed = done.wall_s + time.time() - t_start - paused_s
             _checkpoint(run, events, model, optimizer, algo, topo, comm, cfg, done, elapsed, faults)
@@ -319,7 +319,8 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from, attempt):
         return None
     summary = summarize(cfg, everyone) if topo.rank == 0 else None
     if summary is not None:  # with the baseline's bytes for the same model and steps, computed
-        add_ddp_bytes(summary, _ddp_one_step(model, cfg), cfg.replicas)
+        add_ddp_bytes(summary, _ddp_one_step(model, cfg), cfg.replicas,
+                      cfg.world * cfg.grad_accum * cfg.batch_size * cfg.seq_len)
         write_json_atomic(run.summary, summary)
     dist.barrier()
     return summary

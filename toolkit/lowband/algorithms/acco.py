@@ -1,7 +1,8 @@
 """acco (ACCO, arXiv 2406.02613): zero1's sharded optimizer with its communication hidden.
 
-The sharding, the round (reduce-scatter -> mean over micro-batches -> global-norm clipping ->
-shard optimizer step -> all-gather) and the weighting of micro-batches are zero1's (zero1.py).
+The sharding, the round (reduce-scatter -> mean over micro-batches -> global-norm clipping, with
+--acco-clip only -> shard optimizer step -> all-gather) and the weighting of micro-batches are
+zero1's (zero1.py).
 What acco adds: each round runs on a background thread (with its own CUDA stream on GPU; that
 path is written but has only been run on CPU so far) while the training thread keeps computing
 and accumulating micro-batch gradients, and there are two rounds per step so that the
@@ -31,21 +32,48 @@ the model holds θ̃(t+1), and evaluations swap in θ(t+1) (eval_weights waits f
 flight, without counting it as step time). --corrupt therefore perturbs θ̃(t+1), i.e. one group
 of gradients, not the sharded master parameters.
 
-Micro-batches per group (--acco-micro):
+Micro-batches per group (--acco-micro), within the budget below:
   adaptive  each rank computes micro-batches until the round in flight has completed, at least
             one per group: a fast rank contributes more than a slow one (--straggler), and
             nobody idles while the link is busy. Step 0's first group is one micro-batch.
-            There is no upper bound: on a very slow link the batch per update grows.
+            The budget's caps (below) are the only bound: on a very slow link the batch per
+            update grows (and the steps get fewer).
   N1:N2     fixed: N1 micro-batches in group 1 and N2 in group 2 on every rank, or one N1:N2
             per rank, comma-separated (heterogeneous workers, for tests and experiments).
 Counts travel with the gradients (zero1.py: one slot per reduce-scatter piece): a round's
 gradient is the sum over ranks and micro-batches divided by the total count, so every
 micro-batch weighs the same, whoever computed it.
 
-Batches: with a variable number of micro-batches per step, each rank numbers its micro-batches
-with a running counter k = 0, 1, 2, ... (saved in checkpoints) and micro-batch k is
-batches.train(k // A, k % A), A = --grad-accum: no batch is used twice, and with fixed counts
-N1 + N2 = A acco trains on exactly ddp's batches (step t: batches.train(t, 0 .. A-1)).
+Budget (as the authors' code, which stops on a global gradient count): the run ends when the
+micro-batches computed over all ranks reach --steps x --grad-accum x world, exactly what ddp
+computes, whatever the groups took per step; `steps_run` and `micro_batches_per_step` in the
+summary say how many steps that made and how large they were. All ranks agree on it without a
+transfer on the training thread (MicroBudget): they know each landed round's counts per rank
+(fixed counts are known in advance; with adaptive counts each round starts with a small
+all-gather of the ranks' counts, tags `count` and `est-count`, as the authors all-reduce theirs
+apart from the gradients), and each group not yet landed has a known bound, the caps its ranks
+computed under. Each group gets caps, one per rank, that fit in what is left after the landed
+rounds and those bounds:
+  adaptive  twice the ranks' counts in the last group of the same kind (group 1 or 2) plus
+            one a rank, split in proportion to those counts (so a fast rank keeps its share
+            and a group may double from one step to the next), and at most half of what is free
+            (rounded up; the rest is left for the next group); the caps bind only near the end
+            of the budget or when a group more than doubles
+  N1:N2     the counts themselves, trimmed (largest first) where they do not fit: exact
+An adaptive run's last step is decided as its group 2 starts (the previous real round has
+landed): it is the last when what is left of the budget is at most 1.5 times the previous
+step's micro-batches, or too little for two more groups. Its group 2 is capped at all that is
+free while the estimate is on the wire; once the estimate has landed (its counts are then
+known) each rank tops its group 2 up to its part of what is left, at θ(t), without overlap. So
+the total is exact, and the last step may take more or fewer micro-batches than the others; a
+rank whose cap is 0 computes nothing in that group.
+The learning rate of step t (both rounds) is the schedule at the budget's progress:
+lr_at(micro-batches landed before step t / (--grad-accum x world)), so the warm-up and the
+cosine span the budget as they span ddp's --steps (the trainer's `step` events show its
+schedule at the step number).
+
+Clipping: none in the rounds, as in the authors' code; --acco-clip clips each round's (the
+estimate's too) global gradient norm at --grad-clip, as zero1 does.
 
 Time accounting: the trainer's compute time is the step minus the seconds the training thread
 was blocked. Only the training thread's waits for a round count (added to comm.wait_s); the
@@ -56,10 +84,10 @@ outer/inner by ring position as usual): collectives of the training thread — a
 barrier while a round is in flight — go through the default group and cannot be interleaved
 with the round's in a different order on different ranks.
 
-Checkpoints: state_dict() waits for the round in flight and stores its result (θ(t+1)), the
-shard optimizer, the counter and the skips; with fixed counts a resumed run continues bitwise
-identically (adaptive counts depend on timing, so a resumed adaptive run is equally valid but
-not the same).
+Checkpoints: state_dict() waits for the round in flight and stores its result (θ(t+1)) with
+its count, the shard optimizer, the counter, the budget and the skips; with fixed counts a
+resumed run continues bitwise identically (adaptive counts depend on timing, so a resumed
+adaptive run is equally valid but not the same).
 """
 
 from __future__ import annotations
@@ -67,6 +95,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -76,6 +105,7 @@ import torch.distributed as dist
 from lowband.algorithms.zero1 import ShardOptions, ZeRO1
 from lowband.model import lm_loss
 from lowband.options import ConfigError, Options, option
+from lowband.schedule import lr_at
 
 
 def parse_micro(text: str, world: int) -> list[tuple[int, int]] | None:
@@ -103,10 +133,142 @@ class AccoOptions(Options):
     acco_micro: str = option("adaptive", "micro-batches per group: adaptive (as many as fit while "
                              "the round is in flight, at least 1), N1:N2 (fixed, every rank) or "
                              "one N1:N2 per rank, comma-separated")
+    acco_clip: bool = option(False, "clip each round's global gradient norm at --grad-clip (the "
+                             "authors' rounds do not clip)")
 
     @classmethod
     def check(cls, cfg) -> None:
         parse_micro(cfg.acco_micro, cfg.world)
+
+
+def apportion(total: int, weights: list[int]) -> list[int]:
+    """`total` split over the ranks in proportion to `weights` (evenly where they are all 0):
+    one for each rank first where the total allows, then the rest by largest remainder (the
+    lower rank first among equals); integers only, so every rank computes the same split."""
+    n = len(weights)
+    if not any(weights):
+        weights = [1] * n
+    floor = 1 if total >= n else 0
+    rest, whole = total - floor * n, sum(weights)
+    caps = [floor + rest * x // whole for x in weights]
+    by_remainder = sorted(range(n), key=lambda r: (-(rest * weights[r] % whole), r))
+    for r in by_remainder[: total - sum(caps)]:
+        caps[r] += 1
+    return caps
+
+
+def trim(counts: list[int], total: int) -> list[int]:
+    """Per-rank counts cut to at most `total` in all, one at a time from the largest (the
+    highest rank first among equals)."""
+    counts = list(counts)
+    for _ in range(sum(counts) - max(total, 0)):
+        counts[max(range(len(counts)), key=lambda r: (counts[r], r))] -= 1
+    return counts
+
+
+class MicroBudget:
+    """The run's budget in micro-batches over all ranks, and each group's caps (the module's
+    docstring, "Budget"). Every rank holds the same one: it changes only with what all ranks
+    know, the per-rank counts of landed rounds and the caps computed from them. Per step:
+    first(), real_landed() (when the previous step's real round lands), second(),
+    estimate_landed(), then top_up() on the last step. A round's counts are None where its
+    caps were exact (fixed counts, step 0's first group, the last step's group 2)."""
+
+    GROWTH = 2  # an adaptive group's caps: this many times the last such group's counts, + 1 a rank
+
+    def __init__(self, total: int, world: int, fixed: list[tuple[int, int]] | None):
+        self.total, self.world, self.fixed = total, world, fixed
+        self.done = 0            # micro-batches in the real rounds landed
+        self.last = [None, None]  # per rank: the last landed group 1 and group 2 (adaptive ones)
+        self.first_counts = None  # the current step's group 1, once its estimate landed
+        self.groups = deque()  # (caps, kind: 0/1 adaptive group 1/2, None exact) not landed yet
+
+    def free(self) -> int:
+        return (self.total - self.done - sum(self.first_counts or ())
+                - sum(sum(caps) for caps, _ in self.groups))
+
+    def spent(self) -> bool:
+        return self.free() <= 0
+
+    def _adaptive(self, kind: int, total: int) -> list[int]:
+        """Caps of an adaptive group (kind 0: group 1, 1: group 2) summing to at most `total`
+        and to GROWTH x the last such group + one a rank, split in proportion to that group's
+        counts (so a group can grow fast, and its bound stays near what it takes)."""
+        last = self.last[kind]
+        if last is not None:
+            total = min(total, self.GROWTH * sum(last) + self.world)
+        caps = apportion(total, last or [0] * self.world)
+        self.groups.append((caps, kind))
+        return caps
+
+    def _exact(self, caps: list[int]) -> list[int]:
+        self.groups.append((caps, None))
+        return caps
+
+    def first(self, step: int) -> list[int]:
+        """Caps of group 1."""
+        if self.fixed is not None:
+            return self._exact(trim([n1 for n1, _ in self.fixed], self.free()))
+        if step == 0:  # the authors' first group: one micro-batch (no measure of speed)
+            return self._exact([1] * self.world)
+        return self._adaptive(0, (self.free() + 1) // 2)
+
+    def real_landed(self, counts: list[int] | None) -> None:
+        second, kind = self.groups.popleft()
+        if counts is not None:
+            second = [c - f for c, f in zip(counts, self.first_counts)]
+        if kind is not None:
+            self.last[kind] = second
+        self.done += sum(self.first_counts) + sum(second)
+        self.first_counts = None
+
+    def second(self) -> tuple[list[int], bool]:
+        """Caps of group 2, and whether this is the budget's last step (top_up() follows)."""
+        free = self.free()
+        if self.fixed is not None:
+            return self._exact(trim([n2 for _, n2 in self.fixed], free)), False
+        # the last step: at most 1.5 steps' micro-batches left, or no room for two more groups
+        step = sum(self.last[0] or ()) + sum(self.last[1] or ())
+        if self.total - self.done <= 1.5 * step or free < 3:
+            return self._exact(apportion(free, self.last[1] or [0] * self.world)), True
+        return self._adaptive(1, (free + 1) // 2), False
+
+    def estimate_landed(self, counts: list[int] | None) -> None:
+        first, kind = self.groups.popleft()
+        self.first_counts = first if counts is None else counts
+        if kind is not None:
+            self.last[kind] = self.first_counts
+
+    def top_up(self) -> list[int]:
+        """The last step's group 2, once its estimate landed: its caps raised so that they
+        take all that is left (every rank then computes exactly its cap)."""
+        caps, _ = self.groups.pop()
+        extra = apportion(self.free() - sum(caps), self.last[1] or [0] * self.world)
+        return self._exact([c + e for c, e in zip(caps, extra)])
+
+    def progress(self, grad_accum: int) -> float:
+        """The step of the learning-rate schedule: ddp's steps so far, counted in micro-batches."""
+        return self.done / (grad_accum * self.world)
+
+    def state_dict(self) -> dict:
+        return {"done": self.done, "last": list(self.last), "first_counts": self.first_counts,
+                "groups": [list(g) for g in self.groups]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.done, self.first_counts = state["done"], state["first_counts"]
+        self.last, self.groups = list(state["last"]), deque(tuple(g) for g in state["groups"])
+
+
+class _Replaced:
+    """An object with some attributes replaced: acco's config for zero1's round, whose
+    clipping reads grad_clip (0 unless --acco-clip)."""
+
+    def __init__(self, base, **values):
+        self._base = base
+        self.__dict__.update(values)
+
+    def __getattr__(self, name):
+        return getattr(self._base, name)
 
 
 class _OwnWorld:
@@ -137,8 +299,12 @@ class ACCO(ZeRO1):
     def setup(self, model, blocks, make_optimizer, topology, comm, config):
         optimizer = super().setup(model, blocks, make_optimizer, topology, comm, config)
         counts = parse_micro(config.acco_micro, topology.world)
-        self.fixed = None if counts is None else counts[topology.rank]
+        self.adaptive = counts is None
+        self.budget = MicroBudget(config.steps * config.grad_accum * topology.world,
+                                  topology.world, counts)
+        self.config = _Replaced(config, grad_clip=config.grad_clip if config.acco_clip else 0.0)
         self.counter = 0  # running micro-batch number of this rank
+        self.step, self.loss = 0, float("nan")  # the last step taken, its loss
         self.pending: Future | None = None  # the round in flight (or landed, not yet taken)
         self.pending_kind = None  # "estimate" or "real"
         # the rounds' transfers: same link, totals and events, but their own wait counter and
@@ -146,7 +312,9 @@ class ACCO(ZeRO1):
         # makes meanwhile (a checkpoint's barrier) cannot interleave with them differently
         # on different ranks
         self.round_comm = copy.copy(comm)
-        self.round_comm.topo = _OwnWorld(topology, dist.new_group(list(range(topology.world))))
+        group = dist.new_group(list(range(topology.world)))
+        dist.barrier(group=group)  # its connections made now: the first round is not slower
+        self.round_comm.topo = _OwnWorld(topology, group)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acco-round")
         cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if cuda else None
@@ -160,52 +328,60 @@ class ACCO(ZeRO1):
         if self.stream is not None:  # the side stream starts after the gradients are in place
             ready = torch.cuda.Event()
             ready.record()
-        self.pending = self.pool.submit(self._background, lr, commit, ready)
+        self.pending = self.pool.submit(self._background, lr, commit, count, ready)
         self.pending_kind = "real" if commit else "estimate"
 
-    def _background(self, lr: float, commit: bool, ready):
-        prefix = "" if commit else "est-"
+    def _background(self, lr: float, commit: bool, count: int, ready):
         if self.stream is None:
-            return self._round(self.round_comm, lr, commit, prefix)
+            return self._counted_round(lr, commit, count)
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
-            out = self._round(self.round_comm, lr, commit, prefix)
+            out = self._counted_round(lr, commit, count)
             done = torch.cuda.Event()
             done.record(self.stream)
         done.synchronize()  # done() on the future means the parameters are there
         return out
 
+    def _counted_round(self, lr: float, commit: bool, count: int):
+        """zero1's round; with adaptive counts first an all-gather of every rank's count (the
+        budget's caps follow the ranks' speeds). Returns (parameters, skipped, counts or None)."""
+        prefix = "" if commit else "est-"
+        counts = None
+        if self.adaptive:
+            mine = torch.tensor([float(count)], device=self.device)
+            parts = self.round_comm.all_gather(mine, "world", tag=prefix + "count").wait()
+            counts = [int(p.item()) for p in parts]
+        return *self._round(self.round_comm, lr, commit, prefix), counts
+
     def _land(self, count_wait: bool = True):
-        """Wait for the round in flight; returns (kind, full parameters, skipped) or None."""
+        """Wait for the round in flight; returns (kind, full parameters, skipped, counts per rank
+        or None) or None."""
         if self.pending is None:
             return None
         t0 = time.perf_counter()
-        full, skipped = self.pending.result()
+        full, skipped, counts = self.pending.result()
         if count_wait:
             self.comm.wait_s += time.perf_counter() - t0
         if self.stream is not None:
             full.record_stream(torch.cuda.current_stream(self.device))
         kind, self.pending, self.pending_kind = self.pending_kind, None, None
-        return kind, full, skipped
+        return kind, full, skipped, counts
 
     # -- the step -----------------------------------------------------------------------------
 
-    def _accumulate(self, batches, target: int | None) -> tuple[torch.Tensor, int]:
-        """Backpropagate micro-batches, unscaled, into the model's gradients: `target` of them,
-        or (adaptive) until the round in flight is done, at least one."""
+    def _accumulate(self, batches, cap: int, adaptive: bool) -> tuple[torch.Tensor, int]:
+        """Backpropagate micro-batches, unscaled, into the model's gradients: `cap` of them, or
+        (adaptive) until the round in flight is done, at least one, at most `cap`."""
         loss_sum, n = torch.zeros((), device=self.device), 0
         A = self.config.grad_accum
-        while True:
+        while n < cap:
             x, y = batches.train(self.counter // A, self.counter % A)
             self.counter += 1
             loss = lm_loss(self.model, x, y, self.config.precision)
             loss.backward()
             loss_sum += loss.detach()
             n += 1
-            if target is not None:
-                if n >= target:
-                    break
-            else:
+            if adaptive:
                 if self.stream is not None:  # the question is whether the GPU kept up
                     torch.cuda.current_stream(self.device).synchronize()
                 if self.pending is None or self.pending.done():
@@ -213,21 +389,38 @@ class ACCO(ZeRO1):
         return loss_sum, n
 
     def train_step(self, step, batches, lr):
-        n1_target, n2_target = self.fixed if self.fixed else (None, None)
-        loss1, n1 = self._accumulate(batches, n1_target)  # G1(t) at θ̃(t)
+        """One step; `lr` (the trainer's, by step number) gives way to the budget's progress."""
+        budget, me = self.budget, self.topo.rank
+        loss1, n1 = self._accumulate(batches, budget.first(step)[me], self.adaptive)  # G1(t), θ̃(t)
         landed = self._land()
         if landed is not None:  # R(t-1): θ(t)
-            _, theta, skipped = landed
+            _, theta, skipped, counts = landed
             self.layout.write(theta)
             self._note_skip(skipped, step - 1)
+            budget.real_landed(counts)
+        lr = lr_at(self.config, budget.progress(self.config.grad_accum))
         self._launch(lr, commit=False, count=n1)  # E(t) from G1(t)
-        loss2, n2 = self._accumulate(batches, n2_target)  # G2(t) at θ(t), onto G1(t)
-        _, estimate, _ = self._land()
+        caps, last = budget.second()
+        loss2, n2 = self._accumulate(batches, caps[me], self.adaptive)  # G2(t) at θ(t), onto G1(t)
+        _, estimate, _, counts = self._land()
+        budget.estimate_landed(counts)
+        if last:  # the budget's last step: G2(t) topped up to this rank's share of what is left
+            more, k = self._accumulate(batches, budget.top_up()[me] - n2, adaptive=False)
+            loss2, n2 = loss2 + more, n2 + k
         self.layout.write(estimate)  # θ̃(t+1)
         self._launch(lr, commit=True, count=n1 + n2)  # R(t) from G1(t) ∪ G2(t)
         self.model.zero_grad(set_to_none=True)
         n = n1 + n2
-        return (loss1 + loss2).item() / n, n
+        if n:  # a rank left without micro-batches at the end reports its previous loss
+            self.loss = (loss1 + loss2).item() / n
+        self.step = step
+        return self.loss, n
+
+    def should_stop(self, step: int) -> bool:
+        return self.budget.spent()
+
+    def ends_after(self, step: int) -> bool:
+        return self.budget.spent()
 
     # -- the trainer's other hooks -------------------------------------------------------------
 
@@ -241,9 +434,10 @@ class ACCO(ZeRO1):
     def finish(self) -> None:
         landed = self._land(count_wait=False)
         if landed is not None:
-            _, theta, skipped = landed
+            _, theta, skipped, counts = landed
             self.layout.write(theta)  # θ(T)
-            self._note_skip(skipped, self.config.steps - 1)
+            self._note_skip(skipped, self.step)
+            self.budget.real_landed(counts)
 
     @contextlib.contextmanager
     def eval_weights(self, which: str):
@@ -261,14 +455,20 @@ class ACCO(ZeRO1):
     def state_dict(self) -> dict:
         landed = self._drain()
         state = super().state_dict()
-        state.update(counter=self.counter, landed=None if landed is None else
-                     (landed[0], landed[1].detach().cpu().clone(), landed[2]))
+        state.update(counter=self.counter, budget=self.budget.state_dict(), step=self.step,
+                     loss=self.loss, landed=None if landed is None else
+                     (landed[0], landed[1].detach().cpu().clone(), *landed[2:]))
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        if "budget" not in state:
+            raise ConfigError("this checkpoint's acco state was written before acco counted its "
+                              "budget in micro-batches: resume it with the lowband that wrote it, "
+                              "or start the run again.")
         super().load_state_dict(state)
-        self.counter = state["counter"]
+        self.counter, self.step, self.loss = state["counter"], state["step"], state["loss"]
+        self.budget.load_state_dict(state["budget"])
         self.pending = self.pending_kind = None
         if state["landed"] is not None:
-            kind, full, skipped = state["landed"]
-            self.pending, self.pending_kind = _done((full.to(self.device), skipped)), kind
+            kind, full, skipped, counts = state["landed"]
+            self.pending, self.pending_kind = _done((full.to(self.device), skipped, counts)), kind

@@ -82,6 +82,12 @@ class Algorithm:
         A run is --steps long; aedit, whose replicas run different numbers of steps, decides."""
         return step >= self.config.steps
 
+    def ends_after(self, step: int) -> bool:
+        """Whether the run ends after `step` steps (its last evaluation and checkpoint), known
+        without a message: after --steps by default; acco when its micro-batch budget is spent.
+        (aedit decides its end at a sync, in should_stop: it writes no checkpoints.)"""
+        return step == self.config.steps
+
     def finish(self) -> None:
         pass
 
