@@ -275,9 +275,10 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from, attempt):
         events.emit("step", step=step + 1, loss=loss, lr=lr_at(cfg, step), tokens=done.tokens,
                     step_s=step_s, compute_s=step_compute)
         t_pause = time.time()
-        last = algo.ends_after(step + 1) or step + 1 == cfg.stop_after
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and not last:
+        ends = algo.ends_after(step + 1)  # the final evaluation follows the loop
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and not ends:
             done.val_loss = _eval(algo, model, batches, cfg, events, step + 1)
+        last = ends or step + 1 == cfg.stop_after
         if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or last):
             elapsed = done.wall_s + time.time() - t_start - paused_s
             _checkpoint(run, events, model, optimizer, algo, topo, comm, cfg, done, elapsed, faults)
