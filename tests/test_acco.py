@@ -10,7 +10,6 @@ both rounds of a step use the schedule at the micro-batches done before it / (A 
 import math
 import os
 import random
-import statistics
 
 import pytest
 import torch
@@ -266,12 +265,7 @@ def test_adaptive_counts_follow_speed_within_ddps_tokens(runs):
     run = runs[0]["acco-adaptive"]
     steps = read_events(run, ("step",))
     tokens = {r: max(e["tokens"] for e in steps if e["rank"] == r) for r in (0, 1)}
-    assert tokens[0] > 2 * tokens[1] > 0
-    # the fast rank computes while the rounds are in flight, once the caps know its speed (from
-    # step 3: step 1's counts, before the straggler's first sleep, were even)
-    fast = statistics.fmean(e["compute_s"] / e["step_s"] for e in steps
-                            if e["rank"] == 0 and e["step"] >= 3)
-    assert fast > 0.8
+    assert tokens[0] > 2 * tokens[1] > 0  # (its compute utilization: benchmarks/acco.py)
     summary = run.read_json(run.summary)
     assert summary["tokens"] == sum(tokens.values()) == ddp_tokens(RUNS["acco-adaptive"])
     taken = summary["steps_run"]

@@ -158,7 +158,7 @@ def test_a_requeued_job_resumes_from_its_checkpoint(cluster, finished):
 
 
 def test_an_elastic_job_restarts_a_killed_group_on_the_cluster(cluster):
-    killed = launch_cli("--wait", "--run-dir", "runs/elastic", "--", *JOB[:-4], "--steps", "30",
+    killed = launch_cli("--wait", "--run-dir", "runs/elastic", "--", *JOB[:-4], "--steps", "20",
                         "--elastic", "--checkpoint-every", "10", "--kill", "1:10")
     assert killed.returncode == 0, killed.stdout + killed.stderr
     summary = json.loads(Path("runs/elastic/summary.json").read_text())
