@@ -82,12 +82,16 @@ _RELAUNCH_MAY_CHANGE = ("progress", "steps", "stop_after", "crash_checkpoint", "
                         "run_dir", "overwrite")
 
 
+def _slurm_restarts() -> int:
+    """How many times Slurm has run this job before (a requeue, a preemption, a retry)."""
+    return int(os.environ.get("SLURM_RESTART_COUNT", 0) or 0)
+
+
 def relaunched(cfg: Config) -> str | bool:
     """'auto' when this process continues a run already in --run-dir: --auto-resume, or Slurm
     restarted the job (SLURM_RESTART_COUNT > 0), and the directory holds the same run. A
     directory holding another run is refused with one sentence (rank 0 decides)."""
-    requeued = int(os.environ.get("SLURM_RESTART_COUNT", 0) or 0) > 0
-    if not (cfg.auto_resume or requeued) or not cfg.run_dir or cfg.overwrite:
+    if not (cfg.auto_resume or _slurm_restarts()) or not cfg.run_dir or cfg.overwrite:
         return False
     run = RunDir(cfg.run_dir)
     saved = run.read_json(run.config)
@@ -197,8 +201,8 @@ def train(cfg: Config, model: nn.Module | None = None, blocks: nn.ModuleList | N
         elif not cfg.elastic:  # relaunched before its first checkpoint: start over in place
             attempt["events_kept"] = 0
     attempt["attempt"] = _decided_by_rank0(lambda: _attempts_before(run, topo.rank))
-    if int(os.environ.get("SLURM_RESTART_COUNT", 0) or 0):
-        attempt["slurm_restart"] = int(os.environ["SLURM_RESTART_COUNT"])
+    if _slurm_restarts():
+        attempt["slurm_restart"] = _slurm_restarts()
     events = EventWriter(run, topo.rank, topo.replica)
     try:
         return _train(cfg, topo, run, events, tokens, model, blocks, resume_from, attempt)

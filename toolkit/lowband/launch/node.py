@@ -151,7 +151,6 @@ def _agent(argv: list[str]) -> int:
     return 0
 
 
-
 def failure_sentence(failures: dict, host: str) -> str:
     """One sentence for the workers of this node that failed (global rank -> ProcessFailure):
     the node, the first failed rank, how it ended, and where the node's output is."""
