@@ -18,6 +18,7 @@ from lowband.algorithms.acco import MicroBudget, trim
 from lowband.config import Config, ConfigError
 from lowband.data import Batches, load_tokens
 from lowband.model import GPT, gpt_config, num_params
+from lowband.schedule import lr_at
 from lowband.summary import one_line
 from lowband.telemetry import RunDir, read_events
 from test_ddp import ACCUM as DDP_ACCUM
@@ -232,6 +233,11 @@ def test_acco_adamw_clipped_heterogeneous_counts_cut_to_the_budget(runs):
     assert tokens == {0: (3 * 3 + 1) * BATCH * SEQ, 1: (3 * 4 + 2) * BATCH * SEQ}
     summary = run.read_json(run.summary)
     assert summary["tokens"] == ddp_tokens(RUNS["acco-adamw"]) and summary["steps_run"] == STEPS
+    # the step events tell the lr the rounds used: the schedule at the micro-batches landed
+    # before the step (7 a step) in ddp's steps (3 x 2 micro-batches)
+    lrs = {e["step"]: e["lr"] for e in events if e["kind"] == "step" and e["rank"] == 0}
+    cfg = Config(**RUNS["acco-adamw"])
+    assert lrs == pytest.approx({t + 1: lr_at(cfg, 7 * t / 6) for t in range(STEPS)}, rel=1e-12)
     assert {e["group"] for e in events if e["kind"] == "comm"} == {"inner"}
 
 

@@ -383,6 +383,11 @@ def test_aedit_budget_holds_and_the_summary_tells_the_steps_run(train_run):
         assert summary["steps"] == steps and summary["steps_run_per_replica"] == ran
         assert summary["steps_run"] == sum(ran) / 2
     assert ran[0] > ran[1], ran  # the straggler's windows held fewer of its steps
+    # the step events tell the lr used, the schedule at the run's global progress: the slow
+    # replica's last step came when the run was further on than the fast one's same step number
+    lrs = {r: {e["step"]: e["lr"] for e in read_events(run, ("step",)) if e["rank"] == r}
+           for r in (0, 1)}
+    assert lrs[1][ran[1]] < lrs[0][ran[1]], (lrs[1][ran[1]], lrs[0][ran[1]])
 
 ROUND_TRIP = textwrap.dedent("""
     import io, os, torch

@@ -69,8 +69,8 @@ the total is exact, and the last step may take more or fewer micro-batches than 
 rank whose cap is 0 computes nothing in that group.
 The learning rate of step t (both rounds) is the schedule at the budget's progress:
 lr_at(micro-batches landed before step t / (--grad-accum x world)), so the warm-up and the
-cosine span the budget as they span ddp's --steps (the trainer's `step` events show its
-schedule at the step number).
+cosine span the budget as they span ddp's --steps; the `step` events report that lr, and
+the progress bar counts the budget's micro-batches in ddp's steps.
 
 Clipping: none in the rounds, as in the authors' code; --acco-clip clips each round's (the
 estimate's too) global gradient norm at --grad-clip, as zero1 does.
@@ -305,6 +305,7 @@ class ACCO(ZeRO1):
         self.config = _Replaced(config, grad_clip=config.grad_clip if config.acco_clip else 0.0)
         self.counter = 0  # running micro-batch number of this rank
         self.step, self.loss = 0, float("nan")  # the last step taken, its loss
+        self.position = 0.0  # the learning-rate schedule's step of the last step
         self.pending: Future | None = None  # the round in flight (or landed, not yet taken)
         self.pending_kind = None  # "estimate" or "real"
         # the rounds' transfers: same link, totals and events, but their own wait counter and
@@ -398,7 +399,8 @@ class ACCO(ZeRO1):
             self.layout.write(theta)
             self._note_skip(skipped, step - 1)
             budget.real_landed(counts)
-        lr = lr_at(self.config, budget.progress(self.config.grad_accum))
+        self.position = budget.progress(self.config.grad_accum)
+        lr = lr_at(self.config, self.position)
         self._launch(lr, commit=False, count=n1)  # E(t) from G1(t)
         caps, last = budget.second()
         loss2, n2 = self._accumulate(batches, caps[me], self.adaptive)  # G2(t) at θ(t), onto G1(t)
@@ -418,6 +420,14 @@ class ACCO(ZeRO1):
 
     def should_stop(self, step: int) -> bool:
         return self.budget.spent()
+
+    def lr_step(self, step: int) -> float:
+        return self.position
+
+    def steps_done(self, step: int) -> float:
+        """The micro-batches computed so far (landed or in flight), in ddp's steps."""
+        b = self.budget
+        return (b.total - b.free()) / (self.config.grad_accum * self.topo.world)
 
     def ends_after(self, step: int) -> bool:
         return self.budget.spent()

@@ -115,6 +115,7 @@ class AEDiT(EDiT):
         self.elapsed = 0.0         # seconds since the replica's first step, as its shard 0 saw it
         self.total = 0             # inner steps of all replicas, as of the last sync
         self.share = 1 / topology.replicas  # this replica's share of the last window's steps
+        self.position = 0.0        # the learning-rate schedule's step of the current step
         self.stopped = False
         self.skipped = 0           # syncs called off (--aedit-min-new-steps) since the last one
         self.rejoining = False     # --elastic: healed into the others' sync in the first quorum
@@ -229,16 +230,31 @@ class AEDiT(EDiT):
         self.total, self.share = state.pop("aedit")
         super()._load_heal_state(state)
 
+    def _progress(self, step: int) -> float:
+        """The run's global progress in steps of --steps, `step` steps of this replica's done:
+        the step number during the warm-up syncs, then all replicas' steps (this one's window
+        scaled by its share), or the time budget's part when that is further."""
+        c = self.config
+        if step < c.warmup_sync_steps:
+            return step
+        R = self.topo.replicas
+        progress = self.total / R + self.window_steps / (R * self.share if self.share > 0 else 1)
+        if c.max_seconds:  # a time budget: the schedule spans it
+            progress = max(progress, self.elapsed / c.max_seconds * c.steps)
+        return progress
+
+    def lr_step(self, step: int) -> float:
+        return self.position  # as before_forward read it (the window's count moves after)
+
+    def steps_done(self, step: int) -> float:
+        return self._progress(step + 1)
+
     def before_forward(self, step):
         super().before_forward(step)
-        c = self.config
-        if step >= c.warmup_sync_steps:  # the schedule at the run's global progress
-            R = self.topo.replicas
-            progress = self.total / R + self.window_steps / (R * self.share if self.share > 0 else 1)
-            if c.max_seconds:  # a time budget: the schedule spans it
-                progress = max(progress, self.elapsed / c.max_seconds * c.steps)
+        self.position = self._progress(step)
+        if step >= self.config.warmup_sync_steps:  # the schedule at the run's global progress
             for g in self.optimizer.param_groups:
-                g["lr"] = lr_at(c, progress)
+                g["lr"] = lr_at(self.config, self.position)
 
     def after_step(self, step):
         super().after_step(step)

@@ -88,6 +88,16 @@ class Algorithm:
         (aedit decides its end at a sync, in should_stop: it writes no checkpoints.)"""
         return step == self.config.steps
 
+    def lr_step(self, step: int) -> float:
+        """Where step `step` (0-based) read the learning-rate schedule (schedule.lr_at): at its
+        number; acco and aedit at their budgets' progress. The `step` events report this lr."""
+        return step
+
+    def steps_done(self, step: int) -> float:
+        """How far the run is once step `step` (0-based) is taken, in steps of --steps (the
+        progress bar): step + 1; acco and aedit count their budgets."""
+        return step + 1
+
     def finish(self) -> None:
         pass
 
