@@ -9,25 +9,30 @@ a rank sends per step; the emulated outer link is then sized so that those bytes
     bandwidth = 8 x (wire bytes per rank per step) / C
 A zero1 or acco round moves about the same bytes as ddp's all-reduce (reduce-scatter + all-
 gather), so it too lasts about C. Then, on that link, all with the same --steps and
---grad-accum A, so the same tokens (acco's budget is ddp's micro-batches: algorithms/acco.py):
-  acco    adaptive micro-batch counts, no clipping in its rounds (the authors'). Each acco step
-          has two rounds, so with a round as long as A micro-batches' compute it takes about
-          m = 2A micro-batches a rank and makes about half ddp's steps
+--grad-accum A, so the same tokens (acco's budget is ddp's micro-batches: algorithms/acco.py),
+and the same clipping (--clip):
+  acco    adaptive micro-batch counts. Each acco step has two rounds, so with a round as long
+          as A micro-batches' compute it takes about m = 2A micro-batches a rank and makes
+          about half ddp's updates, of a batch about twice ddp's
   ddp     --grad-accum A
   zero1   the same (and the same batches as ddp)
   ddp-same-batch  ddp with acco's batch per update (--grad-accum = round(m)) and about the
-          same tokens (information: how much of a gap is the batch per update)
+          same tokens (information: what the larger batch alone costs at equal tokens)
+  acco-ddp-batch  acco with ddp's batch per update: fixed counts A/2 : A - A/2, so the same
+          batches per update and the same number of updates as ddp (the rounds then
+          do not hide behind compute on this link: its loss, not its speed, is the point)
 and the same three again with replica 1 four times slower (--straggler 1:4), for fewer steps
 (throughput only). Prints per run: steps taken, micro-batches per step, tokens, tokens/s,
 compute utilization, compute seconds per micro-batch (ms/micro: what CPU sharing did to the
 compute itself) and final validation loss. Then PASS/MISS per goal:
   1.  acco's compute utilization >= 90% on a link where ddp's is at most ~55%
-  2.  acco's final validation loss within 2% of ddp's, at equal tokens
+  2.  acco's final validation loss within 2% of ddp's at equal tokens and ddp's batch per
+      update (acco-ddp-batch); adaptive acco's and ddp-same-batch's are printed beside it
   3.  with the straggler, acco's tokens/s >= 1.5 x ddp's
 
     python benchmarks/acco.py [--model nano] [--steps 160] [--grad-accum 2] [--batch-size 8]
-        [--seq-len 128] [--straggler-steps 40] [--skip-straggler] [--acco-clip] [--keep DIR]
-        [--json FILE]
+        [--seq-len 128] [--straggler-steps 40] [--skip-straggler] [--clip both|none]
+        [--keep DIR] [--json FILE]
 
 On a 2-core machine the four ranks share two cores (one thread each); the defaults take a few
 minutes there.
@@ -54,7 +59,13 @@ WORLD = 4
 def _config(a, run_dir: Path, **over):
     from lowband.config import Config
 
-    fields = dict(replicas=WORLD, shards=1, model=a.model, batch_size=a.batch_size,
+    # --clip both: ddp's and zero1's steps clip at --grad-clip (lowband's default) and so do
+    # acco's rounds (--acco-clip); none: nobody clips (the authors' code: neither their ddp nor
+    # their acco does)
+    clip = {"grad_clip": 1.0 if a.clip == "both" else 0.0}
+    if over.get("algo") == "acco":
+        clip["acco_clip"] = a.clip == "both"
+    fields = dict(replicas=WORLD, shards=1, model=a.model, batch_size=a.batch_size, **clip,
                   seq_len=a.seq_len, grad_accum=a.grad_accum, seed=a.seed, progress=False,
                   eval_batches=a.eval_batches, run_dir=str(run_dir))
     fields.update(over)
@@ -101,8 +112,7 @@ def worker(rank: int, a, port: int, root: str, queue) -> None:
 
     # acco first: its batch per update (m, about 2A when a round lasts A micro-batches' compute)
     # sets ddp-same-batch's --grad-accum
-    acco = run("acco", algo="acco", steps=a.steps, eval_every=max(a.steps // 16, 1),
-               acco_clip=a.acco_clip)
+    acco = run("acco", algo="acco", steps=a.steps, eval_every=max(a.steps // 16, 1))
     match = [None]
     if rank == 0:
         accum = max(round(acco["micro_per_step"]), 1)
@@ -113,11 +123,14 @@ def worker(rank: int, a, port: int, root: str, queue) -> None:
     run("zero1", algo="zero1", steps=a.steps, eval_every=max(a.steps // 8, 1))
     run("ddp-same-batch", algo="ddp", grad_accum=accum, steps=same_steps,
         eval_every=max(same_steps // 8, 1))
+    # acco with ddp's batch per update: fixed counts, N1 + N2 = A, so the same updates too
+    half = a.grad_accum // 2
+    run("acco-ddp-batch", algo="acco", steps=a.steps, eval_every=max(a.steps // 8, 1),
+        acco_micro=f"{half}:{a.grad_accum - half}")
     if not a.skip_straggler:
         for name in ("ddp", "zero1", "acco"):
             run(f"{name}+straggler", algo=name, steps=a.straggler_steps, eval_every=0,
-                straggler=f"1:{a.straggler_factor:g}", **({"acco_clip": a.acco_clip}
-                                                         if name == "acco" else {}))
+                straggler=f"1:{a.straggler_factor:g}")
     if rank == 0:
         queue.put({"plan": {**plan, "link": link}, "runs": results})
     dist.destroy_process_group()
@@ -196,13 +209,18 @@ def report(out: dict, a) -> list[bool]:
     print(f"\n1. compute utilization: acco {100 * u_a:.1f}% (goal >= 90%), ddp {100 * u_d:.1f}% "
           f"(setting: at most ~55%{'' if u_d <= 0.575 else ', NOT MET: the link is too fast'}) "
           f"-> {'PASS' if ok[-1] else 'MISS'}")
-    l_d, l_a = ddp["final_val_loss"], acco["final_val_loss"]
-    rel = (l_a - l_d) / l_d
-    ok.append(abs(rel) <= 0.02 and acco["tokens"] == ddp["tokens"])
-    print(f"2. final validation loss at equal tokens (acco {acco['tokens']} in {acco['steps']} "
-          f"updates, ddp {ddp['tokens']} in {ddp['steps']}): ddp {l_d:.4f}, zero1 "
-          f"{runs['zero1']['final_val_loss']:.4f}, acco {l_a:.4f} ({100 * rel:+.2f}%, goal within "
-          f"2%) -> {'PASS' if ok[-1] else 'MISS'}")
+    fixed, l_d = runs["acco-ddp-batch"], ddp["final_val_loss"]
+    rel = (fixed["final_val_loss"] - l_d) / l_d
+    ok.append(abs(rel) <= 0.02 and fixed["tokens"] == ddp["tokens"] == acco["tokens"])
+    print(f"2. final validation loss at equal tokens ({ddp['tokens']}) and ddp's batch per update "
+          f"(acco --acco-micro {fixed['micro_per_step']:.0f} a step, fixed; {fixed['steps']} "
+          f"updates, ddp {ddp['steps']}), clipping: {a.clip}: ddp {l_d:.4f}, zero1 "
+          f"{runs['zero1']['final_val_loss']:.4f}, acco {fixed['final_val_loss']:.4f} "
+          f"({100 * rel:+.2f}%, goal within 2%) -> {'PASS' if ok[-1] else 'MISS'}")
+    l_a = acco["final_val_loss"]
+    print(f"   adaptive acco on this link (its batch per update {acco['micro_per_step']:.1f} "
+          f"micro-batches, {acco['steps']} updates): {l_a:.4f} ({100 * (l_a - l_d) / l_d:+.2f}% "
+          "vs ddp)")
     same = runs["ddp-same-batch"]
     t_eq = min(same["tokens"], acco["tokens"])
     l_s, l_a = loss_at(same["curve"], t_eq), loss_at(acco["curve"], t_eq)
@@ -233,13 +251,15 @@ def main(argv=None) -> int:
     p.add_argument("--straggler-steps", type=int, default=40)
     p.add_argument("--straggler-factor", type=float, default=4.0)
     p.add_argument("--skip-straggler", action="store_true")
-    p.add_argument("--acco-clip", action="store_true",
-                   help="clip acco's rounds at --grad-clip as ddp does (default: the authors' "
-                   "none)")
+    p.add_argument("--clip", choices=("both", "none"), default="both",
+                   help="both: ddp, zero1 and acco's rounds clip at 1.0 (acco with --acco-clip); "
+                   "none: nobody clips, as in the authors' code")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", help="keep the run directories here (default: a temporary directory)")
     p.add_argument("--json", help="write the figures to this file")
     a = p.parse_args(argv)
+    if a.grad_accum < 2:
+        p.error("--grad-accum must be at least 2: acco-ddp-batch splits it into two groups")
     from lowband.data import load_tokens
     from lowband.local import free_port
 
