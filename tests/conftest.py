@@ -19,6 +19,44 @@ def lowband(*args, cwd=None, timeout=300, env=None) -> subprocess.CompletedProce
                           env={**os.environ, **(env or {})})
 
 
+def train_in_one_job(*argvs) -> None:
+    """Run `lowband train ARGV` for each ARGV in turn as its workers would (the CLI's own flag
+    parser, then lowband.train.train), with the runs of one world size in one set of worker
+    processes started once: a process's start-up (importing torch) is paid once, not once a run.
+    A run that fails raises here, naming its flags."""
+    import torch.multiprocessing as mp
+
+    from lowband.flags import parse_train
+    from lowband.local import free_port
+
+    by_world = {}
+    for argv in argvs:
+        argv = list(map(str, argv))
+        by_world.setdefault(parse_train(argv)[0].world, []).append(argv)
+    for world, runs in by_world.items():
+        mp.start_processes(_train_worker, args=(world, free_port(), runs), nprocs=world,
+                           start_method="spawn")
+
+
+def _train_worker(rank: int, world: int, port: int, argvs: list) -> None:
+    """One rank of train_in_one_job, with the variables `lowband train` sets for its workers
+    (lowband/local.py) to join the job."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    from lowband.flags import parse_train
+    from lowband.train import train
+
+    for argv in argvs:
+        try:
+            cfg, resume = parse_train(argv)
+            train(cfg, resume=resume)
+        except Exception as e:
+            raise RuntimeError(f"lowband train {' '.join(argv)} failed on rank {rank}") from e
+    dist.destroy_process_group()
+
+
 @pytest.fixture
 def lowband_here(capsys, monkeypatch):
     """Run the `lowband` CLI's main in this process (from `cwd`): (exit status, stderr). For

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import hf_config, lowband
+from conftest import hf_config, lowband, train_in_one_job
 from lowband.config import Config, ConfigError
 from lowband.local import free_port
 from lowband.sources import build
@@ -20,30 +20,26 @@ from lowband.telemetry import read_events
 
 SMALL = ["--steps", 8, "--warmup-steps", 2, "--seq-len", 32, "--batch-size", 4,
          "--eval-every", 0, "--eval-batches", 2, "--no-progress"]
+EVERY = [("ddp", 1), ("diloco", 1), ("streaming", 1), ("zero1", 1), ("acco", 1), ("edit", 1),
+         ("aedit", 1), ("edit", 2), ("streaming", 2)]  # (algo, shards), two replicas each
 
 
 @pytest.fixture(scope="module")
 def runs(llama, tmp_path_factory):
-    """(algo, shards) -> a finished run directory of that algorithm on the tiny Llama, run once."""
-    root, done = tmp_path_factory.mktemp("hfruns"), {}
-
-    def run(algo, shards=1):
-        if (algo, shards) not in done:
-            out = root / f"{algo}-s{shards}"
-            # acco's budget is ddp's micro-batches: enough of them for a few of its updates
-            more = ["--grad-accum", 4] if algo == "acco" else []
-            proc = lowband("train", "--model", f"hf:{llama}", "--algo", algo, "--replicas", 2,
-                           "--shards", shards, "--run-dir", out, *SMALL, *more, cwd=root)
-            assert proc.returncode == 0, proc.stdout + proc.stderr
-            done[algo, shards] = out
-        return done[algo, shards]
-
-    return run
+    """(algo, shards) -> the run directory of that algorithm on the tiny Llama. Every one of
+    EVERY trains once, with `lowband train`'s flags, in one job a world size (train_in_one_job:
+    the worker side of the CLI; the tests below run the CLI itself)."""
+    root = tmp_path_factory.mktemp("hfruns")
+    # acco's budget is ddp's micro-batches: enough of them for a few of its updates; the
+    # progress bar on (rank 0's stderr), so that every algorithm's count for it is exercised
+    bar = [f for f in SMALL if f != "--no-progress"]
+    train_in_one_job(*[["--model", f"hf:{llama}", "--algo", algo, "--replicas", 2, "--shards", shards,
+                        "--run-dir", root / f"{algo}-s{shards}", *bar,
+                        *(["--grad-accum", 4] if algo == "acco" else [])] for algo, shards in EVERY])
+    return lambda algo, shards=1: root / f"{algo}-s{shards}"
 
 
-@pytest.mark.parametrize("algo,shards", [("ddp", 1), ("diloco", 1), ("streaming", 1), ("zero1", 1),
-                                         ("acco", 1), ("edit", 1), ("aedit", 1), ("edit", 2),
-                                         ("streaming", 2)])
+@pytest.mark.parametrize("algo,shards", EVERY)
 def test_every_algorithm_trains_a_llama(runs, algo, shards):
     out = runs(algo, shards)
     summary = json.loads((out / "summary.json").read_text())

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from conftest import lowband
+from conftest import lowband, train_in_one_job
 from lowband.algorithms import ALGORITHMS
 from lowband.checkpoint import latest
 from lowband.telemetry import RunDir, read_events
@@ -32,25 +32,47 @@ def _same_tensors(a: dict, b: dict) -> bool:
 
 # aedit syncs by wall-clock time: its replicas share no step to checkpoint at (it refuses
 # --checkpoint-every), and its schedule follows the clock
-@pytest.mark.parametrize("algo", sorted(set(ALGORITHMS) - {"aedit"}))
-def test_resume_is_bitwise_identical(tmp_path, algo):
-    flags = ["--algo", algo, *FLAGS.get(algo, []), *COMMON]
-    whole = lowband("train", *flags, "--run-dir", "whole", cwd=tmp_path)
-    assert whole.returncode == 0, whole.stderr
-    part = lowband("train", *flags, "--stop-after", "5", "--run-dir", "part", cwd=tmp_path)
-    assert part.returncode == 0, part.stderr
-    assert latest(RunDir(tmp_path / "part")).name == "step-00000005"
-    resumed = lowband("train", "--resume", "part", "--no-progress", cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr
+ALGOS = sorted(set(ALGORITHMS) - {"aedit"})
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Per algorithm, root/ALGO/whole: its 10 steps uninterrupted, and root/ALGO/part: stopped
+    after 5; root/unsaved: a run without checkpoints. Returns root. All train in one job
+    (train_in_one_job: the worker side of `lowband train`)."""
+    root = tmp_path_factory.mktemp("resume")
+    halves = [("whole", []), ("part", ["--stop-after", 5])]
+    train_in_one_job(*[["--algo", algo, *FLAGS.get(algo, []), *COMMON, *stop,
+                        "--run-dir", root / algo / name] for algo in ALGOS for name, stop in halves],
+                     [*COMMON[:-3], "--no-progress", "--run-dir", root / "unsaved"])
+    return root
+
+
+@pytest.fixture(scope="module")
+def resumed(trained):
+    """(root, the checkpoint each part/ stopped at) once every part/ has been resumed
+    (`--resume part`) in a second job: each resume starts in processes that never held its
+    run, so all it has is the checkpoint, as after a crash."""
+    stopped_at = {algo: latest(RunDir(trained / algo / "part")).name for algo in ALGOS}
+    # with the progress bar (rank 0's stderr): a resumed bar starts at the steps done
+    train_in_one_job(*[["--resume", trained / algo / "part", "--progress"] for algo in ALGOS])
+    return trained, stopped_at
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_resume_is_bitwise_identical(resumed, algo):
+    root, stopped_at = resumed
+    assert stopped_at[algo] == "step-00000005"
+    whole, part = root / algo / "whole", root / algo / "part"
     for name in ("model.pt", "outer.pt"):
-        if (tmp_path / "whole" / name).exists():
-            a = torch.load(tmp_path / "whole" / name, weights_only=True)
-            b = torch.load(tmp_path / "part" / name, weights_only=True)
+        if (whole / name).exists():
+            a = torch.load(whole / name, weights_only=True)
+            b = torch.load(part / name, weights_only=True)
             assert _same_tensors(a, b), name
     # the events continue in the same files, each step once
-    steps = [e["step"] for e in read_events(tmp_path / "part", ("step",)) if e["rank"] == 0]
+    steps = [e["step"] for e in read_events(part, ("step",)) if e["rank"] == 0]
     assert steps == list(range(1, 11))
-    assert len(list((tmp_path / "part" / "checkpoints").iterdir())) == 3  # keep the last 3
+    assert len(list((part / "checkpoints").iterdir())) == 3  # keep the last 3
 
 
 def test_crash_mid_checkpoint_keeps_the_previous_one(tmp_path):
@@ -65,16 +87,16 @@ def test_crash_mid_checkpoint_keeps_the_previous_one(tmp_path):
     assert latest(run).name == "step-00000010"
 
 
-def test_resume_errors(tmp_path):
-    proc = lowband("train", "--resume", "nowhere", cwd=tmp_path)
-    assert proc.returncode == 2 and "not a lowband run directory" in proc.stderr
-    ok = lowband("train", *COMMON[:-3], "--no-progress", "--run-dir", "r", cwd=tmp_path)
-    assert ok.returncode == 0, ok.stderr
-    proc = lowband("train", "--resume", "r", cwd=tmp_path)
+def test_resume_errors(tmp_path, trained, lowband_here):
+    # refused by the flags' parse, before any worker starts: cli.main in this process
+    code, stderr = lowband_here("train", "--resume", "nowhere", cwd=tmp_path)
+    assert code == 2 and "not a lowband run directory" in stderr
+    unsaved = trained / "unsaved"  # a run trained without --checkpoint-every
+    code, stderr = lowband_here("train", "--resume", unsaved, "--lr", "1", cwd=tmp_path)
+    assert code == 2 and "--lr cannot be given" in stderr
+    assert "Traceback" not in stderr
+    proc = lowband("train", "--resume", unsaved, cwd=tmp_path)  # refused by its workers
     assert proc.returncode == 2 and "has no checkpoint" in proc.stderr
-    proc = lowband("train", "--resume", "r", "--lr", "1", cwd=tmp_path)
-    assert proc.returncode == 2 and "--lr cannot be given" in proc.stderr
-    assert "Traceback" not in proc.stderr
 
 
 def test_killed_worker_then_resume(tmp_path):

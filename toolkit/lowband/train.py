@@ -252,7 +252,7 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from, attempt):
     dist.barrier()  # every rank starts the clock together: set-up skew is not link time
     algo.join(done.step)  # --elastic: the first quorum; a group behind heals to a peer's step
     _take_heal(algo, done)
-    bar = _progress(cfg, topo.rank, int(algo.steps_done(done.step - 1)) if done.step else 0)
+    bar = _progress(cfg, topo.rank, int(algo.progress_steps(done.step - 1)) if done.step else 0)
     t_start, paused_s = time.time(), 0.0  # paused: evaluations and checkpoints
     while True:
         t0 = time.perf_counter()
@@ -289,7 +289,7 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from, attempt):
         paused_s += time.time() - t_pause
         if bar is not None:
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{done.tokens * topo.world / max(done.wall_s + time.time() - t_start - paused_s, 1e-9):.0f}")
-            bar.update(max(min(int(algo.steps_done(step)), cfg.steps) - bar.n, 0))
+            bar.update(max(min(int(algo.progress_steps(step)), cfg.steps) - bar.n, 0))
         if step + 1 == cfg.stop_after:
             break
     algo.finish()  # exchanges still in flight land before the final evaluation

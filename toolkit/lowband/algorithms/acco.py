@@ -424,7 +424,7 @@ class ACCO(ZeRO1):
     def lr_step(self, step: int) -> float:
         return self.position
 
-    def steps_done(self, step: int) -> float:
+    def progress_steps(self, step: int) -> float:
         """The micro-batches computed so far (landed or in flight), in ddp's steps."""
         b = self.budget
         return (b.total - b.free()) / (self.config.grad_accum * self.topo.world)

@@ -246,7 +246,7 @@ class AEDiT(EDiT):
     def lr_step(self, step: int) -> float:
         return self.position  # as before_forward read it (the window's count moves after)
 
-    def steps_done(self, step: int) -> float:
+    def progress_steps(self, step: int) -> float:
         return self._progress(step + 1)
 
     def before_forward(self, step):

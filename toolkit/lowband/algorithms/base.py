@@ -93,7 +93,7 @@ class Algorithm:
         number; acco and aedit at their budgets' progress. The `step` events report this lr."""
         return step
 
-    def steps_done(self, step: int) -> float:
+    def progress_steps(self, step: int) -> float:
         """How far the run is once step `step` (0-based) is taken, in steps of --steps (the
         progress bar): step + 1; acco and aedit count their budgets."""
         return step + 1
