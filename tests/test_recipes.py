@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import lowband
+from conftest import lowband, train_in_one_job
 from lowband import recipes
 from lowband.config import Config, ConfigError
 from lowband.model import MODELS, num_params
@@ -37,13 +37,23 @@ def few_steps(cfg: Config) -> list:
     return flags
 
 
-@pytest.mark.parametrize("name", [n for n in recipes.RECIPES if n != "main"])
-def test_recipe_runs(tmp_path, name):
+RUNNABLE = [n for n in recipes.RECIPES if n != "main"]  # main: test_main_job_shows_the_point
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(tmp_path_factory):
+    """root/NAME: each recipe but main, a few steps, trained with `lowband train --recipe NAME`'s
+    flags in one job a world size (conftest.train_in_one_job: the CLI's parser, then train)."""
+    root = tmp_path_factory.mktemp("recipes")
+    train_in_one_job(*[["--recipe", name, "--no-progress", "--run-dir", root / name,
+                        *few_steps(recipes.RECIPES[name]())] for name in RUNNABLE])
+    return root
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_recipe_runs(recipe_runs, name):
     cfg = recipes.RECIPES[name]()
-    run = tmp_path / "run"
-    proc = lowband("train", "--recipe", name, "--no-progress", "--run-dir", run, *few_steps(cfg),
-                   cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = recipe_runs / name
     saved = json.loads((run / "config.json").read_text())
     assert saved["algo"] == cfg.algo and saved["model"] == cfg.model
     assert saved["sync_every"] == cfg.sync_every and saved["link_bandwidth"] == cfg.link_bandwidth
