@@ -89,6 +89,19 @@ def train_run(tmp_path):
     return run
 
 
+@pytest.fixture
+def train_runs(tmp_path):
+    """train_run for several runs at once, name=[flags]: they train in one job a world size
+    (train_in_one_job), so process start-up is paid once. Returns {name: RunDir}."""
+
+    def run(**flags):
+        train_in_one_job(*[["--no-progress", "--run-dir", tmp_path / name, *args]
+                           for name, args in flags.items()])
+        return {name: RunDir(tmp_path / name) for name in flags}
+
+    return run
+
+
 def hosts_for_a_test(hosts):
     """A fixture's body: set up test hosts (lowband.testbed.TestHosts), skipping the test where
     they cannot be made; after it, kill what runs in them, remove them and check nothing is left."""

@@ -53,14 +53,14 @@ def test_compiled_blocks_keep_names_and_match_eager():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
 
 
-def test_training_with_compile_and_bf16(train_run):
+def test_training_with_compile_and_bf16(train_runs):
     """streaming over 2 ranks: compiled blocks follow the eager run; bf16 trains as well."""
     flags = ["--algo", "streaming", "--model", "nano", "--steps", "8", "--sync-every", "4",
              "--fragments", "2", "--seq-len", "32", "--batch-size", "4", "--eval-every", "0",
              "--lr", "1e-3"]
-    eager = train_run(*flags, name="eager")
-    compiled = train_run(*flags, "--compile", name="compiled")
-    bf16 = train_run(*flags, "--precision", "bf16", name="bf16")
+    runs = train_runs(eager=flags, compiled=[*flags, "--compile"],
+                      bf16=[*flags, "--precision", "bf16"])
+    eager, compiled, bf16 = runs["eager"], runs["compiled"], runs["bf16"]
 
     def losses(run):
         steps = sorted((e["rank"], e["step"], e["loss"]) for e in read_events(run, ("step",)))

@@ -146,15 +146,15 @@ def test_bad_sparse_options_one_sentence(tmp_path, lowband_here, args, message):
     assert code == 2 and stderr.count("\n") == 1 and message in stderr, stderr
 
 
-def test_topk_2bit_sparseloco_within_3_percent_of_fp4(train_run):
+def test_topk_2bit_sparseloco_within_3_percent_of_fp4(train_runs):
     """Equal tokens: streaming fp4-e3m0 (Nesterov) against topk-2bit at 2% with SparseLoCo's
     outer rule (lr 1, beta 0.95), nano, 2 replicas, 200 steps (about 8 s each on 2 cores)."""
     common = ("--algo", "streaming", "--model", "nano", "--fragments", 2, "--sync-every", 10,
               "--steps", 200, "--eval-every", 100)
-    fp4 = train_run(*common, "--codec", "fp4-e3m0", name="fp4")
-    topk = train_run(*common, "--codec", "topk-2bit", "--outer-rule", "sparseloco",
-                     "--outer-lr", 1.0, "--outer-momentum", 0.95, name="topk")
-    a, b = (json.loads(r.summary.read_text()) for r in (fp4, topk))
+    runs = train_runs(fp4=[*common, "--codec", "fp4-e3m0"],
+                      topk=[*common, "--codec", "topk-2bit", "--outer-rule", "sparseloco",
+                            "--outer-lr", 1.0, "--outer-momentum", 0.95])
+    a, b = (json.loads(runs[name].summary.read_text()) for name in ("fp4", "topk"))
     assert a["tokens"] == b["tokens"]
     fp4_loss, topk_loss = a["final_val_loss"], b["final_val_loss"]
     assert topk_loss <= 1.03 * fp4_loss, (fp4_loss, topk_loss)
