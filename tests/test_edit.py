@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from lowband.algorithms import penalty as pen
 from lowband.config import Config, ConfigError
 from lowband.model import GPT, gpt_config
-from conftest import reference_replicas
+from conftest import reference_replicas, train_in_one_job
 from test_penalty_reference import AtorchPenalty
-from lowband.telemetry import read_events
+from lowband.telemetry import RunDir, read_events
 
 BATCH, SEQ, LR, WARMUP, CLIP, SEED, OUTER_LR, MU, N_LAYER = 2, 32, 1e-3, 2, 0.5, 5, 0.7, 0.9, 2
 
@@ -249,9 +249,31 @@ def unit_index(block):
     return 0 if block == "root" else block + 1
 
 
-def test_edit_without_penalty_matches_local_sgd_and_memory(train_run):
+EDIT_CLIP = 0.08  # --edit-clip of the penalty runs
+RUNS = {  # the runs the reference tests below check, trained once (edit_runs)
+    "no-penalty": [*common(2, 2, 12, 4), "--no-edit-anomaly", "--no-edit-weighted"],
+    "bf16": [*common(2, 1, 12, 4), "--no-edit-anomaly", "--no-edit-weighted", "--codec", "bf16"],
+    **{f"penalty-{mode}": [*common(2, 2, 12, 2, 2), "--edit-anomaly-warmup", 2,
+                           "--edit-ewma-rate", 0.3, "--edit-clip", EDIT_CLIP, "--corrupt", "1:9:2",
+                           "--edit-penalty", mode] for mode in ("lowband", "reference")},
+    "dropped": [*common(2, 1, 12, 2), "--no-edit-weighted", "--edit-anomaly-warmup", 2,
+                "--corrupt", "1:7:1"],
+}
+
+
+@pytest.fixture(scope="module")
+def edit_runs(tmp_path_factory):
+    """name -> RunDir of RUNS[name]: all train in one job a world size (conftest.train_in_one_job,
+    the worker side of `lowband train` with these flags)."""
+    root = tmp_path_factory.mktemp("edit")
+    train_in_one_job(*[["--no-progress", "--run-dir", root / name, *flags]
+                       for name, flags in RUNS.items()])
+    return {name: RunDir(root / name) for name in RUNS}
+
+
+def test_edit_without_penalty_matches_local_sgd_and_memory(edit_runs):
     R, S, steps, H = 2, 2, 12, 4
-    run = train_run(*common(R, S, steps, H), "--no-edit-anomaly", "--no-edit-weighted")
+    run = edit_runs["no-penalty"]
     outer, local, _ = reference(R, S, steps, H, 0)
     assert_close(run, outer, local)
     syncs = sync_events(run)
@@ -270,12 +292,11 @@ def test_edit_without_penalty_matches_local_sgd_and_memory(train_run):
         assert e["bytes"] == pytest.approx(2 * 4 * n_params / S, rel=0.02), e
 
 
-def test_edit_with_an_encoded_exchange_and_error_feedback_matches_reference(train_run):
+def test_edit_with_an_encoded_exchange_and_error_feedback_matches_reference(edit_runs):
     """--codec bf16 (elementwise, so the FSDP shards' layout does not matter): each replica
     sends bf16(w delta + residual) and keeps the rest for the unit's next sync."""
     R, S, steps, H = 2, 1, 12, 4
-    run = train_run(*common(R, S, steps, H), "--no-edit-anomaly", "--no-edit-weighted",
-                    "--codec", "bf16")
+    run = edit_runs["bf16"]
     outer, local, _ = reference(R, S, steps, H, 0, bf16=True)
     got = torch.load(run.root / "outer.pt", weights_only=True)
     plain, _, _ = reference(R, S, steps, H, 0)
@@ -289,16 +310,14 @@ def test_edit_with_an_encoded_exchange_and_error_feedback_matches_reference(trai
 
 
 @pytest.mark.parametrize("mode", ["lowband", "reference"])
-def test_edit_penalty_with_warmup_and_corruption_matches_reference(train_run, mode):
+def test_edit_penalty_with_warmup_and_corruption_matches_reference(edit_runs, mode):
     """Also --edit-penalty reference against test_penalty_reference.py's float64 transcription of
     atorch: a detector per replica, softmax(-norm) at T 1 (0 given), weights not renormalized,
     atorch's clip."""
     R, S, steps, H, W = 2, 2, 12, 2, 2
-    clip = 0.08
-    run = train_run(*common(R, S, steps, H, W), "--edit-anomaly-warmup", 2, "--edit-ewma-rate", 0.3,
-                    "--edit-clip", clip, "--corrupt", "1:9:2", "--edit-penalty", mode)
-    ref = (RefPenalty(rate=0.3, z=3.0, warmup=2, clip=clip) if mode == "lowband" else
-           AtorchPenalty(rate=0.3, z=3.0, warmup=2, temperature=0.0, clip=clip))
+    run = edit_runs[f"penalty-{mode}"]
+    ref = (RefPenalty(rate=0.3, z=3.0, warmup=2, clip=EDIT_CLIP) if mode == "lowband" else
+           AtorchPenalty(rate=0.3, z=3.0, warmup=2, temperature=0.0, clip=EDIT_CLIP))
     outer, local, flags = reference(R, S, steps, H, W, penalty=ref, corrupt=(1, 9, 2.0))
     assert_close(run, outer, local)
     syncs = sync_events(run)
@@ -310,10 +329,9 @@ def test_edit_penalty_with_warmup_and_corruption_matches_reference(train_run, mo
     assert len({round(e["weight"], 6) for e in syncs if not e["flagged"]}) > 1  # weighted
 
 
-def test_corrupted_replica_is_dropped(train_run):
+def test_corrupted_replica_is_dropped(edit_runs):
     R, S, steps, H = 2, 1, 12, 2
-    run = train_run(*common(R, S, steps, H), "--no-edit-weighted", "--edit-anomaly-warmup", 2,
-                    "--corrupt", "1:7:1")
+    run = edit_runs["dropped"]
     outer, local, _ = reference(R, S, steps, H, 0, corrupt=(1, 7, 1.0), drop={8: {1}})
     assert_close(run, outer, local)
     for rank in range(R):
