@@ -4,10 +4,13 @@ damaged checkpoints."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
-from conftest import lowband
+import pytest
+
+from conftest import lowband, train_in_one_job
 from lowband.checkpoint import complete
 from lowband.local import free_port
 from lowband.telemetry import RunDir, read_events
@@ -37,6 +40,27 @@ def _steps(run: RunDir, rank: int = 0) -> list[int]:
     return [e["step"] for e in read_events(run, ("step",)) if e["rank"] == rank]
 
 
+def _lowband_together(*argvs, cwd, timeout=300) -> list[subprocess.CompletedProcess]:
+    """conftest.lowband for each ARGV, all started at once: independent runs (each its own run
+    directory) whose start-ups share the cores that one alone leaves idle."""
+    procs = []
+    try:
+        for k, argv in enumerate(argvs):
+            with open(cwd / f"together{k}.out", "w") as out, \
+                    open(cwd / f"together{k}.err", "w") as err:  # no pipe to fill while we wait
+                procs.append(subprocess.Popen([sys.executable, "-m", "lowband.cli", *map(str, argv)],
+                                              cwd=cwd, stdout=out, stderr=err))
+        return [subprocess.CompletedProcess(proc.args, proc.wait(timeout=timeout),
+                                            (cwd / f"together{k}.out").read_text(),
+                                            (cwd / f"together{k}.err").read_text())
+                for k, proc in enumerate(procs)]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def test_every_finished_run_exits_0(tmp_path):
     site = tmp_path / "site"
     site.mkdir()
@@ -59,16 +83,31 @@ def test_every_finished_run_exits_0(tmp_path):
             assert _run_events(run) == {0: ["start", "end"], 1: ["start", "end"]}
 
 
-def test_a_run_directory_holding_a_run_is_refused_or_overwritten(tmp_path):
-    first = lowband("train", *TINY, "--steps", "5", "--checkpoint-every", "5", "--run-dir", "r",
-                    cwd=tmp_path)
-    assert first.returncode == 0, first.stderr
-    run = RunDir(tmp_path / "r")
+@pytest.fixture(scope="module")
+def first_runs(tmp_path_factory) -> dict:
+    """The runs the next tests start from, trained as `lowband train`'s workers train them, in
+    one set of worker processes (conftest.train_in_one_job); each test works on its own copy."""
+    root = tmp_path_factory.mktemp("first")
+    flags = {"holding": ["--steps", "5", "--checkpoint-every", "5"],
+             "damaged": ["--steps", "6", "--checkpoint-every", "3", "--keep-checkpoints", "2"]}
+    train_in_one_job(*([*TINY, *more, "--run-dir", root / name] for name, more in flags.items()))
+    return {name: root / name for name in flags}
+
+
+def _copy_of(run_dir, to) -> RunDir:
+    shutil.copytree(run_dir, to, symlinks=True)
+    return RunDir(to)
+
+
+def test_a_run_directory_holding_a_run_is_refused_or_overwritten(tmp_path, first_runs,
+                                                                 lowband_here):
+    run = _copy_of(first_runs["holding"], tmp_path / "r")  # 5 steps, a checkpoint of step 5
     before = {p: p.read_bytes() for p in (run.summary, run.event_file(0), run.event_file(1))}
 
-    again = lowband("train", *TINY, "--steps", "5", "--run-dir", "r", cwd=tmp_path)
-    assert again.returncode == 2
-    assert again.stderr.strip().splitlines() == [
+    # refused by the launcher before any worker starts (cli.launch_local): its main, here
+    code, stderr = lowband_here("train", *TINY, "--steps", "5", "--run-dir", "r", cwd=tmp_path)
+    assert code == 2
+    assert stderr.strip().splitlines() == [
         "lowband: error: r already holds a run: pass --overwrite to replace it, --resume r to "
         "continue it, or another --run-dir."]
     assert {p: p.read_bytes() for p in before} == before  # nothing of the old run lost
@@ -112,11 +151,8 @@ def _damage(file):
     file.write_bytes(os.urandom(100))
 
 
-def test_a_damaged_checkpoint_is_passed_over_or_refused(tmp_path):
-    first = lowband("train", *TINY, "--steps", "6", "--checkpoint-every", "3",
-                    "--keep-checkpoints", "2", "--run-dir", "r", cwd=tmp_path)
-    assert first.returncode == 0, first.stderr
-    run = RunDir(tmp_path / "r")
+def test_a_damaged_checkpoint_is_passed_over_or_refused(tmp_path, first_runs):
+    run = _copy_of(first_runs["damaged"], tmp_path / "r")  # 6 steps, checkpoints every 3, keep 2
     old, new = complete(run)
     assert (old.name, new.name) == ("step-00000003", "step-00000006")
     recorded = json.loads((new / "manifest.json").read_text())["sha256"]
@@ -136,15 +172,16 @@ def test_a_damaged_checkpoint_is_passed_over_or_refused(tmp_path):
     for path in complete(run):  # step 6 (written again) and step 8
         distcp = sorted(path.glob("*.distcp"))[-1]
         _damage(distcp)
-    refused = lowband("train", "--resume", "r", "--steps", "10", "--no-progress", cwd=tmp_path)
+    bare = _copy_of(run.root, tmp_path / "bare")  # the same damage without checksums, beside it
+    for path in complete(bare):  # without checksums the damage shows in the load: one sentence
+        (path / "manifest.json").unlink()
+    refused, failed = _lowband_together(
+        ["train", "--resume", "r", "--steps", "10", "--no-progress"],
+        ["train", "--resume", "bare", "--steps", "10", "--no-progress"], cwd=tmp_path)
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [
         f"lowband: error: every checkpoint of r is damaged (the newest, step-00000008: "
         f"{distcp.name} does not match its checksum), so nothing can be "
         "resumed: start the run again with --overwrite."]
-
-    for path in complete(run):  # without checksums the damage shows in the load: one sentence
-        (path / "manifest.json").unlink()
-    failed = lowband("train", "--resume", "r", "--steps", "10", "--no-progress", cwd=tmp_path)
     assert failed.returncode == 2
     assert "step-00000008 cannot be loaded" in failed.stderr and "Traceback" not in failed.stderr
