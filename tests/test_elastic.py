@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import lowband
+from conftest import lowband, train_in_one_job
 from lowband.telemetry import read_events
 
 pytest.importorskip("torchft")
@@ -28,12 +28,30 @@ def groups(run) -> dict[int, dict]:
             for p in (run / "groups").glob("replica*.json")}
 
 
-@pytest.mark.parametrize("algo,shards", [("diloco", 1), ("ddp", 2), ("edit", 1)])
-def test_without_failures_an_elastic_run_equals_the_plain_one(tmp_path, algo, shards):
+EQUAL = [("diloco", 1), ("ddp", 2), ("edit", 1)]  # (algo, shards) compared with the plain run
+
+
+def _same_run_flags(algo, shards) -> list:
+    return ["--algo", algo, "--replicas", 2, "--shards", shards, "--steps", 16, "--sync-every", 4]
+
+
+@pytest.fixture(scope="module")
+def plain_runs(tmp_path_factory) -> dict:
+    """The plain runs the elastic ones are compared with, (algo, shards) -> run directory,
+    trained as `lowband train`'s workers train them, in one set of worker processes a world size
+    (conftest.train_in_one_job), before the first elastic run."""
+    root = tmp_path_factory.mktemp("plain")
+    runs = {(algo, shards): root / f"{algo}-{shards}" for algo, shards in EQUAL}
+    train_in_one_job(*(["--run-dir", run, *SMALL, *_same_run_flags(*case)]
+                       for case, run in runs.items()))
+    return runs
+
+
+@pytest.mark.parametrize("algo,shards", EQUAL)
+def test_without_failures_an_elastic_run_equals_the_plain_one(tmp_path, plain_runs, algo, shards):
     """(ddp with two shards a group: the group's mean, then each shard's slice over the groups)"""
-    flags = ["--algo", algo, "--replicas", 2, "--shards", shards, "--steps", 16, "--sync-every", 4]
-    plain, _ = train(tmp_path, "plain", *flags)
-    elastic, _ = train(tmp_path, "elastic", *flags, "--elastic")
+    plain = plain_runs[algo, shards]
+    elastic, _ = train(tmp_path, "elastic", *_same_run_flags(algo, shards), "--elastic")
     for name in ("model.pt", "outer.pt")[: 1 if algo == "ddp" else 2]:
         a = torch.load(plain / name, weights_only=True)
         b = torch.load(elastic / name, weights_only=True)
