@@ -126,7 +126,11 @@ def test_cancel_ends_a_running_job(cluster):
 def test_a_requeued_job_resumes_from_its_checkpoint(cluster, finished):
     import lowband
 
-    h = lowband.launch(JOB, scheduler="slurm", cpu=1, memMB=2000, run_dir="runs/requeued")
+    # replica 0 (whose events are read) made 30x slower, a sleep after each step that leaves
+    # the arithmetic alone: the requeue must land before the job's last step, and a quiet
+    # machine once ran steps 24 to 40 before Slurm's requeue took effect
+    h = lowband.launch([*JOB, "--straggler", "0:30"], scheduler="slurm", cpu=1, memMB=2000,
+                       run_dir="runs/requeued")
     wait_for(lambda: len([e for e in steps_of(h.run_dir) if e["kind"] == "step"]) >= 24,
              what="step 24")
     job = h.app_id
