@@ -38,11 +38,16 @@ def train_in_one_job(*argvs) -> None:
                            start_method="spawn")
 
 
-def _train_worker(rank: int, world: int, port: int, argvs: list) -> None:
-    """One rank of train_in_one_job, with the variables `lowband train` sets for its workers
-    (lowband/local.py) to join the job."""
+def join_local_job(rank: int, world: int, port: int) -> None:
+    """In a spawned test worker: the variables `lowband train` sets for its workers
+    (lowband/local.py), so that lowband.train.train joins a job of `world` ranks on loopback."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def _train_worker(rank: int, world: int, port: int, argvs: list) -> None:
+    """One rank of train_in_one_job."""
+    join_local_job(rank, world, port)
     import torch.distributed as dist
 
     from lowband.flags import parse_train

@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import join_local_job
 from lowband.algorithms.acco import MicroBudget, trim
 from lowband.config import Config, ConfigError
 from lowband.data import Batches, load_tokens
@@ -169,8 +170,7 @@ RUNS = {
 
 
 def _harness(rank, world, port, root, queue):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    join_local_job(rank, world, port)
     from lowband.train import train
 
     for name, fields in RUNS.items():

@@ -305,7 +305,6 @@ class ACCO(ZeRO1):
         self.config = _Replaced(config, grad_clip=config.grad_clip if config.acco_clip else 0.0)
         self.counter = 0  # running micro-batch number of this rank
         self.step, self.loss = 0, float("nan")  # the last step taken, its loss
-        self.position = 0.0  # the learning-rate schedule's step of the last step
         self.pending: Future | None = None  # the round in flight (or landed, not yet taken)
         self.pending_kind = None  # "estimate" or "real"
         # the rounds' transfers: same link, totals and events, but their own wait counter and
@@ -399,8 +398,7 @@ class ACCO(ZeRO1):
             self.layout.write(theta)
             self._note_skip(skipped, step - 1)
             budget.real_landed(counts)
-        self.position = budget.progress(self.config.grad_accum)
-        lr = lr_at(self.config, self.position)
+        lr = lr_at(self.config, self.lr_step(step))
         self._launch(lr, commit=False, count=n1)  # E(t) from G1(t)
         caps, last = budget.second()
         loss2, n2 = self._accumulate(batches, caps[me], self.adaptive)  # G2(t) at θ(t), onto G1(t)
@@ -422,7 +420,9 @@ class ACCO(ZeRO1):
         return self.budget.spent()
 
     def lr_step(self, step: int) -> float:
-        return self.position
+        """The budget's progress once R(t-1) has landed; R(t) lands in the next step, so until
+        then it is what step t's rounds read."""
+        return self.budget.progress(self.config.grad_accum)
 
     def progress_steps(self, step: int) -> float:
         """The micro-batches computed so far (landed or in flight), in ddp's steps."""
