@@ -318,6 +318,153 @@ def test_budget_ends_on_exactly_its_micro_batches():
     assert trim([1, 3], 3) == [1, 2] and trim([2, 2], 3) == [2, 1] and trim([2, 1], 0) == [0, 0]
 
 
+def test_a_world_of_one_skips_its_copies_and_keeps_its_values(train_runs):
+    """R = S = 1, where zero1 and acco skip the copies of collectives of one (the reduce-scatter
+    lands in the send buffer, the all-gather is the shard, a count of 1 is not divided by):
+    acco 1:1 unclipped against the documented schedule's float64 reference (its estimates
+    count 1 micro-batch, its real rounds 2); zero1 against ddp with the same flags, clipped
+    with 2 micro-batches a step (test_ddp.py's flags) and unclipped with one. (At a world of
+    one, test_ddp.py's float64 reference is 5.6e-6 away from ddp itself: ddp is the yardstick.)"""
+    base = ["--replicas", 1, "--model", "nano", "--steps", STEPS, "--batch-size", BATCH,
+            "--seq-len", SEQ, "--lr", LR, "--warmup-steps", WARMUP, "--seed", SEED,
+            "--eval-every", 0]
+    cases = {"clipped": ["--grad-accum", DDP_ACCUM, "--grad-clip", DDP_CLIP],
+             "unclipped": ["--grad-accum", 1, "--grad-clip", 0]}
+    runs = train_runs(acco=["--algo", "acco", "--acco-micro", "1:1", "--grad-accum", 2, *base],
+                      **{f"{algo}-{case}": ["--algo", algo, *flags, *base]
+                         for algo in ("zero1", "ddp") for case, flags in cases.items()})
+    want, _ = acco_reference([[(1, 1)]] * STEPS, "adamw", 0.0, WD, accum=2)
+    assert_close(runs["acco"], want, 1e-6)
+    for case in cases:
+        zero1, ddp = (torch.load(runs[f"{algo}-{case}"].root / "model.pt", weights_only=True)
+                      for algo in ("zero1", "ddp"))
+        diff = max((zero1[k] - ddp[k]).abs().max().item() for k in ddp)
+        assert diff < 1e-6, (case, diff)  # fp32 rounding; the steps move the weights ~1e-3
+
+
+class _Alone:
+    """Comm's collectives over a group of one, as Comm runs them (no transfer)."""
+
+    class _Done:
+        def __init__(self, result):
+            self.result = result
+
+        def wait(self):
+            return self.result
+
+    def reduce_scatter(self, output, tensor, group, tag):
+        output.copy_(tensor)
+        return self._Done(output)
+
+    def all_reduce(self, tensor, group, tag):
+        return self._Done(tensor)
+
+    def all_gather(self, tensor, group, tag):
+        return self._Done([tensor])
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.5])
+def test_a_round_of_one_skips_exactly_the_non_finite_gradients(clip):
+    """zero1's round at a world of one, clipped or not (unclipped, only the finiteness of the
+    gradients is checked, not their norm): finite gradients step as the shard optimizer does
+    on their mean (clipped), even where their squares overflow fp32; a NaN or an inf anywhere
+    leaves the master shard as it was and says so."""
+    from types import SimpleNamespace
+
+    from lowband.algorithms.optim import ShardOptimizer
+    from lowband.algorithms.zero1 import FlatLayout, ZeRO1
+
+    a, b = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))
+    algo = ZeRO1()
+    algo.layout = FlatLayout([([a], WD), ([b], 0.0)], 0, 1)
+    algo.device, algo.config = torch.device("cpu"), SimpleNamespace(grad_clip=clip)
+    algo.opt = ShardOptimizer(algo.layout.flat(), algo.layout.segments, "adamw", (B1, B2), EPS)
+    algo.send = torch.zeros(18)
+    twin = ShardOptimizer(algo.layout.flat(), algo.layout.segments, "adamw", (B1, B2), EPS)
+    cases = [(2, torch.randn(3, 4), False), (1, torch.full((3, 4), 3e38), False),
+             (1, torch.full((3, 4), math.nan), True), (2, torch.full((3, 4), -math.inf), True),
+             (1, torch.randn(3, 4), False)]
+    for count, grad_a, skip in cases:
+        a.grad, b.grad = grad_a.clone(), torch.ones(5)
+        before = algo.opt.master.clone()
+        algo.layout.fill_send(algo.send, count)
+        steps = algo.opt.step
+        full, skipped = algo._round(_Alone(), LR, commit=True)
+        assert bool(skipped) == skip and algo.opt.step == steps + (not skip)
+        if skip:
+            assert torch.equal(full, before) and torch.equal(algo.opt.master, before)
+            continue
+        mean = torch.cat([grad_a.reshape(-1), torch.ones(5)]) / count
+        if not clip:
+            assert torch.equal(full, twin.update(mean, LR, commit=True))
+            continue
+        norm = mean.double().pow(2).sum().sqrt()  # (the round's float64 sum runs in its own order)
+        mean *= float(min(1.0, clip / (norm + 1e-6)))
+        torch.testing.assert_close(full, twin.update(mean, LR, commit=True), rtol=1e-6, atol=0)
+
+
+GPU = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                   reason="needs a CUDA device (a GPU session)"))
+
+
+@pytest.mark.parametrize("device", ["cpu", GPU])
+@pytest.mark.parametrize("fused", [True, False])
+def test_shard_optimizer_is_torch_adamw_and_the_estimate_leaves_it_untouched(fused, device):
+    """ShardOptimizer's AdamW on a flat shard (segments with and without weight decay, padding
+    after the last) against torch.optim.AdamW on the same values as separate tensors, over
+    several steps; between them an estimate (commit=False) that must leave the master shard,
+    the moments and the step count as they were and return what the real step then returns,
+    and steps skipped by found_inf (estimated or committed) that change nothing.
+    fused: torch's fused kernel (bitwise torch.optim.AdamW(fused=True) on the same tensors),
+    else the written-out form kept for a torch without it (to float rounding); on the CPU and,
+    in a GPU session, on CUDA (the kernel that acco and zero1 step there)."""
+    from lowband.algorithms.optim import ShardOptimizer
+
+    gen = torch.Generator().manual_seed(0)
+    spans = [(0, 37, WD), (37, 50, 0.0), (50, 171, WD), (171, 180, 0.0)]  # then 7 of padding
+    master = torch.zeros(187)
+    master[:180] = torch.randn(180, generator=gen)
+    master = master.to(device)
+    opt = ShardOptimizer(master.clone(), spans, "adamw", (B1, B2), EPS)
+    if not fused:
+        opt.fused = False
+    elif not opt.fused:
+        pytest.skip("this torch has no fused AdamW kernel")
+    params = [torch.nn.Parameter(master[lo:hi].clone()) for lo, hi, _ in spans]
+    groups = [{"params": [p for p, s in zip(params, spans) if s[2] == wd], "weight_decay": wd}
+              for wd in (WD, 0.0)]
+    ref = torch.optim.AdamW(groups, lr=LR, betas=(B1, B2), eps=EPS, fused=fused)
+    for step in range(5):
+        lr = LR * (step + 1)
+        grad = torch.zeros(187)
+        grad[:180] = torch.randn(180, generator=gen)
+        grad = grad.to(device)
+        before = [t.clone() for t in (opt.master, opt.m, opt.v)]
+        for commit in (False, True):  # found_inf: a skipped step, nothing moves
+            same = opt.update(grad.clone(), lr, commit, found_inf=torch.ones((), device=device))
+            assert torch.equal(same, before[0]) and opt.step == step
+            assert all(torch.equal(a, b) for a, b in zip(before, (opt.master, opt.m, opt.v)))
+        estimate = opt.update(grad.clone(), lr, commit=False,
+                              found_inf=torch.zeros((), device=device))
+        assert opt.step == step and estimate.data_ptr() != opt.master.data_ptr()
+        assert all(torch.equal(a, b) for a, b in zip(before, (opt.master, opt.m, opt.v)))
+        new = opt.update(grad, lr, commit=True)
+        assert opt.step == step + 1 and torch.equal(new, estimate) and torch.equal(new, opt.master)
+        for p, (lo, hi, _) in zip(params, spans):
+            p.grad = grad[lo:hi].clone()
+        for g in ref.param_groups:
+            g["lr"] = lr
+        ref.step()
+        for got, want in ((new, [p.detach() for p in params]),
+                          (opt.m, [ref.state[p]["exp_avg"] for p in params]),
+                          (opt.v, [ref.state[p]["exp_avg_sq"] for p in params])):
+            if fused:
+                assert torch.equal(got[:180], torch.cat(want))
+            else:
+                torch.testing.assert_close(got[:180], torch.cat(want), rtol=1e-6, atol=1e-9)
+        assert not new[180:].any() and not opt.m[180:].any() and not opt.v[180:].any()
+
+
 def _roundtrip(rank, world) -> dict:
     """Run 3 steps, take state_dict() (through torch.save / torch.load(weights_only=True)),
     run 3 more; a fresh model and algorithm loaded from that state run the same 3 steps: the

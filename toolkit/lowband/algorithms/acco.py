@@ -351,7 +351,8 @@ class ACCO(ZeRO1):
             mine = torch.tensor([float(count)], device=self.device)
             parts = self.round_comm.all_gather(mine, "world", tag=prefix + "count").wait()
             counts = [int(p.item()) for p in parts]
-        return *self._round(self.round_comm, lr, commit, prefix), counts
+        full, skipped = self._round(self.round_comm, lr, commit, prefix)
+        return full, bool(skipped), counts  # (this thread waits for the round here)
 
     def _land(self, count_wait: bool = True):
         """Wait for the round in flight; returns (kind, full parameters, skipped, counts per rank

@@ -15,10 +15,15 @@ elements [r·chunk, (r+1)·chunk). One step:
   3. mean gradient g = sum / C, so every micro-batch of every rank weighs the same;
   4. clipping on the global norm: the squared norm of each rank's piece is all-reduced (one
      float64), g is scaled by min(1, clip / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_
-     does; a non-finite norm skips the update (nothing changes; algo.skips counts it);
+     does; a non-finite norm skips the update (nothing changes; algo.skips counts it; the
+     step is queued with the skip decided on the device, found_inf, and the host reads it
+     once the parameters' write is queued); without clipping (--grad-clip 0) the norm's
+     finiteness is all that is needed, and each rank sends 0 or inf (whether all its values
+     are finite) in place of its squares;
   5. the shard optimizer steps the master shard (optim.py: AdamW with the trainer's lr schedule,
      betas, eps and per-group weight decay, or plain SGD with --shard-optimizer sgd);
   6. all-gather the updated shards; every rank writes the whole vector into its model.
+A world of one skips the copies its collectives of one would make (_round).
 
 Transfers go through Comm over the "world" group, so each rank's bytes are recorded as outer or
 inner by its position in the ring (docs/run-directory.md), and the emulated link applies to the
@@ -53,6 +58,7 @@ class FlatLayout:
         self.params = [p for ps, _ in groups for p in ps]
         self.n = sum(p.numel() for p in self.params)
         self.world, self.rank = world, rank
+        self.sent_count = 0  # the micro-batch count of the last fill_send
         self.chunk = math.ceil(self.n / world)
         self.lo = rank * self.chunk
         # (start, end, weight decay) of each optimizer group inside this rank's piece
@@ -83,12 +89,26 @@ class FlatLayout:
 
     def fill_send(self, send: torch.Tensor, count: int) -> None:
         """Put the summed gradients and this rank's micro-batch count into the send buffer
-        (world pieces of chunk + 1: gradient values, then the count)."""
+        (world pieces of chunk + 1: gradient values, then the count). Each gradient is copied
+        straight into its place (split where it straddles two pieces); the padding after the
+        last parameter is never written, so it keeps the zeros the buffer was made with."""
         pieces = send.view(self.world, self.chunk + 1)
-        flat = torch.zeros(self.world * self.chunk, dtype=torch.float32, device=send.device)
-        self._gather_into(flat, lambda p: p.grad)
-        pieces[:, : self.chunk].copy_(flat.view(self.world, self.chunk))
+        offset = 0
+        for p in self.params:
+            g = None if p.grad is None else p.grad.reshape(-1)
+            pos, end = offset, offset + p.numel()
+            while pos < end:
+                q, i = divmod(pos, self.chunk)
+                stop = min(end, (q + 1) * self.chunk)
+                dst = pieces[q, i: i + stop - pos]
+                if g is None:
+                    dst.zero_()
+                else:
+                    dst.copy_(g[pos - offset: stop - offset])
+                pos = stop
+            offset = end
         pieces[:, self.chunk].fill_(float(count))
+        self.sent_count = count
 
     def write(self, full: torch.Tensor) -> None:
         write_flat(self.params, full[: self.n])
@@ -148,25 +168,44 @@ class ZeRO1(Algorithm):
     @torch.no_grad()
     def _round(self, comm, lr: float, commit: bool, prefix: str = ""):
         """Average the send buffer's gradients over the world, step the shard and gather the
-        parameters. Returns (full flat parameters, skipped). commit=False leaves the master
-        shard and the optimizer state as they were (acco's estimate)."""
+        parameters. Returns (full flat parameters, skipped): skipped is a 0-d bool tensor on
+        the device, read by the caller once it has queued what follows (the host does not
+        wait for the norm before the step is queued: the step skips itself on the device).
+        commit=False leaves the master shard and the optimizer state as they were (acco's
+        estimate).
+
+        A world of one (R = S = 1) makes no pass a collective of one would make for nothing:
+        the reduce-scatter lands in the send buffer itself, the gathered parameters are the
+        shard itself, a single micro-batch is not divided by its count of 1. The collectives
+        are still called (and recorded, with no bytes), and every value is the same as
+        through the copies. The parameters returned are then, when committed, the master
+        shard itself: read them (write them into the model, or copy them) before the next
+        committed round, and never write into them."""
         L = self.layout
-        recv = torch.empty(L.chunk + 1, dtype=torch.float32, device=self.device)
+        alone = L.world == 1
+        recv = self.send if alone else torch.empty(L.chunk + 1, dtype=torch.float32,
+                                                   device=self.device)
         comm.reduce_scatter(recv, self.send, "world", tag=prefix + "grad").wait()
-        grad = recv[: L.chunk].div_(recv[L.chunk])  # mean over every micro-batch of every rank
-        sq = grad.double().pow(2).sum().reshape(1)
+        grad = recv[: L.chunk]
+        if not (alone and L.sent_count == 1):  # x / 1 is x, bit for bit
+            grad.div_(recv[L.chunk])  # mean over every micro-batch of every rank
+        clip = self.config.grad_clip > 0
+        if clip:  # the global norm, accumulated in float64
+            sq = torch.linalg.vector_norm(grad, dtype=torch.float64).square().reshape(1)
+        else:
+            # without clipping only the norm's finiteness matters: a float64 sum of squares of
+            # fp32 values cannot overflow, so it is finite exactly when every value is. One
+            # pass: 0 if so, inf if not (summed over the world, as the squares would be)
+            sq = torch.where(torch.isfinite(grad).all(), 0.0, math.inf).double().reshape(1)
         comm.all_reduce(sq, "world", tag=prefix + "norm").wait()
         norm = sq.sqrt()
-        skipped = not bool(torch.isfinite(norm).item())
-        if skipped:  # NaN or inf somewhere: every rank sees the same norm and keeps its weights
-            new = self.opt.master.clone()
-        else:
-            if self.config.grad_clip > 0:
-                coef = (self.config.grad_clip / (norm + 1e-6)).clamp(max=1.0)
-                grad.mul_(coef.to(grad.dtype))
-            new = self.opt.update(grad, lr, commit)
+        skipped = ~torch.isfinite(norm).reshape(())  # NaN or inf somewhere (on every rank)
+        if clip:  # (NaN where skipped: the step then reads nothing)
+            coef = (self.config.grad_clip / (norm + 1e-6)).clamp(max=1.0)
+            grad.mul_(coef.to(grad.dtype))
+        new = self.opt.update(grad, lr, commit, found_inf=skipped.float())
         parts = comm.all_gather(new, "world", tag=prefix + "params").wait()
-        return torch.cat(parts), skipped
+        return (parts[0] if alone else torch.cat(parts)), skipped
 
     def _note_skip(self, skipped: bool, step: int) -> None:
         if skipped:
@@ -188,7 +227,7 @@ class ZeRO1(Algorithm):
         model.zero_grad(set_to_none=True)
         full, skipped = self._round(self.comm, lr, commit=True)
         self.layout.write(full)
-        self._note_skip(skipped, step)
+        self._note_skip(bool(skipped), step)  # the host waits here, with the step queued
         return loss_sum.item() / cfg.grad_accum, cfg.grad_accum
 
     # -- checkpoints ------------------------------------------------------------------------
