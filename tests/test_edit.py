@@ -1,11 +1,13 @@
 """edit and aedit: the penalty math, and runs against a float64 reference (R replicas simulated in
 a loop, written here from the documented formulas), corruption, stragglers, memory, state."""
 
+import json
 import math
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 from lowband.algorithms import penalty as pen
 from lowband.config import Config, ConfigError
 from lowband.model import GPT, gpt_config
-from conftest import reference_replicas, train_in_one_job
+from conftest import join_local_job, reference_replicas, train_in_one_job
 from test_penalty_reference import AtorchPenalty
 from lowband.telemetry import RunDir, read_events
 
@@ -345,6 +347,104 @@ def test_corrupted_replica_is_dropped(edit_runs):
     assert loss[8] > 1.05 * loss[7] and loss[9] < loss[8]
 
 
+# ---------------------------------------------------------------------------------------------
+# one shard a replica (S = 1): no FSDP2
+# ---------------------------------------------------------------------------------------------
+
+SINGLE = {  # name -> (R, S, flags) of the runs own_model_runs trains
+    "r2s1": (2, 1, [*common(2, 1, 12, 2, 2), "--edit-anomaly-warmup", 2, "--edit-ewma-rate", 0.3,
+                    "--edit-clip", EDIT_CLIP, "--corrupt", "1:9:2"]),
+    "r1s1": (1, 1, [*common(1, 1, 12, 4, 2), "--no-edit-anomaly", "--edit-clip", EDIT_CLIP]),
+    "r1s2": (1, 2, [*common(1, 2, 12, 4, 2), "--no-edit-anomaly", "--edit-clip", EDIT_CLIP]),
+}
+
+
+def _own_model_worker(rank: int, world: int, port: int, argvs: list) -> None:
+    """One rank of own_model_runs: each run trains lowband's GPT built here from the seed (as the
+    trainer builds it) through train(cfg, model=...), then writes the names of its parameters
+    that are DTensors (FSDP2's sharded ones) to RUN/dtensors-rank<r>.json."""
+    join_local_job(rank, world, port)
+    import torch.distributed as dist
+
+    from lowband.flags import parse_train
+    from lowband.params import is_dtensor
+    from lowband.train import train
+
+    for argv in argvs:
+        cfg, _ = parse_train(argv)
+        torch.manual_seed(SEED)
+        model = GPT(gpt_config("nano", n_layer=N_LAYER, seq_len=SEQ))
+        train(cfg, model=model)
+        sharded = [n for n, p in model.named_parameters() if is_dtensor(p)]
+        (Path(cfg.run_dir) / f"dtensors-rank{rank}.json").write_text(json.dumps(sharded))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def own_model_runs(tmp_path_factory):
+    """name -> RunDir of SINGLE[name], trained on models the test can look at afterwards, in one
+    job a world size."""
+    import torch.multiprocessing as mp
+
+    from lowband.local import free_port
+
+    root = tmp_path_factory.mktemp("single")
+    by_world = {}
+    for name, (R, S, flags) in SINGLE.items():
+        argv = ["--no-progress", "--run-dir", root / name, *flags]
+        by_world.setdefault(R * S, []).append(list(map(str, argv)))
+    for world, argvs in by_world.items():
+        mp.start_processes(_own_model_worker, args=(world, free_port(), argvs), nprocs=world,
+                           start_method="spawn")
+    return {name: RunDir(root / name) for name in SINGLE}
+
+
+def dtensors(run, rank):
+    return json.loads((run.root / f"dtensors-rank{rank}.json").read_text())
+
+
+@pytest.mark.parametrize("name", ["r2s1", "r1s1"])
+def test_edit_with_one_shard_a_replica_uses_no_fsdp_and_matches_reference(own_model_runs, name):
+    """S = 1: a replica's one rank holds its whole model, so edit leaves it unsharded (FSDP2
+    would copy every unit and gradient each step for nothing), and the run still matches the
+    float64 reference: r2s1 with the warm-up, the penalty, the clip and a corrupted replica;
+    r1s1, one rank alone, with no transfer at all."""
+    R, S, flags = SINGLE[name]
+    run = own_model_runs[name]
+    assert all(dtensors(run, rank) == [] for rank in range(R * S))
+    H = flags[flags.index("--sync-every") + 1]
+    ref = (RefPenalty(rate=0.3, z=3.0, warmup=2, clip=EDIT_CLIP) if R == 2 else
+           RefPenalty(anomaly=False, clip=EDIT_CLIP))
+    corrupt = (1, 9, 2.0) if R == 2 else None
+    outer, local, flagged = reference(R, S, 12, H, 2, penalty=ref, corrupt=corrupt)
+    assert_close(run, outer, local)
+    syncs = sync_events(run)
+    assert sorted({e["step"] for e in syncs}) == list(range(2 + H, 13, H))
+    for e in syncs:
+        assert e["flagged"] == [r for r, f in enumerate(flagged[(e["step"], unit_index(e["block"]))]) if f]
+    assert any(e["clip_scale"] < 1 for e in syncs)
+    # the outer state is the whole model's: 2 x params fp32 values on every rank
+    n_params = sum(p.numel() for p in GPT(gpt_config("nano", n_layer=N_LAYER, seq_len=SEQ)).parameters())
+    assert [e["bytes"] for e in read_events(run, ("memory",))] == [2 * 4 * n_params] * R
+    # what crosses a link: the outer exchanges between replicas (none alone), nothing inner
+    comm = read_events(run, ("comm",))
+    assert {e["group"] for e in comm} == ({"outer"} if R == 2 else set())
+    if R == 2:
+        tags = [e["tag"] for e in comm if e["rank"] == 0]
+        assert {"root", "block0", "block1", "grad", "norms"} <= set(tags)
+
+
+def test_edit_with_several_shards_a_replica_still_uses_fsdp(own_model_runs):
+    """S > 1 is unchanged: every parameter is FSDP2's DTensor, and the run matches the float64
+    reference (one replica of two shards)."""
+    run = own_model_runs["r1s2"]
+    assert all(len(dtensors(run, rank)) == len(dict(GPT(gpt_config("nano", n_layer=N_LAYER,
+                                                                   seq_len=SEQ)).named_parameters()))
+               for rank in range(2))
+    outer, local, _ = reference(1, 2, 12, 4, 2, penalty=RefPenalty(anomaly=False, clip=EDIT_CLIP))
+    assert_close(run, outer, local)
+
+
 def test_aedit_straggler_syncs_by_time(train_run):
     # the warm-up's two synchronous steps take the first steps' one-off costs out of the windows
     run = train_run("--algo", "aedit", "--model", "nano", "--replicas", 2, "--steps", 100000,
@@ -416,6 +516,7 @@ ROUND_TRIP = textwrap.dedent("""
     from lowband.config import Config
     from lowband.data import Batches, load_tokens
     from lowband.model import GPT, gpt_config
+    from lowband.params import is_dtensor
     from lowband.train import make_optimizer_factory, standard_step
 
     cfg = Config(algo="edit", replicas=1, shards=1, model="nano", steps=10, sync_every=2,
@@ -451,8 +552,9 @@ ROUND_TRIP = textwrap.dedent("""
         for model, algo, opt in ((a, algo_a, opt_a), (b, algo_b, opt_b)):
             standard_step(algo, model, opt, batches, cfg, step)
     algo_a.finish(); algo_b.finish()
+    assert not any(is_dtensor(p) for p in a.parameters())  # S = 1: no FSDP2
     for (k, va), vb in zip(a.state_dict().items(), b.state_dict().values()):
-        assert torch.equal(va.to_local(), vb.to_local()), k
+        assert torch.equal(va, vb), k
     for ua, ub in zip(algo_a.units, algo_b.units):
         assert torch.equal(ua.outer, ub.outer) and torch.equal(ua.momentum, ub.momentum)
         assert ua.ewma == ub.ewma

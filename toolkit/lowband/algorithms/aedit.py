@@ -156,7 +156,7 @@ class AEDiT(EDiT):
             self._quorum_at = step
             self.elastic.begin(step)  # the groups' rendezvous; a group behind heals here
         self.rejoining = False
-        self.model.reshard()
+        self._reshard()
         while True:
             extra = [float(self.window_steps), now - self.t0]
             if self.penalty.mode == "reference":

@@ -12,6 +12,10 @@ gradient over the replicas; its no-all-reduce switch only defers that for accumu
 rank holds a shard of each FSDP unit, the unit being a block or the root's own parameters
 (embeddings, final norm; the tied head is the embedding); rank (replica i, shard k) holds the
 same slice as (replica j, shard k), so a unit's shard is averaged over the outer group.
+With S = 1 a replica is one rank that holds its whole model, and FSDP2 (whose one-rank
+collectives would still copy every unit and gradient each step) is not applied: the parameters
+stay plain tensors, the inner AdamW is the trainer's plain one (fused on CUDA), a unit's
+"shard" is the whole unit, and the syncs below are the same over whole units.
 
 Outer state. The outer (last synced) parameters and the outer Nesterov momentum exist only as
 this rank's shards: 2 x (parameters / S) values per rank (the `memory` event reports the bytes
@@ -171,18 +175,11 @@ class EDiT(Algorithm):
     timed = False  # aedit: syncs by wall-clock time
 
     def setup(self, model, blocks, make_optimizer, topology, comm, config):
-        from torch.distributed.fsdp import fully_shard  # imported when used: slow to import
-
         self.model, self.blocks, self.topo, self.comm, self.config = model, blocks, topology, comm, config
         c = config
-        if topology.shards > 1 and topology.device.type == "cuda" and dist.get_backend() == "gloo":
-            raise ConfigError(f"edit with --shards {topology.shards} on GPUs shared by several ranks "
-                              "cannot run: FSDP2's collectives crash in gloo with CUDA tensors "
-                              "(NCCL needs one GPU a rank), so use --shards 1 or one GPU per rank.")
-        mesh = topology.mesh["shard"]
-        for block in blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        self.sharded = topology.shards > 1  # S = 1: the replica's one rank holds its whole model
+        if self.sharded:
+            _shard(model, blocks, topology)
         self.optimizer = make_optimizer(model.parameters())
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         root = [p for p in model.parameters() if id(p) not in in_blocks]
@@ -214,6 +211,12 @@ class EDiT(Algorithm):
         self._report_memory(allocated, outer_device)
         return self.optimizer
 
+    def _reshard(self) -> None:
+        """FSDP2's root back to its sharded parameters (after an evaluation's forward it stays
+        unsharded, and its registered parameters are the unsharded ones); none where S = 1."""
+        if self.sharded:
+            self.model.reshard()
+
     def _report_memory(self, allocated: int, device: torch.device) -> None:
         storages = {}
         for u in self.units:
@@ -242,7 +245,7 @@ class EDiT(Algorithm):
         return False
 
     def before_forward(self, step):
-        self.model.reshard()  # the root stays unsharded after an evaluation's forward
+        self._reshard()
         self._anchor(step)
         if not self.timed and self._due(step):
             self._prepare(step)
@@ -264,7 +267,7 @@ class EDiT(Algorithm):
         if self.plan is not None:
             self._drain()
         if not self.timed and self._due(self.steps_done):
-            self.model.reshard()
+            self._reshard()
             self._prepare(self.steps_done)
             self._drain()
 
@@ -442,7 +445,7 @@ class EDiT(Algorithm):
     def _heal_state(self) -> dict:
         """What a live group hands a joining one (each rank its shards): model, inner optimizer,
         outer state, the penalty's statistics, counters."""
-        self.model.reshard()
+        self._reshard()
         return {"model": {k: _local(v) for k, v in self.model.state_dict().items()},
                 "optimizer": _local_state(self.optimizer.state_dict()),
                 "outer": [u.outer for u in self.units], "momentum": [u.momentum for u in self.units],
@@ -450,7 +453,7 @@ class EDiT(Algorithm):
                 "step": self._quorum_at}
 
     def _load_heal_state(self, state: dict) -> None:
-        self.model.reshard()
+        self._reshard()
         with torch.no_grad():
             for k, v in self.model.state_dict().items():
                 _local(v).copy_(state["model"][k])
@@ -470,7 +473,7 @@ class EDiT(Algorithm):
         """The full outer parameters by name (each gathered over the inner group)."""
         from torch.distributed.tensor import DTensor
 
-        self.model.reshard()  # the root's registered parameters are its sharded ones again
+        self._reshard()
         names = {id(p): n for n, p in self.model.named_parameters()}
         out = {}
         for u in self.units:
@@ -489,14 +492,14 @@ class EDiT(Algorithm):
         if which != "outer" or not self.anchored:  # in the warm-up the replicas are in step
             yield
             return
-        self.model.reshard()
+        self._reshard()
         saved = [u.local_flat().clone() for u in self.units]
         for u in self.units:
             u.write(u.outer.to(self.device))
         try:
             yield
         finally:
-            self.model.reshard()
+            self._reshard()
             for u, flat in zip(self.units, saved):
                 u.write(flat)
 
@@ -533,6 +536,21 @@ class EDiT(Algorithm):
         self.sync_info = dict(state["sync_info"])
         self.skips = state.get("skips", 0)
         load_manager_state(self.elastic, state.get("manager"))
+
+
+def _shard(model: nn.Module, blocks: nn.ModuleList, topology) -> None:
+    """FSDP2 over the replica's S ranks: `fully_shard` on every block, then on the root, with
+    the 1-D "shard" sub-mesh."""
+    from torch.distributed.fsdp import fully_shard  # imported when used: slow to import
+
+    if topology.device.type == "cuda" and dist.get_backend() == "gloo":
+        raise ConfigError(f"edit with --shards {topology.shards} on GPUs shared by several ranks "
+                          "cannot run: FSDP2's collectives crash in gloo with CUDA tensors "
+                          "(NCCL needs one GPU a rank), so use --shards 1 or one GPU per rank.")
+    mesh = topology.mesh["shard"]
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def _local_state(optim_state: dict) -> dict:
