@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import reference_replicas
+from lowband.checkpoint import complete, read_rank_state
 from lowband.telemetry import read_events
 
 BATCH, SEQ, LR, WARMUP, CLIP, SEED, OUTER_LR, MU = 2, 32, 1e-3, 2, 0.5, 5, 0.7, 0.9
@@ -122,3 +123,34 @@ def test_matches_float64_reference(train_run, case):
         assert len(started) >= 3
     outer_comm = [e for e in read_events(run, ("comm",)) if e["group"] == "outer" and e["rank"] == 0 and e["tag"] != "init"]
     assert sorted(e["tag"] for e in outer_comm) == sorted(f"frag{p}" for p, s in per_fragment.items() for _ in s)
+
+
+def test_outer_state_on_the_cpu_is_bitwise_the_same(train_runs):
+    """--outer-state-device cpu moves where the outer state lives and when it is copied, never
+    the arithmetic: weights, outer parameters and a checkpoint's outer state come out bitwise
+    as with the state on the model's device (on a CPU both are the CPU; tests/
+    test_outer_staging.py forces the copies there, and checks them on a GPU when there is one)."""
+    flags = [*FLAGS, "--algo", "streaming", "--n-layer", 2, "--replicas", 2, "--steps", 10,
+             "--sync-every", 4, "--fragments", 2, "--overlap", 1, "--eval-params", "outer",
+             "--eval-every", 5, "--checkpoint-every", 6]  # step 6: an exchange in flight
+    runs = train_runs(same=[*flags, "--outer-state-device", "same"],
+                      cpu=[*flags, "--outer-state-device", "cpu"])
+    for name in ("outer.pt", "model.pt"):
+        a, b = (torch.load(runs[k].root / name, weights_only=True) for k in ("same", "cpu"))
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), f"{name} {key}"
+    saved = [complete(runs[k]) for k in ("same", "cpu")]
+    assert [p.name for p in saved[0]] == [p.name for p in saved[1]] and saved[0]
+    for a, b in zip(*saved):
+        for rank in (0, 1):
+            x, y = (read_rank_state(p, rank)["algorithm"]["fragments"] for p in (a, b))
+            for fx, fy in zip(x, y):
+                for key in ("outer", "momentum", "residual"):
+                    assert torch.equal(fx[key], fy[key]), f"{a.name} rank {rank} {key}"
+                assert (fx["pending"] is None) == (fy["pending"] is None)
+                if fx["pending"] is not None:
+                    assert torch.equal(fx["pending"][2], fy["pending"][2])
+    evals = [[e["val_loss"] for e in read_events(runs[k], ("eval",)) if e["rank"] == 0]
+             for k in ("same", "cpu")]
+    assert evals[0] == evals[1] and len(evals[0]) == 2

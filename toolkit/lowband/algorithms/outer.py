@@ -43,41 +43,147 @@ def outer_home(config, device: torch.device) -> torch.device:
 
 def kept_at(t: torch.Tensor, home: torch.device) -> torch.Tensor:
     """A copy of t that lives at `home`; in page-locked host memory when t is on a GPU and home
-    is the CPU, so the copies each way run asynchronously on the compute stream."""
+    is the CPU, so that the copies each way run asynchronously (see Staging)."""
     kept = t.detach().to(home, copy=True)
     return kept.pin_memory() if t.is_cuda and home.type == "cpu" else kept
 
 
+class Staging:
+    """Copies of outer state kept at `home` on the model's `device`, where the arithmetic runs.
+
+    When the state lives on the device (`same`, or a CPU run) there is nothing to copy: get()
+    hands back the state itself and the step works in place. Otherwise get() gives a device copy
+    that stays staged until put() writes the new value back (or drop() forgets it), so a state
+    read twice in one sync (streaming: the outer parameters at the exchange and again at the
+    apply) crosses PCIe once.
+
+    With the state in pinned host memory and the model on a GPU (`--outer-state-device cpu`),
+    the copies run on a side stream, never on the compute stream:
+      fetch(host)  allocates the device copy on the compute stream, has the side stream wait for
+                   the work queued there so far (that memory may still be in use by it), and
+                   queues the host-to-device copy there, recording `ready`; the copy runs
+                   while the GPU computes;
+      get(host)    has the compute stream (not the host) wait for `ready`;
+      put(host, d) records `done` on the compute stream (d's value is final there) and keeps d;
+      flush()      queues the writes put() kept on the side stream, each after its `done`.
+    put() leaves the device-to-host copy to flush() so that the caller picks when it starts:
+    a small copy that the host waits for (a step's loss, its gradient norm) queued just after
+    a large one on another stream waits for it, so the large ones belong where none follows
+    soon (streaming: before a step's last backward).
+    Every device copy is record_stream'd on the side stream, so the caching allocator reuses
+    its memory only once the side stream's work queued before its release is done, however it
+    ends (put, drop, or just let go). Every access to the host copy goes through the side
+    stream, so they run in the order they are queued (fetch() flushes a write of the same
+    state first); a host reader or writer of the state (a checkpoint, a heal) calls settle()
+    first, which flushes and waits."""
+
+    def __init__(self, home: torch.device, device: torch.device, overlap: bool = True):
+        self.device = device
+        self.moves = home != device  # else get() is the state itself
+        self.side = (torch.cuda.Stream(device) if overlap and self.moves and device.type == "cuda"
+                     and home.type == "cpu" else None)
+        self.staged: dict[int, tuple] = {}  # id(host) -> (host, its device copy, ready or None)
+        self.writes: list[tuple] = []  # (host, device copy, done): put, not yet flushed
+
+    def fetch(self, host: torch.Tensor) -> None:
+        """Start copying `host` to the device (nothing if staged already, or nothing to copy)."""
+        if not self.moves or id(host) in self.staged:
+            return
+        if any(h is host for h, _, _ in self.writes):
+            self.flush()  # its new value goes back first, then comes here again
+        if self.side is None:
+            self.staged[id(host)] = (host, host.to(self.device, non_blocking=True, copy=True), None)
+            return
+        dev = torch.empty_like(host, device=self.device)
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.side):
+            dev.copy_(host, non_blocking=True)
+        dev.record_stream(self.side)
+        self.staged[id(host)] = (host, dev, self.side.record_event())
+
+    def get(self, host: torch.Tensor, keep: bool = True) -> torch.Tensor:
+        """`host`'s value on the device, for work queued on the compute stream from now on. It
+        stays staged for a later get or put; with keep=False a copy made for this call alone
+        (one not staged before) is forgotten at once (read-only uses: evaluation, the end)."""
+        if not self.moves:
+            return host
+        was_staged = id(host) in self.staged
+        self.fetch(host)
+        forget = not keep and not was_staged
+        _, dev, ready = self.staged.pop(id(host)) if forget else self.staged[id(host)]
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
+        return dev
+
+    def put(self, host: torch.Tensor, dev: torch.Tensor) -> None:
+        """Write `dev`, the state's new value computed on the compute stream, back to `host`
+        (nothing to do when it is `host` itself; on a side stream, at the next flush(): nothing
+        may write `dev` after this); it is no longer staged."""
+        self.staged.pop(id(host), None)
+        if dev.data_ptr() == host.data_ptr():
+            return
+        if self.side is None:
+            host.copy_(dev, non_blocking=True)
+            return
+        self.writes.append((host, dev, torch.cuda.current_stream(self.device).record_event()))
+
+    def flush(self) -> None:
+        """Queue the writes put() kept, on the side stream; the compute stream goes on at once."""
+        for host, dev, done in self.writes:
+            self.side.wait_event(done)
+            with torch.cuda.stream(self.side):
+                host.copy_(dev, non_blocking=True)
+            dev.record_stream(self.side)
+        self.writes.clear()
+
+    def drop(self, *hosts: torch.Tensor) -> None:
+        """Forget the staged copies of `hosts` (of every state when none is named)."""
+        if not hosts:
+            self.staged.clear()
+        for host in hosts:
+            self.staged.pop(id(host), None)
+
+    def settle(self) -> None:
+        """Flush, then wait on the host for the side stream's copies (before the host reads or
+        writes the state in host memory)."""
+        if self.side is not None:
+            self.flush()
+            self.side.synchronize()
+
+
 @torch.no_grad()
 def nesterov_step(outer: torch.Tensor, momentum: torch.Tensor, delta: torch.Tensor,
-                  lr: float, mu: float) -> torch.Tensor:
+                  lr: float, mu: float, staging: Staging | None = None) -> torch.Tensor:
     """One outer Nesterov SGD step, m <- mu m + delta; outer <- outer - lr (delta + mu m), worked
     out on delta's device wherever the state lives (a round trip over PCIe costs far less than
     the arithmetic on the host), the state written back without waiting. Returns the new outer
-    parameters on delta's device. Host readers of a CPU state call `settle` first."""
-    o = outer.to(delta.device, non_blocking=True)
-    m = momentum.to(delta.device, non_blocking=True)
+    parameters on delta's device. `staging`: where the device copies come from and go back
+    (Staging; without one they are made and written back on the compute stream). Host readers
+    of a CPU state call `settle` (or the staging's settle) first."""
+    s = staging if staging is not None else Staging(outer.device, delta.device, overlap=False)
+    o, m = s.get(outer), s.get(momentum)
     m.mul_(mu).add_(delta)
     o.sub_(lr * (delta + mu * m))
-    if o.data_ptr() != outer.data_ptr():
-        outer.copy_(o, non_blocking=True)
-        momentum.copy_(m, non_blocking=True)
+    s.put(outer, o)
+    s.put(momentum, m)
     return o
 
 
 @torch.no_grad()
-def sgd_step(outer: torch.Tensor, delta: torch.Tensor, lr: float) -> torch.Tensor:
+def sgd_step(outer: torch.Tensor, delta: torch.Tensor, lr: float,
+             staging: Staging | None = None) -> torch.Tensor:
     """SparseLoCo's outer step (streaming's --outer-rule sparseloco): outer <- outer - lr delta,
     no momentum (each replica's error feedback, decayed, stands in for it); worked out and
     written back as nesterov_step does. Returns the new outer parameters on delta's device."""
-    o = outer.to(delta.device, non_blocking=True)
+    s = staging if staging is not None else Staging(outer.device, delta.device, overlap=False)
+    o = s.get(outer)
     o.sub_(lr * delta)
-    if o.data_ptr() != outer.data_ptr():
-        outer.copy_(o, non_blocking=True)
+    s.put(outer, o)
     return o
 
 
 def settle(device: torch.device) -> None:
-    """Wait for the state's asynchronous copies to the host (before the host reads it)."""
+    """Wait for the state's asynchronous copies to the host (before the host reads it): every
+    stream of the device, side streams included."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 from lowband.algorithms.base import PERIODIC, Algorithm
 from lowband.algorithms.ddp import DDP
-from lowband.algorithms.outer import (OuterOptions, kept_at, nesterov_step, outer_home, settle,
-                                      sgd_step)
+from lowband.algorithms.outer import (OuterOptions, Staging, kept_at, nesterov_step, outer_home,
+                                      settle, sgd_step)
 from lowband.algorithms.exchange import ExchangeOptions, exchange_block
 from lowband.comm.elastic import load_manager_state, manager_state
 from lowband.options import ConfigError, Options, option
@@ -127,11 +127,41 @@ class Streaming(Algorithm):
         self.fragments = [Fragment(i, ps, topology.shard, topology.shards, device)
                           for i, ps in enumerate(split_fragments(model, blocks, c.fragments,
                                                                  c.fragment_pattern))]
+        # the outer state's copies on the device (outer.Staging): with --outer-state-device cpu
+        # a fragment's outer parameters cross PCIe to the device once a sync (staged for the
+        # exchange and used again by the apply: nothing changes them in between) and its
+        # momentum once, both back once after the apply; on a GPU all of it on a side stream,
+        # queued where it hides under a step's compute (the hooks below). Nothing is staged
+        # with the state on the model's device.
+        self.staging = Staging(device, topology.device)
         return optimizer
 
     def before_backward(self, step, micro, last):
+        """Where the outer state's large copies start (--outer-state-device cpu on a GPU): before
+        the step's last backward, which they run under. Its batches are on the device by then
+        and the next small copy the host waits for (the gradient norm's) comes after the
+        backward: a small copy queued behind a large one waits for it (measured on an H200:
+        .item() behind a 244 MB copy on another stream took 4.4 ms, the large copy's time).
+        Here the last apply's writes go back to host memory (put() kept them), and with tau > 0
+        the outer parameters of the fragment whose exchange follows this step (its last apply
+        was H - tau steps ago) and the momentum of one whose apply follows it (unchanged since
+        its last apply) come to the device. With tau = 0 the exchange fetches both: its apply
+        follows at once, and nothing of the state stays on the device while a step trains."""
         if self.inner is not None:
             self.inner.before_backward(step, micro, last)
+        if not last:
+            return
+        self.staging.flush()
+        if self.config.overlap == 0:
+            return
+        s = step + 1
+        p = self.due(s)
+        if p is not None:
+            self.staging.fetch(self.fragments[p].outer)
+        if self.config.outer_rule != "sparseloco":
+            for f in self.fragments:
+                if f.pending is not None and f.pending[0] == s:
+                    self.staging.fetch(f.momentum)
 
     def after_backward(self, step):
         if self.inner is not None:
@@ -168,12 +198,15 @@ class Streaming(Algorithm):
     def _heal_state(self) -> dict:
         """What a live group hands a joining one: at the start of a sync, or in its first
         quorum (nothing in flight then, but a resumed exchange that already landed)."""
+        self.staging.settle()  # the last applies' copies back to host memory
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "outer": [f.outer for f in self.fragments],
                 "momentum": [f.momentum for f in self.fragments],
                 "pending": [self._landed(f) for f in self.fragments], "step": self._sync_step}
 
     def _load_heal_state(self, state: dict) -> None:
+        self.staging.settle()  # no copy in flight reads or writes the state overwritten here
+        self.staging.drop()  # staged copies of the state this replaces
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         for f, outer, momentum, pending in zip(self.fragments, state["outer"], state["momentum"],
@@ -195,7 +228,10 @@ class Streaming(Algorithm):
 
     def _exchange(self, f: Fragment, s: int) -> None:
         c = self.config
-        delta = f.outer.to(self.topo.device, non_blocking=True) - f.local_slice()
+        outer = self.staging.get(f.outer)  # stays staged for the apply
+        if c.overlap == 0 and c.outer_rule != "sparseloco":
+            self.staging.fetch(f.momentum)  # for the apply right after: under the exchange
+        delta = outer - f.local_slice()
         if f.residual is not None:  # sparseloco: e <- beta e + delta, beta the outer momentum
             delta.add_(f.residual, alpha=c.outer_momentum if c.outer_rule == "sparseloco" else 1.0)
         weight = f.tokens if c.merge_weights == "tokens" else None
@@ -224,9 +260,10 @@ class Streaming(Algorithm):
             return
         self.skips = 0
         if c.outer_rule == "sparseloco":
-            outer = sgd_step(f.outer, delta, c.outer_lr)
+            outer = sgd_step(f.outer, delta, c.outer_lr, self.staging)
         else:
-            outer = nesterov_step(f.outer, f.momentum, delta, c.outer_lr, c.outer_momentum)
+            outer = nesterov_step(f.outer, f.momentum, delta, c.outer_lr, c.outer_momentum,
+                                  self.staging)
         merged = c.alpha * f.local_slice() + (1 - c.alpha) * outer
         write_flat(f.params, self._gather(f, merged))
         if self.comm.events is not None:
@@ -253,6 +290,7 @@ class Streaming(Algorithm):
         part): outer parameters and momentum stay, the local weights train on; the fragment's
         next sync carries what this one would have."""
         f.residual = None
+        self.staging.drop(f.outer, f.momentum)
         if self.comm.events is not None:
             self.comm.events.emit("skip", step=started, what="commit", fragment=f.index)
 
@@ -261,13 +299,15 @@ class Streaming(Algorithm):
         the outer parameters and momentum stay, and every replica's fragment restarts from them."""
         self.skips += 1
         f.residual = None
-        write_flat(f.params, self._gather(f, f.outer.to(self.topo.device)))
+        write_flat(f.params, self._gather(f, self.staging.get(f.outer)))
+        self.staging.drop(f.outer, f.momentum)
         if self.comm.events is not None:
             self.comm.events.emit("skip", step=started, what="pseudo-gradient", fragment=f.index)
 
     def state_dict(self) -> dict:
         """This rank's outer state; an exchange in flight is waited for and kept as landed
         (with --elastic, with its commit vote, taken now), and the Manager's step."""
+        self.staging.settle()  # the state's writes to host memory, flushed and done
         settle(self.topo.device)
         for f in self.fragments:
             if f.pending is not None and not isinstance(f.pending[2], Landed):
@@ -288,7 +328,9 @@ class Streaming(Algorithm):
         return [apply_at, started, landed.value, landed.committed]
 
     def load_state_dict(self, state: dict) -> None:
+        self.staging.settle()
         settle(self.topo.device)
+        self.staging.drop()
         for f, st in zip(self.fragments, state["fragments"]):
             f.outer.copy_(st["outer"])
             f.momentum.copy_(st["momentum"])
@@ -324,7 +366,7 @@ class Streaming(Algorithm):
         names = {id(p): n for n, p in self.model.named_parameters()}
         out = {}
         for f in self.fragments:
-            full = self._gather(f, f.outer.to(self.topo.device))
+            full = self._gather(f, self.staging.get(f.outer, keep=False))
             offset = 0
             for p in f.params:
                 out[names[id(p)]] = full[offset: offset + p.numel()].view_as(p).clone()
