@@ -38,7 +38,7 @@ from lowband.local import free_port
 from lowband.model import GPT, compile_blocks, gpt_config, lm_loss, num_params
 from lowband.telemetry import read_events
 
-SECTIONS = ("inner", "codecs", "overhead", "e2e")
+SECTIONS = ("inner", "codecs", "overhead", "target", "e2e")
 # dense bf16 tensor-core peaks from the vendors' data sheets (SXM parts), FLOP/s
 SPEC_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 
@@ -189,10 +189,10 @@ def section_codecs(args, device, root) -> list[dict]:
     rows = codec_throughput(device, args.codec_numel)
     print(f"\n[codecs] {args.codec_numel:,} fp32 values, block 64; copy_ moves "
           f"{rows[0]['copy_gbs']:.1f} GB/s read+written (goal: encode+decode >= 70% of it)")
-    print(f"  {'codec':<10}{'mode':<10}{'enc ms':>9}{'dec ms':>9}{'GB/s':>9}{'of copy':>9}"
+    print(f"  {'codec':<10}{'mode':<20}{'enc ms':>9}{'dec ms':>9}{'GB/s':>9}{'of copy':>9}"
           f"{'max err':>10}  =eager =cpu")
     for r in rows:
-        print(f"  {r['codec']:<10}{r['mode']:<10}{r['encode_ms']:>9.3f}{r['decode_ms']:>9.3f}"
+        print(f"  {r['codec']:<10}{r['mode']:<20}{r['encode_ms']:>9.3f}{r['decode_ms']:>9.3f}"
               f"{r['gbs']:>9.1f}{100 * r['of_copy']:>8.1f}%{r['max_abs_err']:>10.3g}  "
               f"{str(r['equals_eager']):<6} {r['equals_cpu']}"
               + ("" if r["equals_cpu"] else f" (bytes differing: {r['differ_cpu'][0]} scale, "
@@ -216,6 +216,8 @@ def section_overhead(args, device, root) -> list[dict]:
     rows = []
     n_blocks = gpt_config(args.model).n_layer
     for name, over in OVERHEAD_ALGOS.items():
+        if args.overhead and name not in args.overhead:
+            continue
         over = dict(over, sync_every=args.sync_every, compile="compile" in args.compile_modes)
         if "fragments" in over:
             over["fragments"] = min(over["fragments"], n_blocks)
@@ -257,6 +259,38 @@ E2E = {
 }
 
 
+def llama_dir(root: Path, big: bool) -> Path:
+    """A Hugging Face Llama's config.json (no weights: the run initialises it from its seed) of
+    about GPT-2 124M's size: 12 layers of width 768, SwiGLU 2048, tied embeddings, 50,304 rows."""
+    from transformers import LlamaConfig
+
+    shape = (dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                  num_attention_heads=12, num_key_value_heads=12, vocab_size=50304)
+             if big else dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=4, vocab_size=256))
+    out = root / "llama"
+    LlamaConfig(max_position_embeddings=1024, tie_word_embeddings=True, **shape).save_pretrained(out)
+    return out
+
+
+def section_target(args, device, root) -> dict:
+    """Time to target (gpu_target.py): the compute of one replica's step is measured by the
+    overhead section (ddp at a world of one, the same batch), doubled: two ranks share the GPU."""
+    from gpu_target import run_all  # benchmarks/gpu_target.py
+
+    ddp = next((r for r in args.results.get("overhead", ()) if r["algo"] == "ddp"
+                and "error" not in r), None)
+    if ddp is None and not args.ddp_tokens_per_s:
+        raise SystemExit("the target section needs the overhead section's ddp row before it "
+                         "(--sections overhead,target) or --ddp-tokens-per-s")
+    tokens_per_s = ddp["tokens_per_s"] if ddp else args.ddp_tokens_per_s
+    step_time = 2 * args.batch_size * args.seq_len / tokens_per_s
+    common = {} if not args.smoke else {"model": args.model, "n_layer": 4, "seq_len": args.seq_len,
+                                        "batch_size": args.batch_size, "eval_batches": 1}
+    return run_all(args.target_data, step_time, args.target_seconds, "1gbit", device.type,
+                   root, common)
+
+
 def hidden_share(run: Path) -> tuple[float, int, int]:
     """(share of outer transfer time not spent waiting by the training thread, comm events,
     those timed by CUDA events)."""
@@ -271,7 +305,11 @@ def hidden_share(run: Path) -> tuple[float, int, int]:
 
 def section_e2e(args, device, root) -> list[dict]:
     rows = []
-    print(f"\n[e2e] {args.e2e_model}, {args.e2e_steps} steps, emulated outer link {args.e2e_link}")
+    model = args.e2e_model
+    if model == "llama":
+        model = f"hf:{llama_dir(root, not args.smoke)}"
+    print(f"\n[e2e] {args.e2e_model} ({model}), data {args.e2e_data}, {args.e2e_steps} steps, "
+          f"batch {args.e2e_batch}x{args.seq_len}, emulated outer link {args.e2e_link}")
     torchrun = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if k not in torchrun}  # the CLI starts its ranks
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1] / "toolkit"),
@@ -279,8 +317,9 @@ def section_e2e(args, device, root) -> list[dict]:
     for name, flags in args.e2e_algos.items():
         run = root / f"e2e-{name}"
         argv = [sys.executable, "-m", "lowband.cli", "train", "--no-progress", "--run-dir", str(run),
-                "--device", device.type, "--model", args.e2e_model, "--steps", str(args.e2e_steps),
-                "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
+                "--device", device.type, "--model", model, "--steps", str(args.e2e_steps),
+                "--data", args.e2e_data, "--seq-len", str(args.seq_len),
+                "--batch-size", str(args.e2e_batch),
                 "--sync-every", "8", "--eval-every", "0", "--eval-batches", "1",
                 "--precision", args.precision, "--link-bandwidth", args.e2e_link, *flags]
         t0 = time.perf_counter()
@@ -290,9 +329,12 @@ def section_e2e(args, device, root) -> list[dict]:
             summary = json.loads((run / "summary.json").read_text())
             config = json.loads((run / "config.json").read_text())
             share, n, cuda = hidden_share(run)
+            losses = [e["loss"] for e in read_events(run, ("step",)) if e["rank"] == 0]
             row.update(backend=config["meta"]["backend"], world=config["meta"]["world"],
                        tokens_per_s=summary["tokens_per_s"], hidden=share, comm_events=n,
-                       cuda_timed=cuda, val_loss=summary["final_val_loss"])
+                       cuda_timed=cuda, val_loss=summary["final_val_loss"],
+                       first_loss=losses[0], last_loss=losses[-1], steps=summary["steps"],
+                       n_params=config["meta"]["n_params"])
         else:
             tail = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
             row["error"] = " | ".join(tail[-3:])[:400]
@@ -309,7 +351,8 @@ def _print_e2e(r: dict) -> None:
     hidden = "-" if r["hidden"] != r["hidden"] else f"{100 * r['hidden']:.0f}%"
     print(f"  {r['algo']:<10} {r['backend']} x{r['world']}  {r['tokens_per_s']:>10,.0f} tokens/s  "
           f"outer transfer time hidden {hidden:>5}  comm events {r['comm_events']} "
-          f"({r['cuda_timed']} CUDA-timed)  val loss {r['val_loss']:.3f}", flush=True)
+          f"({r['cuda_timed']} CUDA-timed)  loss {r['first_loss']:.2f} -> {r['last_loss']:.2f}, "
+          f"val {r['val_loss']:.3f}", flush=True)
 
 
 def parse(argv):
@@ -319,6 +362,12 @@ def parse(argv):
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--json", help="also write every row to this file")
     p.add_argument("--keep-runs", help="copy the run directories here (for `lowband report`)")
+    p.add_argument("--overhead", help="the overhead section's rows to run, comma-separated "
+                                      f"(default: all of {', '.join(OVERHEAD_ALGOS)})")
+    p.add_argument("--ddp-tokens-per-s", type=float,
+                   help="for the target section without the overhead one: ddp's tokens/s at a "
+                        "world of one, measured at this batch")
+    p.add_argument("--e2e-steps", type=int, help="steps of each e2e run (default 16; smoke 4)")
     args = p.parse_args(argv)
     dev = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     args.device = torch.device(dev)
@@ -329,7 +378,15 @@ def parse(argv):
     args.compile_modes = ["", "compile"] if big else [""]
     args.sync_every = 20 if big else 4
     args.codec_numel = 2 ** 28 if big and dev == "cuda" else 2 ** 16
-    args.e2e_model, args.e2e_steps, args.e2e_link = ("mini", 40, "1gbit") if big else ("nano", 4, "1gbit")
+    # e2e: every algorithm on a Hugging Face Llama of GPT-2's size, on the prepared corpus
+    # (gpu_target.py make) where it is there; a 10 Gbit/s link keeps ddp's steps short
+    corpus = Path(__file__).resolve().parents[1] / ".gpu" / "corpus"
+    data = str(corpus) if big and (corpus / "meta.json").exists() else "builtin"
+    args.e2e_model, args.e2e_link = "llama", "10gbit"
+    args.e2e_steps = args.e2e_steps or (16 if big else 4)
+    args.overhead = [s.strip() for s in args.overhead.split(",")] if args.overhead else None
+    args.e2e_batch, args.e2e_data = (8 if big else 4), data
+    args.target_data, args.target_seconds = data, (180.0 if big else 5.0)
     args.e2e_algos = E2E if big else {k: E2E[k] for k in ("ddp", "streaming")}
     args.sections = [s for s in args.sections.split(",") if s]
     unknown = set(args.sections) - set(SECTIONS)
@@ -348,12 +405,14 @@ def main(argv=None) -> int:
     out = {"device": device_name(args.device), "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        args.results = out
         for name in args.sections:
             out[name] = globals()[f"section_{name}"](args, args.device, root)
+            if args.json:  # after each section: a call cut short keeps what it finished
+                Path(args.json).write_text(json.dumps(out, indent=2, default=str))
         if args.keep_runs:
-            shutil.copytree(root, args.keep_runs, dirs_exist_ok=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2, default=str))
+            shutil.copytree(root, args.keep_runs, dirs_exist_ok=True,  # records, not weights
+                            ignore=shutil.ignore_patterns("*.pt", "checkpoints"))
     return 0
 
 

@@ -26,12 +26,21 @@ def test_gpu_benchmark_smoke(tmp_path):
                              "ddp again"}
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in overhead.values()), overhead
 
-    for row in result["e2e"]:
+    for row in result["e2e"]:  # a Hugging Face Llama (config only) through lowband train
         assert row["ok"], row
         assert row["backend"] == "gloo" and row["world"] == 2 and row["comm_events"] > 0
         assert row["cuda_timed"] == 0  # CPU tensors are timed on the host
+        assert row["last_loss"] < row["first_loss"] and row["steps"] == 4
+
+    target = result["target"]  # time to target: both runs sized by the planner, their curves
+    for name, run in target["runs"].items():
+        assert run["ok"], run
+        assert run["steps"] >= 4 and run["predicted_step_s"] > 0
+        times = [p["seconds"] for p in run["curve"]]
+        assert len(times) >= 2 and times == sorted(times) and run["curve"][-1]["step"] == run["steps"]
+    assert target["compare"]["target_loss"] == target["runs"]["ddp"]["curve"][-1]["val_loss"]
 
     codecs = result["codecs"]
     assert {r["codec"] for r in codecs} >= {"int8", "fp4-e3m0", "fp4-e2m1"}
     assert all(r["equals_eager"] and r["equals_cpu"] and r["differ_cpu"] == [0, 0] for r in codecs)
-    assert "[inner]" in proc.stdout and "[e2e]" in proc.stdout
+    assert "[inner]" in proc.stdout and "[e2e]" in proc.stdout and "[target]" in proc.stdout
