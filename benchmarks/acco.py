@@ -261,7 +261,7 @@ def main(argv=None) -> int:
     if a.grad_accum < 2:
         p.error("--grad-accum must be at least 2: acco-ddp-batch splits it into two groups")
     from lowband.data import load_tokens
-    from lowband.local import free_port
+    from lowband.launch.local import free_port
 
     load_tokens("builtin")  # build the corpus cache once
     ctx = mp.get_context("spawn")

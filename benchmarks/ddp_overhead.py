@@ -32,7 +32,7 @@ from lowband.algorithms.ddp import DDP
 from lowband.comm import Comm
 from lowband.config import Config
 from lowband.data import Batches, load_tokens
-from lowband.local import free_port
+from lowband.launch.local import free_port
 from lowband.options import ConfigError
 from lowband.model import lm_loss
 from lowband.telemetry import EventWriter, RunDir

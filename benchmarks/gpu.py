@@ -34,7 +34,7 @@ import torch
 
 from lowband.config import Config
 from lowband.data import Batches, load_tokens
-from lowband.local import free_port
+from lowband.launch.local import free_port
 from lowband.model import GPT, compile_blocks, gpt_config, lm_loss, num_params
 from lowband.telemetry import read_events
 

@@ -6,7 +6,7 @@ built-in corpus's order, each file one document) are tokenized by
                  in memory: one thread (TOKENIZERS_PARALLELISM=false), and all threads last (the
                  Rust pool, for reference); and encode_batch_fast (the same ids without character
                  offsets), which prepare's workers call, on one thread;
-  prepare        lowband.corpus.prepare_files, what `lowband prepare` runs: reading the files,
+  prepare        lowband.data.prepare.prepare_files, what `lowband prepare` runs: reading the files,
                  --workers processes, the shards and meta.json written, pool start-up included;
                  with 1 worker and with one a core.
 The tokenizer is a byte-level BPE trained here (--vocab, on 2 MB of the same corpus); nothing is
@@ -32,8 +32,9 @@ from pathlib import Path
 
 from machine import describe  # benchmarks/machine.py
 
-from lowband import corpus, tokenizer
 from lowband.data import stdlib_files
+from lowband.data.prepare import prepare_files
+from lowband.data.tokenizer import load_tokenizer
 
 
 def train_tokenizer(path: Path, vocab: int, files: list[Path]) -> None:
@@ -61,9 +62,9 @@ def encode_batch(tok_path: Path, docs: list[str], threads: str, fn="encode_batch
 
 
 def prepare(tok_path: Path, files: list[Path], root: Path, workers: int, out: Path) -> tuple[int, float]:
-    tok = tokenizer.load_tokenizer(str(tok_path))
+    tok = load_tokenizer(str(tok_path))
     t0 = time.perf_counter()
-    meta = corpus.prepare_files(files, root, out, tok, workers=workers, progress=False)
+    meta = prepare_files(files, root, out, tok, workers=workers, progress=False)
     return meta["tokens"], time.perf_counter() - t0
 
 

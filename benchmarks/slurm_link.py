@@ -1,7 +1,7 @@
 """ddp against streaming as Slurm jobs whose two nodes talk over a real throttled link.
 
-A local Slurm cluster (lowband.slurm_cluster) whose slurmd nodes each run on a test host of their
-own (network namespaces lbs-n0, lbs-n1 on a bridge, each host's egress shaped to --rate; the
+A local Slurm cluster (lowband.testing.slurm_cluster) whose slurmd nodes each run on a test host of
+their own (network namespaces lbs-n0, lbs-n1 on a bridge, each host's egress shaped to --rate; the
 controller, slurmdbd and MariaDB in this namespace, joined to the bridge). Each algorithm is
 submitted with `lowband.launch(scheduler="slurm")`, one replica a node, followed to its end;
 prints tokens/s, compute utilization, outer bytes per token, the bytes the hosts' veths carried,
@@ -26,7 +26,7 @@ from pathlib import Path
 from four_hosts import algo_flags, ratios, row  # benchmarks/four_hosts.py
 
 import lowband
-from lowband.slurm_cluster import LocalSlurm, missing_tools
+from lowband.testing.slurm_cluster import LocalSlurm, missing_tools
 
 
 def main(argv: list[str] | None = None) -> int:

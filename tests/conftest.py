@@ -27,7 +27,7 @@ def train_in_one_job(*argvs) -> None:
     import torch.multiprocessing as mp
 
     from lowband.flags import parse_train
-    from lowband.local import free_port
+    from lowband.launch.local import free_port
 
     by_world = {}
     for argv in argvs:
@@ -40,7 +40,7 @@ def train_in_one_job(*argvs) -> None:
 
 def join_local_job(rank: int, world: int, port: int) -> None:
     """In a spawned test worker: the variables `lowband train` sets for its workers
-    (lowband/local.py), so that lowband.train.train joins a job of `world` ranks on loopback."""
+    (lowband/launch/local.py), so that lowband.train.train joins a job of `world` ranks on loopback."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
@@ -108,8 +108,9 @@ def train_runs(tmp_path):
 
 
 def hosts_for_a_test(hosts):
-    """A fixture's body: set up test hosts (lowband.testbed.TestHosts), skipping the test where
-    they cannot be made; after it, kill what runs in them, remove them and check nothing is left."""
+    """A fixture's body: set up test hosts (lowband.testing.testbed.TestHosts), skipping the test
+    where they cannot be made; after it, kill what runs in them, remove them and check nothing is
+    left."""
     try:
         hosts.setup()
     except RuntimeError as e:  # e.g. a container without CAP_NET_ADMIN or sch_tbf

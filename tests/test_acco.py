@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import join_local_job
-from lowband.algorithms.acco import MicroBudget, trim
+from lowband.algorithms.acco_budget import MicroBudget, trim
 from lowband.config import Config, ConfigError
 from lowband.data import Batches, load_tokens
 from lowband.model import GPT, gpt_config, num_params
@@ -182,7 +182,7 @@ def _harness(rank, world, port, root, queue):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     import torch.multiprocessing as mp
-    from lowband.local import free_port
+    from lowband.launch.local import free_port
 
     root = tmp_path_factory.mktemp("acco")
     queue = mp.get_context("spawn").Queue()

@@ -37,7 +37,7 @@ nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("jupyterlab")
 pytest.importorskip("torchx")
 
-from lowband.local import free_port  # noqa: E402
+from lowband.launch.local import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts" / "browser"

@@ -1,6 +1,7 @@
-"""Tokenizers and prepared corpora (lowband/corpus.py, data.ShardedTokens): `lowband prepare` of
-text, JSONL and Parquet into shards, resuming, training on shards and with --tokenizer, bad input.
-A small BPE tokenizer is trained once here on 300 kB of the built-in corpus; nothing reaches a hub."""
+"""Tokenizers and prepared corpora (lowband/data/: prepare.py, tokens.ShardedTokens): `lowband
+prepare` of text, JSONL and Parquet into shards, resuming, training on shards and with
+--tokenizer, bad input. A small BPE tokenizer is trained once here on 300 kB of the built-in
+corpus; nothing reaches a hub."""
 
 import json
 import os
@@ -9,9 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import EOS, lowband
-from lowband import corpus, tokenizer
 from lowband.config import ConfigError
-from lowband.data import Batches, ShardedTokens, load_tokens, vocab_needed
+from lowband.data import Batches, ShardedTokens, load_tokens, prepare, tokenizer, vocab_needed
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach a hub
 TRAIN = ["--model", "nano", "--steps", 3, "--replicas", 1, "--seq-len", 32, "--batch-size", 4,
@@ -37,8 +37,8 @@ def src(tok, tmp_path_factory):
 
 
 def _prepare(tok, src, out, workers=2, shard_tokens=6000, **kw):
-    return corpus.prepare_files(corpus.source_files(src), src, out, tokenizer.load_tokenizer(str(tok)),
-                                shard_tokens=shard_tokens, workers=workers, progress=False, **kw)
+    return prepare.prepare_files(prepare.source_files(src), src, out, tokenizer.load_tokenizer(str(tok)),
+                                 shard_tokens=shard_tokens, workers=workers, progress=False, **kw)
 
 
 def _stream(out):
@@ -53,11 +53,11 @@ def _shard_bytes(out):
 @pytest.fixture(scope="module")
 def prepared(tok, src, tmp_path_factory):
     out = tmp_path_factory.mktemp("prep") / "shards"
-    corpus.UNIT_BYTES, old = 8192, corpus.UNIT_BYTES  # many units from a small corpus
+    prepare.UNIT_BYTES, old = 8192, prepare.UNIT_BYTES  # many units from a small corpus
     try:
         _prepare(tok[0], src[0], out)
     finally:
-        corpus.UNIT_BYTES = old
+        prepare.UNIT_BYTES = old
     return out
 
 
@@ -75,7 +75,7 @@ def test_prepare_text_jsonl_parquet_is_the_tokenizers_encoding_with_eos(tok, src
     assert meta["tokenizer_sha256"] == tokenizer.tokenizer_sha256(tok[0])
     assert (prepared / "tokenizer" / "tokenizer.json").read_bytes() == tok[0].read_bytes()
     assert not (prepared / "progress.json").exists()
-    monkeypatch.setattr(corpus, "UNIT_BYTES", 8192)
+    monkeypatch.setattr(prepare, "UNIT_BYTES", 8192)
     _prepare(tok[0], src[0], tmp_path / "one", workers=1)
     assert _shard_bytes(tmp_path / "one") == _shard_bytes(prepared)  # any number of workers
 
@@ -97,8 +97,8 @@ def test_a_vocabulary_past_65536_is_stored_as_uint32(tmp_path):
 
 
 def test_an_interrupted_prepare_resumes_without_redoing_shards(tok, src, prepared, tmp_path, monkeypatch):
-    monkeypatch.setattr(corpus, "UNIT_BYTES", 8192)
-    save, calls = corpus._save_progress, []
+    monkeypatch.setattr(prepare, "UNIT_BYTES", 8192)
+    save, calls = prepare._save_progress, []
 
     def stop_after_first(out, state):
         save(out, state)
@@ -106,14 +106,14 @@ def test_an_interrupted_prepare_resumes_without_redoing_shards(tok, src, prepare
         if len(calls) == 2:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(corpus, "_save_progress", stop_after_first)
+    monkeypatch.setattr(prepare, "_save_progress", stop_after_first)
     out = tmp_path / "o"
     with pytest.raises(KeyboardInterrupt):
         _prepare(tok[0], src[0], out)
     assert sorted(p.name for p in out.iterdir()) == ["progress.json", "shard-00000.bin",
                                                      "shard-00001.bin", "tokenizer"]
     before = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.bin")}
-    monkeypatch.setattr(corpus, "_save_progress", save)
+    monkeypatch.setattr(prepare, "_save_progress", save)
     _prepare(tok[0], src[0], out)
     assert _shard_bytes(out) == _shard_bytes(prepared)
     assert {n: (out / n).stat().st_mtime_ns for n in before} == before  # not written again

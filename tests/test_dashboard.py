@@ -12,7 +12,7 @@ import pytest
 
 from lowband.dashboard.model import RunModel, SpikeDetector, bin_transfers, detect_spikes
 from lowband.dashboard.restarts import restart_text
-from lowband.dashboard.synthetic import SyntheticRun, make_run
+from lowband.testing.synthetic import SyntheticRun, make_run
 from lowband.telemetry import EventWriter, RunDir, read_events, write_json_atomic
 
 

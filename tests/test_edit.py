@@ -386,7 +386,7 @@ def own_model_runs(tmp_path_factory):
     job a world size."""
     import torch.multiprocessing as mp
 
-    from lowband.local import free_port
+    from lowband.launch.local import free_port
 
     root = tmp_path_factory.mktemp("single")
     by_world = {}
@@ -564,7 +564,7 @@ ROUND_TRIP = textwrap.dedent("""
 
 @pytest.mark.parametrize("penalty", ["lowband", "reference"])  # reference: per-replica detectors
 def test_state_dict_round_trip(tmp_path, penalty):
-    from lowband.local import free_port
+    from lowband.launch.local import free_port
 
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "PENALTY": penalty}

@@ -1,4 +1,5 @@
-"""--elastic (comm/elastic.py, supervise.py): replica groups joined through torchft's Lighthouse.
+"""--elastic (comm/elastic.py, launch/supervise.py): replica groups joined through torchft's
+Lighthouse.
 A group killed mid-run (SIGKILL of all its ranks) does not stop the others; restarted, it heals
 from a live peer, not from disk; one that never comes back leaves the others to finish; without
 failures an elastic run equals the plain one to fp32 rounding. Real processes, gloo, loopback."""

@@ -12,13 +12,13 @@ import torch.multiprocessing as mp
 
 from lowband import topology
 from lowband.comm import Comm
-from lowband.comm.codecs import payload_bytes
-from lowband.comm.collectives import TWO_PHASE_CODECS, exchange_plan, exchange_wire_bytes
-from lowband.local import free_port
+from lowband.comm.codecs import TWO_PHASE, payload_bytes
+from lowband.comm.wire import exchange_plan, exchange_wire_bytes
+from lowband.launch.local import free_port
 
 SIZES, NUMEL, BLOCK = (2, 3, 4, 8), 1000, 64  # NUMEL: not a multiple of any chunk
 MODES = ("auto", "all-gather", "two-phase")
-CODECS = ("fp32",) + TWO_PHASE_CODECS  # the sparse codecs keep the all-gather
+CODECS = ("fp32",) + TWO_PHASE  # the sparse codecs keep the all-gather
 
 
 def inputs(rank: int) -> torch.Tensor:
@@ -151,3 +151,47 @@ def test_weighted_average_matches_a_float64_reference(results, R):
         assert err < tol, (codec, err)
         uniform = sum(inputs(i).float().double() for i in range(R)) / R
         assert (means[0] - uniform).abs().max() > 10 * tol * ref.abs().max()  # the weights count
+
+
+def test_every_dense_codec_takes_two_phase_unless_it_says_why_not():
+    """The codec records own the fact (codecs.Codec.two_phase); TWO_PHASE is read from them."""
+    from lowband.comm.codecs import CODEC_RECORDS, Codec
+
+    for name, c in CODEC_RECORDS.items():
+        assert c.two_phase or c.no_two_phase, f"{name}: dense, not two-phase, and no reason"
+        assert not (c.two_phase and c.sparse), name  # a sum of topk payloads is not sparse
+    assert TWO_PHASE == tuple(n for n, c in CODEC_RECORDS.items() if c.two_phase)
+    assert set(TWO_PHASE) == {n for n, c in CODEC_RECORDS.items() if not c.sparse} - {"fp32"}
+    assert Codec("fp8", 1.0, True, "a new dense codec").two_phase  # takes it without a list
+    with pytest.raises(ValueError, match="say why"):
+        Codec("fp8", 1.0, True, "a new dense codec", two_phase=False)
+
+
+def test_the_exchange_the_planner_and_the_config_read_the_record(monkeypatch):
+    """One fact: flipping a record's two_phase changes what Comm.average takes (exchange_plan),
+    what the planner counts and what --exchange two-phase accepts, alike."""
+    import dataclasses
+
+    from lowband.comm.codecs import CODEC_RECORDS
+    from lowband.config import Config, ConfigError
+    from lowband.plan import exchange_phases, make_run
+
+    def facts(codec):
+        how = exchange_plan(codec, 10**6, 4, BLOCK)[0]
+        run = make_run(params=1e6, layers=2, step_time=0.1, replicas=4, codec=codec,
+                       block_size=BLOCK)
+        try:
+            Config(algo="streaming", model="nano", codec=codec, exchange="two-phase",
+                   replicas=4, fragments=1).validate()
+            accepted = True
+        except ConfigError:
+            accepted = False
+        return how, len(exchange_phases(run, 10**6)), accepted
+
+    for codec, c in CODEC_RECORDS.items():
+        expect = ("two-phase", 2, True) if c.two_phase else (
+            ("all-reduce", 1, True) if codec == "fp32" else ("all-gather", 1, False))
+        assert facts(codec) == expect, codec
+    monkeypatch.setitem(CODEC_RECORDS, "int8", dataclasses.replace(
+        CODEC_RECORDS["int8"], two_phase=False, no_two_phase="a test says so"))
+    assert facts("int8") == ("all-gather", 1, False)

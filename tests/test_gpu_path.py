@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from lowband import topology
 from lowband.comm import Comm
 from lowband.config import ConfigError
-from lowband.local import free_port
+from lowband.launch.local import free_port
 from lowband.model import GPT, compile_blocks, gpt_config, lm_loss
 from lowband.telemetry import read_events
 

@@ -14,7 +14,7 @@ import torch
 
 from conftest import hf_config, lowband, train_in_one_job
 from lowband.config import Config, ConfigError
-from lowband.local import free_port
+from lowband.launch.local import free_port
 from lowband.sources import build
 from lowband.telemetry import read_events
 
@@ -94,8 +94,7 @@ DDP_SCRIPT = textwrap.dedent('''
     import sys, torch
     from torch.nn.parallel import DistributedDataParallel
     from lowband import Config
-    from lowband.corpus import load_corpus
-    from lowband.data import Batches, vocab_needed
+    from lowband.data import Batches, load_corpus, vocab_needed
     from lowband.schedule import lr_at
     from lowband.sources import build
     from lowband.train import make_optimizer_factory, train

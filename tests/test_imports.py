@@ -90,6 +90,17 @@ def test_no_import_circle():
     assert not found, f"import circles: {found}"
 
 
+def test_the_lab_is_fenced_off():
+    """lowband.testing (synthetic runs, test hosts, a local Slurm cluster) is for tests, benchmarks
+    and demos: nothing else in the package imports it."""
+    graph = edges(PACKAGE)
+    inside = [m for m in graph if m == "lowband.testing" or m.startswith("lowband.testing.")]
+    assert inside, "lowband.testing is missing"
+    users = {m: sorted(t for t in targets if t in inside)
+             for m, targets in graph.items() if m not in inside}
+    assert not {m: t for m, t in users.items() if t}
+
+
 def test_the_walk_sees_lazy_imports(tmp_path):
     """The check itself: a circle closed only by an import inside a function is found."""
     pkg = tmp_path / "lowband"

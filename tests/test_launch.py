@@ -3,6 +3,8 @@ TorchX would send to Slurm and Kubernetes (dry runs: no cluster here)."""
 
 import gc
 import importlib.util
+import json
+import re
 import signal
 import subprocess
 import sys
@@ -48,7 +50,10 @@ def job_pids(app_handle: str) -> list[int]:
 # -- the component ----------------------------------------------------------------------------
 
 def test_component_passes_torchx_linter():
+    # the packaged component (what an installed wheel has) and its re-export by path
+    assert file_linter.validate(components().__file__, "train") == []
     assert file_linter.validate(str(COMPONENT), "train") == []
+    assert components().__name__ == "lowband.launch.component"
 
 
 def test_component_defaults_are_the_cli_defaults():
@@ -106,6 +111,74 @@ def test_mismatched_layout_is_one_sentence(capsys):
     assert err.count("\n") == 0 and "make them equal" in err, err
     with pytest.raises(ConfigError, match="unknown algorithm"):
         lowband.launch(algo="nope", start=False)
+
+
+# -- the pre-submit check is `lowband train`'s own parse (lowband.flags.parse_train) ---------------
+
+def verdicts(argv: list[str]) -> list:
+    """What `lowband train ARGV` makes of it, then `lowband launch` on local_cwd and on Slurm (a
+    dry run): each a (replicas, shards, resumes) layout, or the one sentence it was refused with."""
+    from lowband.flags import parse_train
+
+    out = []
+    try:
+        cfg, resume = parse_train(argv)
+        out.append((cfg.replicas, cfg.shards, resume))
+    except ConfigError as e:
+        out.append(str(e))
+    for scheduler in ("local_cwd", "slurm"):
+        try:
+            h = lowband.launch(argv, scheduler=scheduler, start=False)
+        except ConfigError as e:
+            out.append(str(e))
+            continue
+        request = str(h.dryrun_info)
+        (layout,) = {(int(r), int(s)) for r, s in re.findall(r"--nnodes (\d+) --nproc_per_node (\d+)",
+                                                             request)}
+        out.append((*layout, "--resume" in request))
+    return out
+
+
+def test_launch_checks_recipes_and_resumes_as_train_does(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = Config(model="nano", replicas=3, steps=8, algo="diloco").validate().to_dict()
+    (run / "config.json").write_text(json.dumps({**saved, "run_dir": str(run)}))
+    (tmp_path / "a.toml").write_text('model = "nano"\n')
+    accepted = {
+        ("--recipe", "main", "--steps", "10"): (2, 1, False),
+        ("--recipe", "main", "--replicas", "4"): (4, 1, False),
+        ("--resume", str(run)): (3, 1, True),
+        ("--resume", str(run), "--steps", "20"): (3, 1, True),
+    }
+    for argv, layout in accepted.items():
+        assert verdicts(list(argv)) == [layout] * 3, argv
+    refused = {
+        ("--recipe", "nope"): "unknown recipe 'nope'",
+        ("--recipe", "main", "--config", str(tmp_path / "a.toml")): "pick one",
+        ("--resume", str(run), "--lr", "0.1"): "--lr cannot be given with it",
+        ("--resume", str(run), "--replicas", "2"): "--replicas cannot be given with it",
+        ("--resume", str(tmp_path / "none")): "is not a lowband run directory",
+        ("--bogus", "1"): "unrecognized arguments: --bogus 1",
+    }
+    for argv, words in refused.items():
+        said = verdicts(list(argv))
+        assert said == [said[0]] * 3 and words in said[0], (argv, said)
+    # a resumed run goes on in its own directory, under its own config: no layout flags again
+    h = lowband.launch(["--resume", str(run)], scheduler="slurm", start=False)
+    script = h.dryrun_info.request.materialize()
+    assert h.run_dir == run and f"train --run-dir {run} --no-progress --resume {run}" in script
+
+
+def test_bad_launch_flag_is_trains_sentence(capsys):
+    from lowband.cli import main
+
+    assert main(["train", "--recipe", "main", "--bogus"]) == 2
+    train_said = capsys.readouterr().err
+    assert main(["launch", "--dryrun", "-s", "slurm", "--", "--recipe", "main", "--bogus"]) == 2
+    launch_said = capsys.readouterr()
+    assert launch_said.err == train_said and train_said.count("\n") == 1, train_said
+    assert "--bogus" in train_said and launch_said.out == ""  # nothing printed, nothing submitted
 
 
 # -- Slurm and Kubernetes: the generated requests --------------------------------------------------

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from lowband import topology
 from lowband.comm import Comm, Link, parse_bandwidth, parse_duration
-from lowband.local import free_port
+from lowband.launch.local import free_port
 
 
 def test_parse_units():

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import lowband, train_in_one_job
 from lowband.checkpoint import complete
-from lowband.local import free_port
+from lowband.launch.local import free_port
 from lowband.telemetry import RunDir, read_events
 
 TINY = ["--algo", "ddp", "--model", "nano", "--seq-len", "32", "--batch-size", "4",

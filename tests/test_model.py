@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lowband.model import GPT, PRESETS, find_blocks, gpt_config, num_params
+from lowband.model import GPT, MODELS, find_blocks, gpt_config, num_params
 
 
 @pytest.mark.parametrize("preset,low,high", [("nano", 0.08e6, 0.2e6), ("micro", 0.7e6, 1.0e6),
@@ -11,7 +11,7 @@ def test_preset_sizes(preset, low, high):
     with torch.device("meta"):
         model = GPT(gpt_config(preset, seq_len=1024 if preset == "gpt2" else 128))
     assert low <= num_params(model) <= high
-    assert isinstance(model.blocks, nn.ModuleList) and len(model.blocks) == PRESETS[preset][0]
+    assert isinstance(model.blocks, nn.ModuleList) and len(model.blocks) == MODELS[preset].n_layer
 
 
 def test_attention_is_causal_and_shapes_are_right():

@@ -3,7 +3,7 @@ run the TorchX component's node command; streaming trains across them. The bytes
 counts on the outer link must match what the veth pair carried. And a node that cannot reach the
 rendezvous, or finds nobody else there, fails with one sentence in bounded time.
 
-The two-host tests need root, `ip`, `tc` and `unshare` (lowband.testbed makes the hosts)
+The two-host tests need root, `ip`, `tc` and `unshare` (lowband.testing.testbed makes the hosts)
 and are skipped without them; the lonely-node test runs anywhere.
 """
 
@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("torchx")
 
 from conftest import hosts_for_a_test  # noqa: E402
-from lowband.local import free_port  # noqa: E402
+from lowband.launch.local import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # tiny, but with an fp32 exchange: the synced bytes dwarf the rendezvous and TCP/IP overhead

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from lowband.algorithms.outer import Staging, nesterov_step, sgd_step
 from lowband.algorithms.streaming import Streaming
-from lowband.comm.collectives import encoded
+from lowband.comm.exchanges import encoded
 
 CPU = torch.device("cpu")
 

@@ -436,7 +436,8 @@ def test_figure():
 def test_presets_match_lowband_models():
     import torch
 
-    from lowband.model import GPT, PRESETS, gpt_config, num_params
+    from lowband.model import GPT, gpt_config, num_params
+    from lowband.model import MODELS as PRESETS
 
     assert set(MODELS) == set(PRESETS)
     for name, (params, layers) in MODELS.items():

@@ -7,7 +7,7 @@ import pytest
 
 from lowband.dashboard import figures as F
 from lowband.dashboard.model import RunModel
-from lowband.dashboard.synthetic import make_run
+from lowband.testing.synthetic import make_run
 from lowband.report import ReportError, main, write_report
 
 

@@ -1,7 +1,7 @@
 """lowband on a real Slurm cluster: Debian's slurmctld, two slurmd nodes, slurmdbd on MariaDB (so
-sacct answers, as TorchX needs), munge, started here by lowband.slurm_cluster (root, the packages
-installed: .ci/run installs them). Each job is a heterogeneous TorchX job of two nodes (three for
-the elastic one: Slurm gives each component of a heterogeneous job its own node)."""
+sacct answers, as TorchX needs), munge, started here by lowband.testing.slurm_cluster (root, the
+packages installed: .ci/run installs them). Each job is a heterogeneous TorchX job of two nodes
+(three for the elastic one: Slurm gives each component of a heterogeneous job its own node)."""
 
 import json
 import os
@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("torchx")
 
-from lowband.slurm_cluster import LocalSlurm, missing_tools  # noqa: E402
+from lowband.testing.slurm_cluster import LocalSlurm, missing_tools  # noqa: E402
 from lowband.telemetry import RunDir, read_events  # noqa: E402
 
 # one small streaming run, the same in every test that compares losses

@@ -11,7 +11,7 @@ import torch
 from conftest import reference_replicas
 from lowband.comm import (CODEC_RECORDS, SPARSE, Chunks, NonFiniteError, decode, encode,
                           payload_bytes)
-from lowband.comm.collectives import encoded
+from lowband.comm.exchanges import encoded
 from test_streaming import BATCH, FLAGS, LR, MU, SEED, SEQ, inner_step
 
 DENSITIES = [0.01, 0.02, 0.03, 0.25, 1.0]

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from lowband.local import free_port
+from lowband.launch.local import free_port
 from lowband.telemetry import read_events
 
 USER_SCRIPT = textwrap.dedent('''

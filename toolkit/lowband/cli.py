@@ -12,7 +12,7 @@ import os
 import sys
 
 from lowband.config import Config, ConfigError
-from lowband.flags import parse_train, train_parser  # noqa: F401 (train_parser: lowband.launch)
+from lowband.flags import parse_train
 from lowband.summary import comparison, one_line
 
 
@@ -72,9 +72,8 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def launch_local(cfg: Config, argv: list[str], main_job: bool = False, resume: bool = False) -> int:
-    from lowband.corpus import load_corpus
-    from lowband.data import vocab_needed
-    from lowband.local import LocalJob, describe_exit, last_line
+    from lowband.data import load_corpus, vocab_needed
+    from lowband.launch.local import LocalJob, describe_exit, last_line
     from lowband.sources import check_vocab
     from lowband.telemetry import RunDir, new_run_dir
 
@@ -84,14 +83,14 @@ def launch_local(cfg: Config, argv: list[str], main_job: bool = False, resume: b
     # touched: a model too small for its vocabulary loses nothing
     check_vocab(cfg, vocab_needed(load_corpus(cfg.data, cfg.tokenizer, cfg.progress)))
     if cfg.run_dir:  # refused before any worker starts if it holds another run (see RunDir.claim)
-        from lowband.train import relaunched
+        from lowband.checkpoint.lifecycle import relaunched
 
         keep = resume or relaunched(cfg)  # --auto-resume into the same run: its workers continue it
         run = RunDir(cfg.run_dir).create() if keep else RunDir(cfg.run_dir).claim(cfg.overwrite)
     else:
         run = new_run_dir(cfg.algo)
-    if cfg.elastic:  # the Lighthouse and R groups, each a job of its own (supervise.py)
-        from lowband.supervise import run_elastic
+    if cfg.elastic:  # the Lighthouse and R groups, each a job of its own (launch/supervise.py)
+        from lowband.launch.supervise import run_elastic
 
         code, rank = run_elastic(cfg, argv, run), 0
     else:
@@ -149,7 +148,7 @@ def _subcommand(module: str):
 COMMANDS["plan"] = _subcommand("lowband.plan")
 COMMANDS["report"] = _subcommand("lowband.report")
 COMMANDS["launch"] = _subcommand("lowband.launch")
-COMMANDS["prepare"] = _subcommand("lowband.corpus")
+COMMANDS["prepare"] = _subcommand("lowband.data.cli")
 COMMANDS["export"] = _subcommand("lowband.export")
 
 

@@ -18,8 +18,9 @@ import json
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
-from lowband.algorithms import ALGORITHMS, option_groups, users
+from lowband.algorithms import ALGORITHMS, option_groups, registry, users
 from lowband.comm.elastic import ElasticOptions
 from lowband.comm.link import LinkOptions
 from lowband.faults import FaultOptions
@@ -33,7 +34,7 @@ _f = option
 class RunOptions(Options):
     title = "run"
     # what to run
-    algo: str = _f("ddp", f"training algorithm: {', '.join(ALGORITHMS)}")
+    algo: str = _f("ddp", f"training algorithm: {', '.join(ALGORITHMS.builtin)}")
     replicas: int = _f(2, "R: replica groups, joined by the slow outer link")
     shards: int = _f(1, "S: ranks inside each replica group, joined by the fast inner link")
     # model
@@ -123,12 +124,17 @@ class RunOptions(Options):
 
 # the groups every algorithm reads, then each algorithm's own (in registry order)
 COMMON_GROUPS = (RunOptions, LinkOptions, FaultOptions, ElasticOptions)
-GROUPS = COMMON_GROUPS + option_groups()
+# a list: an algorithm registered from outside (algorithms/registry.py) adds its new groups
+GROUPS = [*COMMON_GROUPS, *option_groups(builtin=True)]
 
 
 @dataclass
 class Config(*reversed(GROUPS)):
     """A run: every group's fields, flat. The run's own fields come first."""
+
+    def __new__(cls, *args, **kwargs):  # algorithms registered from outside bring their fields
+        ALGORITHMS.load()               # first (the __init__ called next is then theirs too)
+        return super().__new__(cls)
 
     @property
     def world(self) -> int:
@@ -136,7 +142,9 @@ class Config(*reversed(GROUPS)):
 
     def validate(self) -> "Config":
         if self.algo not in ALGORITHMS:
-            raise ConfigError(f"unknown algorithm '{self.algo}': use one of {', '.join(ALGORITHMS)}.")
+            broken = [w for w in registry.BROKEN if f"'{self.algo}" in w]
+            raise ConfigError(f"unknown algorithm '{self.algo}': use one of {', '.join(ALGORITHMS)}"
+                              + (f" ({broken[0]} failed to load)." if broken else "."))
         sources.check(self)
         algorithm = ALGORITHMS[self.algo]
         for name, value in algorithm.defaults.items():
@@ -181,6 +189,7 @@ class Config(*reversed(GROUPS)):
 
     @classmethod
     def from_dict(cls, values: dict, source: str = "config") -> "Config":
+        ALGORITHMS.load()  # a registered algorithm's options are keys too
         known = {f.name for f in dataclasses.fields(cls)}
         for key in values:
             if key.replace("-", "_") not in known:
@@ -231,8 +240,6 @@ class Config(*reversed(GROUPS)):
             raise ConfigError(f"config file '{path}' is not valid TOML ({e}): fix its syntax.") from None
         return cls.from_dict(values, source=path)
 
-    from_toml = from_file
-
 
 def _set_away_from_default(cfg: Config, group: type[Options]) -> list[str]:
     return [f.name for f in dataclasses.fields(group)
@@ -249,12 +256,46 @@ def _refuse_foreign(cfg: Config, group: type[Options]) -> None:
                           f"for --algo {cfg.algo}.")
 
 
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
-
-
 def fields() -> list[dataclasses.Field]:
     return list(dataclasses.fields(Config))
 
 
 FIELD_TYPES = {f.name: f.metadata["type"] for f in dataclasses.fields(Config)}
+
+
+def _admit(cls) -> None:
+    """Before an algorithm from outside is registered (algorithms/registry.py): refuse it if an
+    option of a group new to lowband has the name of an existing option (of another meaning:
+    an existing group shared is fine), then make its new groups part of Config, GROUPS and
+    FIELD_TYPES, so flags, config files and validation know them. A group defined again (a
+    notebook cell run again) takes the place of its first definition."""
+    new = [g for g in dict.fromkeys(cls.options) if g not in GROUPS]
+    again = {g: old for g in new for old in GROUPS if registry.same_definition(old, g)}
+    owner = {name: g for g in GROUPS if g not in again.values() for name in g.names()}
+    for group in new:
+        for name in group.names():
+            if name in owner:
+                raise ConfigError(
+                    f"algorithm class {cls.__qualname__}: option {flag(name)} of its group "
+                    f"{group.__name__} is already the {owner[name].title} option {flag(name)} "
+                    f"({owner[name].__name__}) of another meaning: rename it, or list "
+                    f"{owner[name].__name__} in `options` to share it.")
+            owner[name] = group
+    if new:
+        swap = {old: g for g, old in again.items()}
+        GROUPS[:] = [swap.get(g, g) for g in GROUPS] + [g for g in new if g not in again]
+        Config.__bases__ = (*reversed([g for g in new if g not in again]),  # after the others
+                            *(swap.get(g, g) for g in Config.__bases__))
+        for name in ("__dataclass_fields__", "__init__", "__repr__", "__eq__", "__hash__",
+                     "__match_args__"):
+            if name in Config.__dict__:
+                delattr(Config, name)
+        dataclass(Config)  # again, over the groups it now inherits
+        FIELD_TYPES.clear()
+        FIELD_TYPES.update((f.name, f.metadata["type"]) for f in dataclasses.fields(Config))
+    algo = RunOptions.__dataclass_fields__["algo"]
+    names = ", ".join(dict.fromkeys([*dict.keys(ALGORITHMS), cls.name]))
+    algo.metadata = MappingProxyType({**algo.metadata, "help": f"training algorithm: {names}"})
+
+
+registry.HOOKS.append(_admit)

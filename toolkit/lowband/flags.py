@@ -5,12 +5,15 @@ algorithms that read it), and the parse of a command line into a Config."""
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from lowband.algorithms import users
+from lowband.algorithms import ALGORITHMS, users
 from lowband.config import COMMON_GROUPS, GROUPS, ArgParser, Config, ConfigError
 
 
 def train_parser() -> argparse.ArgumentParser:
+    ALGORITHMS.load()  # algorithms registered from outside bring their option groups
     p = ArgParser(prog="lowband train", description="Train a language model across ranks and "
                   "replicas. With no arguments: the main job (`--recipe main`: streaming DiLoCo "
                   "over an emulated slow link). Flags override --recipe or --config.",
@@ -42,8 +45,13 @@ def train_parser() -> argparse.ArgumentParser:
 RESUME_MAY_CHANGE = {"steps", "progress", "run_dir", "stop_after"}
 
 
-def parse_train(argv: list[str]) -> tuple[Config, bool]:
-    """The config of `lowband train ARGV`, and whether it resumes a run."""
+def parse_train(argv: list[str], *, here: bool = True) -> tuple[Config, bool]:
+    """The config of `lowband train ARGV`, validated, and whether it resumes a run.
+
+    here=False: the run starts on a cluster (`lowband launch` to a remote scheduler), whose paths
+    need not exist here: a --config file, data, tokenizer or hf:PATH model not found here is the
+    nodes' to check, and everything else is checked as `lowband train` checks it. A --resume run
+    directory is read here either way: the job's layout is the run's own."""
     args = vars(train_parser().parse_args(argv))
     path, resume, recipe = args.pop("config", None), args.pop("resume", None), args.pop("recipe", None)
     if resume:
@@ -65,12 +73,36 @@ def parse_train(argv: list[str]) -> tuple[Config, bool]:
     elif path and recipe:
         raise ConfigError("--recipe and --config each give a whole configuration: pick one, and "
                           "put changes in flags.")
-    elif path:
+    elif path and (here or Path(path).exists()):
         cfg = Config.from_file(path)
+    elif path:
+        cfg = Config()
     else:
         from lowband import recipes
 
         cfg = recipes.get(recipe).config() if recipe else Config()
     for name, value in args.items():
         setattr(cfg, name, value)
-    return cfg.validate(), bool(resume)
+    return (cfg.validate() if here else _validate_elsewhere(cfg)), bool(resume)
+
+
+def _validate_elsewhere(cfg: Config) -> Config:
+    """cfg.validate() with the paths not found here (data, tokenizer, an hf:PATH model) set aside
+    for the check, as the nodes will check them."""
+    default, saved = Config(), {}
+    for key, path in (("data", None if cfg.data == "builtin" else cfg.data),
+                      ("tokenizer", getattr(cfg, "tokenizer", "") or None),
+                      ("model", cfg.model[3:] if cfg.model.startswith("hf:") else None)):
+        if path is not None and not Path(path).expanduser().exists():
+            saved[key] = getattr(cfg, key)
+            setattr(cfg, key, getattr(default, key))
+    if "model" in saved:  # its block count is the nodes' to check (--fragments against it)
+        cfg.model_blocks = sys.maxsize
+    try:
+        cfg.validate()
+    finally:
+        for key, value in saved.items():
+            setattr(cfg, key, value)
+        if "model" in saved:
+            del cfg.model_blocks  # back to the source's own
+    return cfg

@@ -62,8 +62,6 @@ MODELS = {m.name: m for m in (
     ModelSpec("small", 8, 8, 512, 256, note="~25M"),
     ModelSpec("gpt2", 12, 12, 768, 50304, 1024, "GPT-2 124M (GPT-2 BPE vocabulary, padded to 50304)"),
 )}
-# name -> (n_layer, n_head, d_model, vocab_size), as earlier releases had it
-PRESETS = {m.name: (m.n_layer, m.n_head, m.d_model, m.vocab_size) for m in MODELS.values()}
 
 
 def gpt_config(preset: str, n_layer=0, n_head=0, d_model=0, vocab_size=0, seq_len=1024) -> GPTConfig:

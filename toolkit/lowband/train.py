@@ -6,6 +6,8 @@ MASTER_ADDR, MASTER_PORT in the environment). `train(config)` builds lowband's G
 (B, T, V) logits (a tensor, or an output with `.logits` as Hugging Face models return), whose
 blocks are a Hugging Face model's decoder layers or found by `find_blocks` (or passed as
 `blocks=`). `--model hf:PATH` builds a Hugging Face model from local files (sources.py).
+What comes before the loop (the run directory, a relaunch, the attempt, the checkpoint to
+resume from) is checkpoint/lifecycle.py's.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import hashlib
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 import sys
 import time
 
@@ -23,15 +24,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from lowband import checkpoint
+from lowband.checkpoint import lifecycle
 from lowband import topology as topo_mod
 from lowband.algorithms import ALGORITHMS
 from lowband.algorithms.ddp import outer_wire_bytes as ddp_outer_wire_bytes
 from lowband.comm import Comm
 from lowband.comm.elastic import Membership, replica_of_env
 from lowband.comm.link import LinkOptions
-from lowband.config import Config, ConfigError
-from lowband.corpus import load_corpus, record_tokenizer
-from lowband.data import Batches, vocab_needed
+from lowband.config import Config
+from lowband.data import Batches, load_corpus, record_tokenizer, vocab_needed
 from lowband.faults import Faults
 from lowband.model import compile_blocks, lm_loss, num_params
 from lowband.params import flatten, is_dtensor, write_flat
@@ -39,7 +40,7 @@ from lowband.schedule import lr_at
 from lowband.sources import blocks_of, check_vocab, for_training
 from lowband.sources import build as build_model
 from lowband.summary import add_ddp_bytes, summarize
-from lowband.telemetry import EventWriter, RunDir, new_run_dir, write_json_atomic
+from lowband.telemetry import EventWriter, write_json_atomic
 
 
 def make_optimizer_factory(cfg: Config, device: torch.device):
@@ -59,109 +60,6 @@ def make_optimizer_factory(cfg: Config, device: torch.device):
 
 def _set_threads() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(topo_mod.local_world_size(), 1)))
-
-
-def _resolve_run_dir(cfg: Config, resume: bool) -> RunDir:
-    """Rank 0 picks the run directory (default: a fresh runs/<algo>-<time>), refuses one that
-    holds another run unless --overwrite (or --resume) says what to do with it, and tells the
-    others."""
-
-    def pick():
-        if not cfg.run_dir:
-            return str(new_run_dir(cfg.algo).root)
-        if not resume and not cfg.elastic:  # an elastic run's launcher claimed it for every group
-            RunDir(cfg.run_dir).claim(cfg.overwrite)
-        return cfg.run_dir
-
-    cfg.run_dir = _decided_by_rank0(pick)
-    return RunDir(cfg.run_dir).create()
-
-
-# what may differ between a run's attempts, when a relaunch continues it (--auto-resume)
-_RELAUNCH_MAY_CHANGE = ("progress", "steps", "stop_after", "crash_checkpoint", "auto_resume",
-                        "run_dir", "overwrite")
-
-
-def _slurm_restarts() -> int:
-    """How many times Slurm has run this job before (a requeue, a preemption, a retry)."""
-    return int(os.environ.get("SLURM_RESTART_COUNT", 0) or 0)
-
-
-def relaunched(cfg: Config) -> str | bool:
-    """'auto' when this process continues a run already in --run-dir: --auto-resume, or Slurm
-    restarted the job (SLURM_RESTART_COUNT > 0), and the directory holds the same run. A
-    directory holding another run is refused with one sentence (rank 0 decides)."""
-    if not (cfg.auto_resume or _slurm_restarts()) or not cfg.run_dir or cfg.overwrite:
-        return False
-    run = RunDir(cfg.run_dir)
-    saved = run.read_json(run.config)
-    if saved is None:
-        return "auto" if run.holds_run() else False  # stopped before its config: start over
-    saved.pop("meta", None)
-    mine = {k: v for k, v in cfg.to_dict().items() if k not in _RELAUNCH_MAY_CHANGE}
-    theirs = {k: v for k, v in saved.items() if k not in _RELAUNCH_MAY_CHANGE}
-    differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-    if differ:
-        raise ConfigError(f"{run.root} holds a run with other options (--{differ[0].replace('_', '-')}"
-                          f" {theirs.get(differ[0])!r}, not {mine.get(differ[0])!r}), so it is not "
-                          "continued: give another --run-dir, or --overwrite to replace it.")
-    return "auto"
-
-
-def _attempts_before(run: RunDir, rank: int) -> int:
-    """This run's attempts so far: the starts and resumes in this rank's event file."""
-    try:
-        with open(run.event_file(rank), "rb") as f:
-            return sum(1 for line in f if b'"kind":"run"' in line and
-                       (b'"phase":"start"' in line or b'"phase":"resume"' in line))
-    except OSError:
-        return 0
-
-
-def _decided_by_rank0(decide):
-    """decide() run on rank 0 and its result given to every rank; a ConfigError it raises is
-    raised on every rank, so all of them stop with the same sentence."""
-    box = [None, None]  # result, error
-    if dist.get_rank() == 0:
-        try:
-            box[0] = decide()
-        except ConfigError as e:
-            box[1] = str(e)
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    if box[1] is not None:
-        raise ConfigError(box[1])
-    return box[0]
-
-
-def _resume_point(run: RunDir, group: int | None, required: bool = True) -> Path | None:
-    """The newest checkpoint of the run (with --elastic, of this replica group) whose files
-    match their checksums, chosen by rank 0; each newer, damaged one is named on rank 0's
-    stderr. None: an elastic group that has none while others do starts afresh (and heals
-    from a live peer in its first quorum); a relaunch (not `required`) with none starts over."""
-
-    def pick():
-        path, damaged = checkpoint.newest_intact(run, group)
-        if path is None and not damaged and not required:
-            return None
-        if path is None and not damaged and group is not None and \
-                any(p.parent.name != f"replica{group}" for p in run.checkpoints.glob("replica*/step-*")):
-            return None
-        if path is None and not damaged:
-            raise ConfigError(f"{run.root} has no checkpoint to resume from: train with "
-                              "--checkpoint-every N to write them.")
-        if path is None:
-            bad, why = damaged[0]
-            raise ConfigError(f"every checkpoint of {run.root} is damaged (the newest, {bad.name}: "
-                              f"{why}), so nothing can be resumed: start the run again with "
-                              "--overwrite.")
-        for bad, why in damaged:
-            print(f"lowband: checkpoint {bad} is damaged ({why}), so the run resumes from "
-                  f"{path.name}.", file=sys.stderr, flush=True)
-        return str(path)
-
-    path = _decided_by_rank0(pick)
-    return None if path is None else Path(path)
 
 
 def evaluate(model, batches: Batches, cfg: Config) -> float:
@@ -190,22 +88,11 @@ def train(cfg: Config, model: nn.Module | None = None, blocks: nn.ModuleList | N
     tokens = load_corpus(cfg.data, cfg.tokenizer)
     if model is None:  # before the run directory is touched: bad input loses nothing
         check_vocab(cfg, vocab_needed(tokens))
-    resume = resume or _decided_by_rank0(lambda: relaunched(cfg))
-    run = _resolve_run_dir(cfg, resume)
-    resume_from, attempt = None, {}
-    if resume:
-        path = _resume_point(run, _group(cfg, topo), required=resume is True)
-        if path is not None:  # the events after the checkpoint belong to a lost attempt
-            resume_from = (path, checkpoint.read_rank_state(path, dist.get_rank()))
-            attempt["events_kept"] = resume_from[1]["events_offset"]
-        elif not cfg.elastic:  # relaunched before its first checkpoint: start over in place
-            attempt["events_kept"] = 0
-    attempt["attempt"] = _decided_by_rank0(lambda: _attempts_before(run, topo.rank))
-    if _slurm_restarts():
-        attempt["slurm_restart"] = _slurm_restarts()
-    events = EventWriter(run, topo.rank, topo.replica)
+    start = lifecycle.begin(cfg, topo, resume)  # the run directory, a resume point, the attempt
+    events = EventWriter(start.run, topo.rank, topo.replica)
     try:
-        return _train(cfg, topo, run, events, tokens, model, blocks, resume_from, attempt)
+        return _train(cfg, topo, start.run, events, tokens, model, blocks, start.resume_from,
+                      start.attempt)
     finally:
         events.close()
 
@@ -355,11 +242,6 @@ def _take_heal(algo, done: "Progress") -> None:
         done.step, algo.healed_step = algo.healed_step, None
 
 
-def _group(cfg: Config, topo) -> int | None:
-    """With --elastic, this process's replica group: a world of its own, checkpointed apart."""
-    return topo.replica if cfg.elastic else None
-
-
 def _first_group(comm) -> int:
     """The replica group that writes model.pt: 0, or with --elastic the first of the last
     quorum (group 0 may be gone)."""
@@ -437,7 +319,7 @@ def _checkpoint(run, events, model, optimizer, algo, topo, comm, cfg, done, elap
              "events_offset": run.event_file(topo.rank).stat().st_size}
     path = checkpoint.save(run, done.step, model, optimizer, algo, topo.replica, extra,
                            cfg.keep_checkpoints, crash_before_rename=faults.crash_checkpoint == done.step,
-                           group=_group(cfg, topo))
+                           group=lifecycle.group(cfg, topo))
     events.emit("checkpoint", step=done.step, path=str(path))
 
 

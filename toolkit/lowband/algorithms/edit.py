@@ -7,8 +7,7 @@ Sharding. Each replica group shards its model with FSDP2 over the "shard" dimens
 R x S DeviceMesh (topology.py): `fully_shard` on every block, then on the root, with the
 1-D "shard" sub-mesh. So parameters, gradients and inner-optimizer state are split over the
 replica's S ranks (the fast inner link), and nothing FSDP does crosses the outer link: replicas
-train independently. (FSDP2's own HSDP mode over both mesh dimensions would all-reduce every
-gradient over the replicas; its no-all-reduce switch only defers that for accumulation.) Every
+train independently (FSDP2's own HSDP mode would all-reduce every gradient over replicas). Every
 rank holds a shard of each FSDP unit, the unit being a block or the root's own parameters
 (embeddings, final norm; the tied head is the embedding); rank (replica i, shard k) holds the
 same slice as (replica j, shard k), so a unit's shard is averaged over the outer group.
@@ -17,13 +16,11 @@ collectives would still copy every unit and gradient each step) is not applied: 
 stay plain tensors, the inner AdamW is the trainer's plain one (fused on CUDA), a unit's
 "shard" is the whole unit, and the syncs below are the same over whole units.
 
-Outer state. The outer (last synced) parameters and the outer Nesterov momentum exist only as
-this rank's shards: 2 x (parameters / S) values per rank (the `memory` event reports the bytes
-held, measured from the tensors' storages, and on CUDA the allocator's growth).
+Outer state: the outer parameters and momentum as this rank's shards: 2 x params / S values a rank.
 
-Warm-up. The first --warmup-sync-steps steps are synchronous data-parallel training over all
-ranks: after FSDP's reduce-scatter (the inner mean), the gradient shards are averaged over the
-outer group. The outer parameters are then taken from the (identical) replicas.
+Warm-up: the first --warmup-sync-steps steps are synchronous data-parallel training (after FSDP's
+reduce-scatter, the gradient shards are averaged over the outer group); the outer parameters are
+then taken from the (identical) replicas.
 
 A sync (after every H local steps; aedit: by time) happens in the forward pass of the next
 step, layer by layer:
@@ -42,9 +39,8 @@ step, layer by layer:
                                 step on the outer shard (--outer-lr, --outer-momentum); the local
                                 shard <- the outer shard. Then FSDP's own pre-forward hook (which
                                 runs after ours) all-gathers the synced unit.
-The hooks are prepended to FSDP2's, so a unit is synced before FSDP all-gathers it. A unit the
-forward never reached is applied before the backward. A sync due after the last step is done
-in finish(), unit after unit. Everything crosses the links through lowband's Comm.
+Hooks go before FSDP2's (a unit is synced before FSDP all-gathers it); a unit the forward never
+reached is applied before the backward, a sync due after the last step in finish().
 """
 
 from __future__ import annotations
@@ -54,20 +50,18 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-import torch.nn as nn
 
 from lowband.algorithms.base import PERIODIC, Algorithm
 from lowband.algorithms.edit_plan import (Plan, clip_scale, decide_sync, event_fields, extras_of,
                                          new_stats, penalty_config, plan_from_state, plan_state,
                                          stats_from_state)
+from lowband.algorithms.edit_units import (Landed, Summed, Unit, allocated_bytes, local_piece,
+                                          local_state, outer_memory, shard_replica, sharded_state)
 from lowband.algorithms.exchange import ExchangeOptions, exchange_block
-from lowband.algorithms.outer import (OuterOptions, kept_at, nesterov_step, outer_home, settle,
-                                      sgd_step)
+from lowband.algorithms.outer import OuterOptions, nesterov_step, outer_home, settle, sgd_step
 from lowband.algorithms.penalty import EWMA
 from lowband.comm.elastic import load_manager_state, manager_state
 from lowband.options import ConfigError, Options, non_negative, option, positive, require
-from lowband.params import is_dtensor
 
 
 @dataclass
@@ -106,65 +100,6 @@ class EditOptions(Options):
                               "--elastic groups do not have: drop one of them.")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a (possibly sharded) tensor, sharing its storage."""
-    if is_dtensor(t):
-        with torch.no_grad():
-            return t.to_local()
-    return t
-
-
-class Landed:
-    """An exchange that has already arrived (drained for a checkpoint, or restored from one)."""
-
-    def __init__(self, value: torch.Tensor):
-        self.value = value
-
-    def wait(self) -> torch.Tensor:
-        return self.value.clone()
-
-
-class Summed:
-    """An encoded average in flight as a sum: its mean times the rows summed (each replica sent
-    its weighted pseudo-gradient, so the weighted average is their sum)."""
-
-    def __init__(self, avg, n: int):
-        self.avg, self.n = avg, n
-
-    def wait(self) -> torch.Tensor:
-        return self.avg.wait().mul_(self.n)
-
-
-class Unit:
-    """One FSDP unit (the root's own parameters or one block): this rank's shard of it and of
-    its outer state."""
-
-    def __init__(self, name, params: list[nn.Parameter], device: torch.device):
-        self.name, self.params = name, params
-        self.tag = name if isinstance(name, str) else f"block{name}"
-        self.numel = sum(p.numel() for p in params)  # whole unit, all shards
-        flat = self.local_flat()
-        self.outer = kept_at(flat, device)
-        self.momentum = kept_at(torch.zeros_like(flat), device)
-        self.ewma = EWMA()
-        self.pending = None  # the exchange in flight (Transfer, Summed or Landed)
-        self.residual = None  # error feedback (an encoded --codec): what was not sent
-
-    def locals(self) -> list[torch.Tensor]:
-        return [_local(p) for p in self.params]
-
-    def local_flat(self) -> torch.Tensor:
-        pieces = [t.detach().reshape(-1).float() for t in self.locals()]
-        return torch.cat(pieces) if pieces else torch.zeros(0)
-
-    @torch.no_grad()
-    def write(self, flat: torch.Tensor) -> None:
-        offset = 0
-        for t in self.locals():
-            t.copy_(flat[offset: offset + t.numel()].view_as(t))
-            offset += t.numel()
-
-
 class EDiT(Algorithm):
     name = "edit"
     kind = PERIODIC
@@ -179,20 +114,20 @@ class EDiT(Algorithm):
         c = config
         self.sharded = topology.shards > 1  # S = 1: the replica's one rank holds its whole model
         if self.sharded:
-            _shard(model, blocks, topology)
+            shard_replica(model, blocks, topology)
         self.optimizer = make_optimizer(model.parameters())
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         root = [p for p in model.parameters() if id(p) not in in_blocks]
         self.device = topology.device
         outer_device = outer_home(c, topology.device)
-        before = _allocated(outer_device)
+        before = allocated_bytes(outer_device)
         candidates = [("root", model, root)] + [(i, b, list(b.parameters())) for i, b in enumerate(blocks)]
         self.units, self.unit_of = [], {}
         for name, module, params in candidates:
             if params:
                 self.unit_of[module] = len(self.units)
                 self.units.append(Unit(name, params, outer_device))
-        allocated = _allocated(outer_device) - before
+        allocated = allocated_bytes(outer_device) - before
         for module, u in self.unit_of.items():  # before FSDP's own pre-forward hook
             module.register_forward_pre_hook(functools.partial(self._hook, u), prepend=True)
         self.penalty = penalty_config(c, per_step=self.timed)
@@ -218,20 +153,9 @@ class EDiT(Algorithm):
             self.model.reshard()
 
     def _report_memory(self, allocated: int, device: torch.device) -> None:
-        storages = {}
-        for u in self.units:
-            for t in (u.outer, u.momentum):
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        n_params = sum(u.numel for u in self.units)
-        held = sum(storages.values())
-        self.outer_state_bytes = held
+        fields = outer_memory(self.units, self.topo.shards, device, allocated)
+        self.outer_state_bytes = fields["bytes"]
         if self.comm.events is not None:
-            fields = {"what": "outer_state", "bytes": held, "n_params": n_params,
-                      "shards": self.topo.shards, "device": device.type,
-                      "expected_bytes": 2 * 4 * n_params / self.topo.shards,
-                      "ratio": held / (2 * 4 * n_params / self.topo.shards)}
-            if device.type == "cuda":
-                fields["allocated_bytes"] = allocated
             self.comm.events.emit("memory", **fields)
 
     # -- the trainer's hooks ------------------------------------------------------------------
@@ -286,7 +210,7 @@ class EDiT(Algorithm):
         """Warm-up: the gradient shards (already averaged inside the replica) averaged over the
         replicas, so every rank takes the same synchronous step."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grads = [_local(p.grad) for p in params]
+        grads = [local_piece(p.grad) for p in params]
         flat = torch.cat([g.reshape(-1).float() for g in grads])
         flat = self.comm.all_reduce(flat, "outer", tag="grad").wait().div_(self.topo.replicas)
         offset = 0
@@ -446,8 +370,8 @@ class EDiT(Algorithm):
         """What a live group hands a joining one (each rank its shards): model, inner optimizer,
         outer state, the penalty's statistics, counters."""
         self._reshard()
-        return {"model": {k: _local(v) for k, v in self.model.state_dict().items()},
-                "optimizer": _local_state(self.optimizer.state_dict()),
+        return {"model": {k: local_piece(v) for k, v in self.model.state_dict().items()},
+                "optimizer": local_state(self.optimizer.state_dict()),
                 "outer": [u.outer for u in self.units], "momentum": [u.momentum for u in self.units],
                 "ewma": [u.ewma.state() for u in self.units], "syncs": self.syncs,
                 "step": self._quorum_at}
@@ -456,8 +380,8 @@ class EDiT(Algorithm):
         self._reshard()
         with torch.no_grad():
             for k, v in self.model.state_dict().items():
-                _local(v).copy_(state["model"][k])
-        self.optimizer.load_state_dict(_sharded_state(state["optimizer"], self.optimizer))
+                local_piece(v).copy_(state["model"][k])
+        self.optimizer.load_state_dict(sharded_state(state["optimizer"], self.optimizer))
         for u, outer, momentum, ewma in zip(self.units, state["outer"], state["momentum"],
                                             state["ewma"]):
             u.outer.copy_(outer)
@@ -471,21 +395,9 @@ class EDiT(Algorithm):
 
     def outer_params(self) -> dict[str, torch.Tensor]:
         """The full outer parameters by name (each gathered over the inner group)."""
-        from torch.distributed.tensor import DTensor
-
         self._reshard()
         names = {id(p): n for n, p in self.model.named_parameters()}
-        out = {}
-        for u in self.units:
-            offset = 0
-            for p, loc in zip(u.params, u.locals()):
-                piece = u.outer[offset: offset + loc.numel()].view_as(loc).to(self.device)
-                offset += loc.numel()
-                if isinstance(p, DTensor):
-                    piece = DTensor.from_local(piece, p.device_mesh, p.placements, shape=p.shape,
-                                               stride=p.stride()).full_tensor()
-                out[names[id(p)]] = piece.detach().clone()
-        return out
+        return {names[id(p)]: t for u in self.units for p, t in zip(u.params, u.full_outer(self.device))}
 
     @contextlib.contextmanager
     def eval_weights(self, which: str):
@@ -536,43 +448,3 @@ class EDiT(Algorithm):
         self.sync_info = dict(state["sync_info"])
         self.skips = state.get("skips", 0)
         load_manager_state(self.elastic, state.get("manager"))
-
-
-def _shard(model: nn.Module, blocks: nn.ModuleList, topology) -> None:
-    """FSDP2 over the replica's S ranks: `fully_shard` on every block, then on the root, with
-    the 1-D "shard" sub-mesh."""
-    from torch.distributed.fsdp import fully_shard  # imported when used: slow to import
-
-    if topology.device.type == "cuda" and dist.get_backend() == "gloo":
-        raise ConfigError(f"edit with --shards {topology.shards} on GPUs shared by several ranks "
-                          "cannot run: FSDP2's collectives crash in gloo with CUDA tensors "
-                          "(NCCL needs one GPU a rank), so use --shards 1 or one GPU per rank.")
-    mesh = topology.mesh["shard"]
-    for block in blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-
-
-def _local_state(optim_state: dict) -> dict:
-    """An optimizer's state dict with each sharded tensor as this rank's piece."""
-    return {"state": {i: {k: _local(v) for k, v in st.items()} for i, st in optim_state["state"].items()},
-            "param_groups": optim_state["param_groups"]}
-
-
-def _sharded_state(local: dict, optimizer) -> dict:
-    """_local_state's inverse for this optimizer: each piece as a DTensor shaped like its
-    parameter (the same mesh and placements: the groups shard alike)."""
-    from torch.distributed.tensor import DTensor
-
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    state = {}
-    for i, st in local["state"].items():
-        p = params[int(i)]
-        state[i] = {k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape,
-                                          stride=p.stride())
-                    if is_dtensor(p) and v.dim() > 0 else v for k, v in st.items()}
-    return {"state": state, "param_groups": local["param_groups"]}
-
-
-def _allocated(device: torch.device) -> int:
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0

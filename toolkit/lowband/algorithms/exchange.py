@@ -5,15 +5,15 @@ average travels, error feedback, the outer rule, and how replicas are weighed.
 --merge-weights tokens (diloco, streaming): each replica's pseudo-gradient is weighed by the
 tokens it trained on since the fragment's last sync, sum_i t_i x_i / sum_i t_i, where uniform
 (the default) is the plain mean. Replicas of a synchronous run train on equal tokens, so the two
-agree to fp32 rounding there; they differ where replicas' counts differ (collectives.Weighted).
+agree to fp32 rounding there; they differ where replicas' counts differ (exchanges.Weighted).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lowband.comm.codecs import CHUNK, CODECS, DENSITY, SPARSE, Chunks
-from lowband.comm.collectives import EXCHANGES, TWO_PHASE_CODECS
+from lowband.comm.codecs import CHUNK, CODEC_RECORDS, CODECS, DENSITY, SPARSE, TWO_PHASE, Chunks
+from lowband.comm.wire import EXCHANGES
 from lowband.options import ConfigError, Options, option
 
 
@@ -60,8 +60,9 @@ class ExchangeOptions(Options):
         if cfg.outer_rule == "sparseloco" and not cfg.error_feedback:
             raise ConfigError("--outer-rule sparseloco keeps its momentum in the error feedback: "
                               "drop --no-error-feedback.")
-        if cfg.exchange == "two-phase" and cfg.codec not in TWO_PHASE_CODECS + ("fp32",):
-            raise ConfigError(f"--exchange two-phase takes a dense codec ({', '.join(TWO_PHASE_CODECS)}): "
+        if cfg.exchange == "two-phase" and cfg.codec != "fp32" and \
+                not CODEC_RECORDS[cfg.codec].two_phase:  # the codec's record says (codecs.py)
+            raise ConfigError(f"--exchange two-phase takes a dense codec ({', '.join(TWO_PHASE)}): "
                               f"use --exchange all-gather or auto with --codec {cfg.codec}.")
         if cfg.exchange == "two-phase" and cfg.elastic:
             raise ConfigError("--elastic averages over torchft's group with an all-gather: use "

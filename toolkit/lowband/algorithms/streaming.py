@@ -259,17 +259,23 @@ class Streaming(Algorithm):
             self._skip(f, started)
             return
         self.skips = 0
-        if c.outer_rule == "sparseloco":
-            outer = sgd_step(f.outer, delta, c.outer_lr, self.staging)
-        else:
-            outer = nesterov_step(f.outer, f.momentum, delta, c.outer_lr, c.outer_momentum,
-                                  self.staging)
+        outer = self.outer_step(f, delta)
         merged = c.alpha * f.local_slice() + (1 - c.alpha) * outer
         write_flat(f.params, self._gather(f, merged))
         if self.comm.events is not None:
             self.comm.events.emit("sync", step=started, fragment=f.index, applied_step=started + c.overlap,
                                   pseudo_grad_norm=norm, weight=self._weight(avg),
                                   anomaly=False, outer_lr=c.outer_lr)
+
+    def outer_step(self, f: Fragment, delta: torch.Tensor) -> torch.Tensor:
+        """The outer rule: fragment f's new outer parameters (this rank's slice, on delta's
+        device) from the averaged pseudo-gradient `delta`, written to f.outer (and f.momentum)
+        through self.staging. A subclass changes the rule here (tests/outside/diloco_avg.py)."""
+        c = self.config
+        if c.outer_rule == "sparseloco":
+            return sgd_step(f.outer, delta, c.outer_lr, self.staging)
+        return nesterov_step(f.outer, f.momentum, delta, c.outer_lr, c.outer_momentum,
+                             self.staging)
 
     def _vote(self, avg) -> bool:
         """The commit vote on an exchange that has landed (taken at most once: a checkpoint

@@ -57,13 +57,25 @@ from lowband.comm.sparse import CHUNK, DENSITY, Chunks  # noqa: F401 (CHUNK: for
 
 @dataclass(frozen=True)
 class Codec:
-    """One codec's facts, read by the collectives, the config, the CLI's help and the planner."""
+    """One codec's facts, read by the collectives, the config, the CLI's help and the planner.
+
+    two_phase: Comm.average may take the two-phase exchange (comm/wire.py) in this codec: a
+    chunk of whole blocks encodes and decodes on its own, and the fp32 sum of the decoded
+    chunks can be encoded again. Every dense codec takes it unless `no_two_phase` says why
+    not; a codec that does not keeps the all-gather (or for fp32 the all-reduce)."""
     name: str
     value_bytes: float  # bytes a value on the wire, before scales
     scaled: bool        # bf16 scales (2 bytes each) per block of values
     help: str
     sparse: bool = False  # topk: only a `density` share of each block travels, with its indices
     scales: int = 1     # bf16 scales per block, when scaled
+    two_phase: bool = True
+    no_two_phase: str = ""  # why not, when two_phase is False
+
+    def __post_init__(self):
+        if self.two_phase == bool(self.no_two_phase):
+            raise ValueError(f"codec {self.name}: two_phase={self.two_phase} with "
+                             f"no_two_phase={self.no_two_phase!r} (say why, exactly when not)")
 
     def bytes_per_value(self, block: "int | Chunks" = 64, density: float = DENSITY) -> float:
         """Wire bytes per value of whole blocks (for a topk codec: per value of the input)."""
@@ -85,20 +97,25 @@ class Codec:
 
 
 SCALE_BYTES = 2  # one bf16 scale per block
+_SUM_NOT_SPARSE = ("the ranks keep different values of a chunk, so their sum is not top-k sparse "
+                   "and re-encoding it would drop what the others sent")
 CODEC_RECORDS = {c.name: c for c in (
-    Codec("fp32", 4.0, False, "full precision (a ring all-reduce)"),
+    Codec("fp32", 4.0, False, "full precision (a ring all-reduce)", two_phase=False,
+          no_two_phase="an all-reduce sums it exactly on the way, in fewer bytes"),
     Codec("bf16", 2.0, False, "bfloat16"),
     Codec("int8", 1.0, True, "8-bit integers, a bf16 scale per block"),
     Codec("fp4-e3m0", 0.5, True, "4-bit floats, 3-bit exponent (the Streaming DiLoCo paper's)"),
     Codec("fp4-e2m1", 0.5, True, "4-bit floats, OCP MX FP4"),
     # value_bytes of a topk codec: a kept value's code, before its index
     Codec("topk-2bit", 0.25, True, "top --density of each --sparse-chunk values by magnitude, "
-          "2 bits each + an index (SparseLoCo's)", sparse=True, scales=2),
+          "2 bits each + an index (SparseLoCo's)", sparse=True, scales=2, two_phase=False,
+          no_two_phase=_SUM_NOT_SPARSE),
     Codec("topk-fp4", 0.5, True, "top --density of each --sparse-chunk values by magnitude, "
-          "fp4-e2m1 each + an index", sparse=True),
+          "fp4-e2m1 each + an index", sparse=True, two_phase=False, no_two_phase=_SUM_NOT_SPARSE),
 )}
 CODECS = tuple(CODEC_RECORDS)  # the names
 SPARSE = tuple(name for name, c in CODEC_RECORDS.items() if c.sparse)
+TWO_PHASE = tuple(name for name, c in CODEC_RECORDS.items() if c.two_phase)
 
 _LEVELS = {
     "fp4-e2m1": (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0),
@@ -125,11 +142,14 @@ class NonFiniteError(ValueError):
 
 
 def payload_bytes(codec: str, n: int, block: "int | Chunks" = 64, density: float = DENSITY) -> int:
-    """The exact size of encode()'s output for n values (density: topk codecs only)."""
-    if codec in SPARSE:
+    """The exact size of encode()'s output for n values (density: topk codecs only), from the
+    codec's record: value_bytes a value (the last byte of 4-bit codes half full) and its scales
+    a block; a topk codec's layout is comm/sparse.py's."""
+    c = CODEC_RECORDS[codec]
+    if c.sparse:
         return sparse.size(n, *_topk(codec, block, density))
-    scales = SCALE_BYTES * math.ceil(n / block)
-    return {"fp32": 4 * n, "bf16": 2 * n, "int8": n + scales}.get(codec, (n + 1) // 2 + scales)
+    scales = SCALE_BYTES * c.scales * math.ceil(n / block) if c.scaled else 0
+    return math.ceil(n * c.value_bytes) + scales
 
 
 def _topk(codec: str, block: "int | Chunks", density: float) -> tuple[int, float, int, int]:

@@ -6,12 +6,6 @@ future, so `end` is when the bytes arrived, not when somebody waited) a `comm` e
 with the payload bytes, the bytes this rank put on the wire, and start/end times. `wait()` counts
 the seconds the caller was blocked, which the trainer subtracts from the step to get compute time.
 
-Wire bytes per rank, for a group of n ranks (ring algorithms, the bandwidth-optimal schedule):
-  all_reduce       2 (n-1)/n x payload
-  all_gather       (n-1) x payload              (payload = this rank's input)
-  reduce_scatter   (n-1)/n x the input          (payload = the input)
-  broadcast        (n-1) x payload on the root, 0 elsewhere
-  all_to_all       (n-1)/n x the input           (payload = the input, n equal chunks)
 On the outer link an emulated `Link` (link.py) may delay completion: `end` then includes it, and
 the event also carries `begin`, when the link started transmitting (after the FIFO queue).
 With CUDA tensors the host learns of a collective's end early or late (NCCL's future completes
@@ -21,35 +15,12 @@ both on the host's clock; such events carry clock="cuda".
 A group spanning several replicas crosses the slow outer link; for a world-wide ring in rank
 order, rank r's bytes go to rank r+1, so they cross the outer link exactly when r+1 lies in
 another replica, and are recorded as `outer`, else `inner`.
-
-`Comm.average` in a quantized codec takes one of two exchanges (`exchange_plan`):
-  all-gather   every rank's encoded payload P to every rank, each rank decodes and sums the n of
-               them: (n-1) x P a rank, one quantization.
-  two-phase    the vector cut into n chunks of whole codec blocks (rank j owns chunk j, the last
-               padded with zeros); an all-to-all of the encoded chunks, each owner decodes the n
-               encodings of its chunk, sums them in fp32, divides by n and re-encodes the mean,
-               then an all-gather of the encoded means: 2 (n-1) x C a rank, C = the payload of
-               one chunk (about P/n), so 2 (n-1)/n x P plus the padding of at most n-1 blocks.
-  auto takes the one that sends fewer bytes, a tie going to the all-gather: at n = 2 the two
-  send the same (P vs 2 x P/2, plus padding) and the all-gather quantizes once, so it is kept;
-  from n = 3 on the two-phase exchange wins on all but tiny vectors.
-Error of the two-phase average, per value, against the exact mean of the inputs x_i: with e(v)
-the codec's worst-case error on a value v (codecs.py: int8 s/2, fp4-e2m1 s, fp4-e3m0 |v|/3 or
-|v| below 2^-6 s, bf16 2^-9 |v|; s the block's scale),
-  |result - mean_i x_i|  <=  mean_i e(x_i)  +  e(m),   m = mean_i decode(encode(x_i))
-the first term the all-gather's own error (each rank's `sent` differs from x_i by e(x_i), which
-error feedback carries into the next exchange), the second from re-encoding the mean, not fed
-back, the same on every rank (every rank decodes the same encoded means). A block of m has an
-absmax at most the largest absmax of the decoded x_i there, so for int8 and fp4-e2m1, whose
-error is a share of the block's scale, e(m) <= max_i e(x_i) (to first order): the bound is at
-most about twice the all-gather's; for fp4-e3m0 and bf16, relative to |v|, e(m) <= e(mean x_i)
-(to first order). Measured (tests/test_exchange.py's inputs, R = 2..8) the mean error is about
-1.4x the all-gather's.
+What each collective puts on the wire, and which exchange `Comm.average` takes: wire.py; the
+averages it starts (`Average`, `Weighted`, `TwoPhase`): exchanges.py.
 """
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
@@ -57,77 +28,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from lowband.comm.codecs import CODEC_RECORDS, decode, encode, payload_bytes
+from lowband.comm.exchanges import Average, TwoPhase, Weighted, encoded
 from lowband.comm.link import Link
+from lowband.comm.wire import exchange_plan, wire_bytes
 from lowband.telemetry import EventWriter
 from lowband.topology import Topology
-
-
-def wire_bytes(op: str, payload: int, n: int, is_root: bool = False) -> int:
-    if n <= 1:
-        return 0
-    if op == "all_reduce":
-        return 2 * (n - 1) * payload // n
-    if op == "all_gather":
-        return (n - 1) * payload
-    if op in ("reduce_scatter", "all_to_all"):  # this rank keeps 1/n of its input
-        return (n - 1) * payload // n
-    if op == "broadcast":
-        return (n - 1) * payload if is_root else 0
-    raise ValueError(f"unknown collective {op}")
-
-
-EXCHANGES = ("auto", "all-gather", "two-phase")  # how Comm.average moves a quantized codec
-TWO_PHASE_CODECS = ("bf16", "int8", "fp4-e3m0", "fp4-e2m1")  # dense: a chunk decodes on its own
-
-
-def chunk_values(numel: int, n: int, codec: str, block: int) -> int:
-    """Values in each of the two-phase exchange's n chunks: numel / n rounded up to whole
-    codec blocks, so that no block's scale straddles two chunks."""
-    align = block if CODEC_RECORDS[codec].scaled else 1
-    return math.ceil(numel / (n * align)) * align
-
-
-def exchange_plan(codec: str, numel: int, n: int, block: int = 64,
-                  mode: str = "auto") -> tuple[str, int]:
-    """(the exchange Comm.average takes for numel values over n ranks: "all-reduce" (fp32),
-    "all-gather" or "two-phase"; the bytes each rank sends for it)."""
-    if mode not in EXCHANGES:
-        raise ValueError(f"unknown exchange '{mode}': use one of {', '.join(EXCHANGES)}")
-    if codec == "fp32":  # summed exactly on the way
-        return "all-reduce", wire_bytes("all_reduce", 4 * numel, n)
-    gather = wire_bytes("all_gather", payload_bytes(codec, numel, block), n)
-    if mode == "two-phase" and codec not in TWO_PHASE_CODECS:
-        raise ValueError(f"the two-phase exchange takes a dense codec ({', '.join(TWO_PHASE_CODECS)}), "
-                         f"not {codec}")
-    if mode == "all-gather" or codec not in TWO_PHASE_CODECS or n == 1:
-        return "all-gather", gather
-    chunk = payload_bytes(codec, chunk_values(numel, n, codec, block), block)
-    two = wire_bytes("all_to_all", n * chunk, n) + wire_bytes("all_gather", chunk, n)
-    return ("two-phase", two) if mode == "two-phase" or two < gather else ("all-gather", gather)
-
-
-def exchange_wire_bytes(codec: str, payload_bytes: float, n: int, mode: str = "auto",
-                        block: int = 64) -> int:
-    """Bytes each rank sends in one Comm.average over n ranks of a vector whose encoded payload
-    (codecs.payload_bytes) is `payload_bytes`, the exchange chosen by `mode` as Comm.average
-    chooses it. Exact for a payload size encode() makes; another size stands for the smallest
-    vector whose payload is at least that big."""
-    if codec == "fp32" or codec not in TWO_PHASE_CODECS:  # no need to know the values
-        exchange_plan(codec, 0, n, block, mode)  # refuses a bad mode
-        return wire_bytes("all_reduce" if codec == "fp32" else "all_gather", math.ceil(payload_bytes), n)
-    return exchange_plan(codec, _numel(codec, payload_bytes, block), n, block, mode)[1]
-
-
-def _numel(codec: str, nbytes: float, block: int) -> int:
-    """The smallest number of values whose payload in a dense codec is at least nbytes."""
-    lo, hi = 0, 2 * math.ceil(nbytes)  # a payload holds at least half a byte a value
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (mid + 1, hi) if payload_bytes(codec, mid, block) < nbytes else (lo, mid)
-    return lo
 
 
 @dataclass
@@ -367,7 +273,7 @@ class Comm:
 
         fp32 is a plain all-reduce. Every other codec travels encoded (the bytes that travel are
         the packed codes and scales), in the exchange `exchange_plan` picks (`exchange`: auto,
-        all-gather or two-phase; see the module's docstring): the all-gather has each rank
+        all-gather or two-phase; see wire.py's docstring): the all-gather has each rank
         decode and sum every rank's payload in fp32, its own included; the two-phase exchange
         has each rank own a chunk, sum it and send back its re-encoded mean. Either way every
         rank ends with the same average. A non-finite `x` cannot be encoded; it is sent as a
@@ -417,115 +323,3 @@ class Comm:
             self._phase_two.get().finish()
 
 
-def encoded(x: torch.Tensor, codec: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the payload of x in a quantized codec, x as the receivers will decode it)."""
-    payload = encoded_payload(x, codec, block)
-    return payload, decode(payload, x.numel(), codec, block)
-
-
-def encoded_payload(x: torch.Tensor, codec: str, block: int) -> torch.Tensor:
-    """The payload of x in a quantized codec. A non-finite x cannot be encoded: it is sent as a
-    payload whose first scale is NaN, so that every rank's average comes out non-finite and
-    every rank skips the update alike."""
-    if torch.isfinite(x).all():
-        return encode(x, codec, block)
-    payload = encode(torch.zeros_like(x), codec, block)
-    payload[:2] = torch.tensor([float("nan")], dtype=torch.bfloat16).view(torch.uint8)
-    return payload
-
-
-class Average:
-    """A mean over a group in flight; wait() returns it as a flat fp32 tensor."""
-
-    def __init__(self, transfer: Transfer, n: int, decoding, sent: torch.Tensor):
-        self.transfer, self.n, self.decoding = transfer, n, decoding
-        self.sent = sent  # this rank's contribution as the others will decode it
-
-    def done(self) -> bool:
-        return self.transfer.done()
-
-    def wait(self) -> torch.Tensor:
-        result = self.transfer.wait()
-        if self.decoding is None:
-            return result.div_(self.n)
-        return decoded_sum(result, *self.decoding).div_(self.n)
-
-
-class Weighted:
-    """A weighted mean in flight: the mean of w_i x_i (sent in the codec, so the codec's scales
-    follow the weighted values) times n over the all-reduced sum of the weights. `sent` is this
-    rank's x as the others decode it, in x's units (error feedback keeps x - sent)."""
-
-    def __init__(self, scaled, total: Transfer, n: int, weight: float):
-        self.scaled, self.total, self.n, self.weight = scaled, total, n, weight
-        self.sent = scaled.sent / weight if weight else torch.zeros_like(scaled.sent)
-        self.share = None
-
-    def done(self) -> bool:
-        return self.scaled.done() and self.total.done()
-
-    def wait(self) -> torch.Tensor:
-        total = float(self.total.wait()[0])
-        self.share = self.weight / total if total else None  # this rank's, for the events
-        return self.scaled.wait().mul_(self.n / total)
-
-
-def decoded_sum(payloads, numel: int, codec: str, block: int) -> torch.Tensor:
-    """The fp32 sum of the values of several payloads of numel values each."""
-    total = decode(payloads[0], numel, codec, block)
-    for payload in payloads[1:]:
-        total += decode(payload, numel, codec, block)
-    return total
-
-
-class TwoPhase:
-    """A two-phase average in flight (the module's docstring): the all-to-all of encoded chunks
-    starts at once, on the training thread; Comm's exchange thread waits for it, sums and
-    re-encodes this rank's chunk and starts the all-gather of the means (on Comm.second_group).
-    Each collective is recorded as it travels. wait() returns the mean as a flat fp32 tensor."""
-
-    def __init__(self, comm: Comm, x: torch.Tensor, group: str, codec: str, block: int, tag: str):
-        self.comm, self.group, self.codec, self.block, self.tag = comm, group, codec, block, tag
-        self.n, self.numel = dist.get_world_size(comm.topo.group(group)), x.numel()
-        self.pg = comm.second_group(group)  # made here, on the training thread
-        self.chunk = chunk_values(self.numel, self.n, codec, block)
-        chunks = F.pad(x.detach().reshape(-1), (0, self.n * self.chunk - self.numel)).view(self.n, -1)
-        pieces = [encoded(c, codec, block) for c in chunks]
-        self.sent = torch.cat([s for _, s in pieces])[: self.numel]  # x as the others decode it
-        send = torch.stack([p for p, _ in pieces])  # row j: chunk j, for rank j
-        recv = torch.empty_like(send)
-        self.first = comm._start("all_to_all", group, send.numel(), lambda g: dist.all_to_all_single(
-            recv, send, group=g, async_op=True), recv, tag, codec, send)
-        self.result, self.error, self._done = None, None, threading.Event()
-        comm.phase_two(self)
-
-    def finish(self) -> None:
-        """On the exchange thread: this rank's chunk summed and re-encoded, the means gathered."""
-        try:
-            recv = self.first.landed()
-            if recv.is_cuda:
-                torch.cuda.set_device(recv.device)
-            total = decoded_sum(recv, self.chunk, self.codec, self.block)
-            mean = encoded_payload(total.div_(self.n), self.codec, self.block)
-            means = torch.empty(self.n * mean.numel(), dtype=torch.uint8, device=mean.device)
-            gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # torch < 2.13
-            second = self.comm.run("all_gather", self.comm.link_of(self.group), self.n, mean.numel(),
-                                   lambda: gather(means, mean, group=self.pg, async_op=True), means,
-                                   self.tag, self.codec, mean)
-            rows = second.landed().view(self.n, -1)
-            self.result = torch.cat([decode(r, self.chunk, self.codec, self.block)
-                                     for r in rows])[: self.numel]
-        except Exception as e:  # handed to the training thread by wait()
-            self.error = e
-        self._done.set()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self) -> torch.Tensor:
-        t0 = time.perf_counter()
-        self._done.wait()
-        self.comm.wait_s += time.perf_counter() - t0
-        if self.error is not None:
-            raise self.error
-        return self.result

@@ -196,7 +196,7 @@ class Membership:
         unless `healed_counts` (ddp: it healed before computing x); wait() gives the mean.
         When the exchange fails the error goes to the Manager, never up: commit() then says
         False."""
-        from lowband.comm.collectives import encoded
+        from lowband.comm.exchanges import encoded
 
         weight = 0.0 if self.healed_now and not healed_counts else 1.0
         if codec == "fp32":

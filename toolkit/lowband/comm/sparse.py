@@ -25,7 +25,7 @@ CHUNK = 4096  # values a chunk, unless told
 @dataclass(frozen=True)
 class Chunks:
     """A topk codec's `block`: `size` values a chunk, the largest `density` share of each sent.
-    Code that carries (codec, block) pairs, as comm/collectives.py does, carries the density
+    Code that carries (codec, block) pairs, as comm/exchanges.py does, carries the density
     with them; an int block given to a topk codec means Chunks(block, density)."""
     size: int = CHUNK
     density: float = DENSITY

@@ -10,8 +10,8 @@ A launched script reads its layout from the workers' environment (LOWBAND_REPLIC
 LOWBAND_SHARDS, LOWBAND_RUN_DIR, LOWBAND_PROGRESS): `layout()` gives them as Config keywords and
 `launch_config(**options)` the Config itself (env.py).
 
-Both build the job from the `train` component in launchers/lowband_components.py (also registered
-as `lowband.train` for `torchx run`) and hand it to TorchX's runner. A local_cwd job's processes
+Both build the job from the `train` component in component.py (registered as `lowband.train`
+for `torchx run`; launchers/lowband_components.py re-exports it by path) and hand it to TorchX's runner. A local_cwd job's processes
 belong to this Python process: they keep running after the call (and the notebook cell) returns,
 and are stopped by `cancel()` or when this process exits.
 
@@ -19,10 +19,12 @@ and are stopped by `cancel()` or when this process exits.
 after checking that the rendezvous can be reached, with one clear sentence instead of a
 traceback when a node cannot reach it or not every node joins within the timeout.
 
-The package, by part: job.py (launch(), the `train` component), handle.py (LaunchHandle,
+The package, by part: component.py (the TorchX component), job.py (launch()), handle.py (LaunchHandle,
 attach(), the process-wide TorchX runner), cli.py (`lowband launch`), node.py (the node
-agent) and env.py (what a launched script reads of its layout). Every public name imports from
-here; the submodules import each other, never this file.
+agent) and env.py (what a launched script reads of its layout); without TorchX, local.py starts a
+plain `lowband train`'s R x S workers on this machine and supervise.py runs `lowband train
+--elastic` on one machine (lighthouse.py: a launched elastic job's Lighthouse role). Every public
+name imports from here; the submodules import each other, never this file.
 """
 
 from __future__ import annotations

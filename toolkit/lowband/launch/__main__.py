@@ -1,5 +1,5 @@
 """`python -m lowband.launch ARGS`: the `lowband launch` command; `python -m lowband.launch
-torchrun ARGS` is the node agent each node of a job runs (launchers/lowband_components.py)."""
+torchrun ARGS` is the node agent each node of a job runs (component.py)."""
 
 import sys
 

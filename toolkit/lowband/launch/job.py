@@ -1,7 +1,8 @@
-"""Building and submitting a lowband TorchX job: launch() and the component it builds it from.
+"""Building and submitting a lowband TorchX job: launch(), and components() (the component
+module it builds the job from, component.py).
 
-launch() checks the `lowband train` flags here (one sentence on bad input, before anything is
-submitted), fills in the component's parameters (launchers/lowband_components.py), asks TorchX
+launch() checks the `lowband train` flags here with `lowband train`'s own parser (one sentence
+on bad input, before anything is submitted), fills in the component's parameters, asks TorchX
 for the request (dryrun) and returns a LaunchHandle, started unless start=False. With script=,
 every rank runs the user's training script instead, with the same layout, agent and run
 directory; its arguments are its own (lowband checks only the layout it owns).
@@ -9,7 +10,6 @@ directory; its arguments are its own (lowband checks only the layout it owns).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import secrets
 import sys
@@ -18,34 +18,20 @@ from pathlib import Path
 from typing import Sequence
 
 from lowband.config import ConfigError
+from lowband.flags import parse_train
 from lowband.launch.handle import LOCAL_SCHEDULERS, LaunchHandle, _get_runner, _keep_signals
-
-_COMPONENTS_FILE = Path(__file__).resolve().parents[3] / "launchers" / "lowband_components.py"
-
 
 # -- the component ---------------------------------------------------------------------------------
 
-_components = None
-
-
 def components():
-    """The module of lowband's TorchX components (launchers/lowband_components.py).
+    """The module of lowband's TorchX component (component.py; imported here on first use, as
+    it imports TorchX).
 
     Also the target of the `torchx.components` entry point, so `torchx run lowband.train` finds it.
     """
-    global _components
-    if _components is None:
-        path = Path(os.environ.get("LOWBAND_COMPONENTS", _COMPONENTS_FILE))
-        if not path.is_file():
-            raise ConfigError(f"lowband's TorchX components are not at {path}: install lowband "
-                              "from its source tree (pip install -e .) or set LOWBAND_COMPONENTS "
-                              "to the path of lowband_components.py.")
-        spec = importlib.util.spec_from_file_location("lowband_components", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules.setdefault("lowband_components", module)
-        spec.loader.exec_module(module)
-        _components = module
-    return _components
+    import lowband.launch.component
+
+    return lowband.launch.component
 
 
 # -- launching -------------------------------------------------------------------------------------
@@ -110,40 +96,6 @@ def _pop_flags(argv: list[str], names: Sequence[str]) -> tuple[list[str], dict]:
     return rest, found
 
 
-def _check_flags(argv: list[str], remote: bool):
-    """Parse and validate the `lowband train` flags here, before anything is submitted. For
-    remote schedulers, data and config paths live on the cluster: checked there, not here."""
-    from lowband.config import Config
-    from lowband.flags import train_parser
-
-    args = vars(train_parser().parse_args(argv))
-    path = args.pop("config", None)
-    if path and (not remote or Path(path).is_file()):
-        cfg = Config.from_toml(path)
-    else:
-        cfg = Config()
-    for key, value in args.items():
-        setattr(cfg, key, value)
-    # paths that live on the cluster: a remote job's data, tokenizer and hf:PATH model need not
-    # exist here (the nodes check them); they are set aside for the checks made here
-    saved = {}
-    if remote:
-        default = Config()
-        for key, path in (("data", None if cfg.data == "builtin" else cfg.data),
-                          ("tokenizer", getattr(cfg, "tokenizer", "") or None),
-                          ("model", cfg.model[3:] if cfg.model.startswith("hf:") else None)):
-            if path is not None and not Path(path).expanduser().exists():
-                saved[key] = getattr(cfg, key)
-                setattr(cfg, key, getattr(default, key))
-        if "model" in saved:  # its block count is the nodes' to check (--fragments against it)
-            cfg.model_blocks = sys.maxsize
-    cfg.validate()
-    for key, value in saved.items():
-        setattr(cfg, key, value)
-    cfg.model_blocks = None
-    return cfg
-
-
 def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict | None = None,
            script: str | os.PathLike | None = None, script_args: Sequence[str] = (),
            algo: str | None = None, replicas: int | None = None, shards: int | None = None,
@@ -167,7 +119,7 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
     LOWBAND_RUN_DIR and LOWBAND_PROGRESS (lowband.launch.layout() / launch_config() read them).
     scheduler: local_cwd, slurm, kubernetes or any TorchX scheduler; cfg: its run options (merged
     over .torchxconfig). The rest are the component's parameters (see
-    launchers/lowband_components.py): by default one replica group per node. rdzv_port 0 picks a
+    lowband/launch/component.py): by default one replica group per node. rdzv_port 0 picks a
     free port for local schedulers, 29500 elsewhere. start=False returns the handle unsubmitted:
     inspect .dryrun_info, then start(). Bad input raises ConfigError with one sentence, before
     anything is submitted.
@@ -197,7 +149,7 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
         env["PATH"] = os.pathsep.join(p for p in (os.path.dirname(sys.executable),
                                                   env.get("PATH")) if p)
         if not rdzv_port:
-            from lowband.local import free_port
+            from lowband.launch.local import free_port
 
             rdzv_port = free_port()
         # the local nodes share this machine's cores: no OpenMP threads spinning on them
@@ -248,8 +200,9 @@ def _train_job(flags, options, algo, replicas, shards, run_dir, config, local):
                        ("config", config)):
         if value is not None:
             argv += [f"--{key}", str(value)]
-    train_cfg = _check_flags(argv, remote=not local)
-    if run_dir is None:
+    # checked here as `lowband train` checks it, before anything is submitted
+    train_cfg, resume = parse_train(argv, here=local)
+    if run_dir is None or resume:  # a resumed run goes on in its own directory
         run_dir = train_cfg.run_dir or _default_run_dir(train_cfg.algo)
     layout = {"replicas": train_cfg.replicas, "shards": train_cfg.shards}
     if train_cfg.elastic:  # a Lighthouse role and a retried role a group (docs/elastic.md)

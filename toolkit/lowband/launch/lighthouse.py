@@ -1,9 +1,8 @@
-"""`python -m lowband.launch lighthouse`: an elastic job's first role (launchers/
-lowband_components.py, --elastic): torchft's Lighthouse, serving the replica groups' quorums,
-that also ends the job. When every group has written its record (RUN/groups/, on the shared
-filesystem) it writes summary.json and exits; a group lost for good never writes one, so once
-the first record is there the others get --wait seconds before the summary is written from
-those that finished."""
+"""`python -m lowband.launch lighthouse`: an elastic job's first role (component.py,
+--elastic): torchft's Lighthouse, serving the replica groups' quorums, that also ends the job.
+When every group has written its record (RUN/groups/, on the shared filesystem) it writes
+summary.json and exits; a group lost for good never writes one, so once the first record is
+there the others get --wait seconds before the summary is written from those that finished."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import time
 from pathlib import Path
 
 from lowband.faults import lighthouse_kill_asked
-from lowband.supervise import lighthouse, write_summary
+from lowband.launch.supervise import lighthouse, write_summary
 from lowband.telemetry import RunDir
 
 

@@ -1,6 +1,6 @@
 """The node agent, `python -m lowband.launch torchrun ARGS`: torchrun behind a rendezvous check.
 
-Each node of a job runs it (launchers/lowband_components.py): it waits, bounded, for the first
+Each node of a job runs it (component.py): it waits, bounded, for the first
 node's rendezvous to accept connections, then runs torchrun, and turns torchrun's rendezvous
 failures into one sentence and an exit status instead of a traceback. A worker that fails is
 named in one sentence: the node, its global rank, how it ended and the node's log. With the
@@ -154,7 +154,7 @@ def _agent(argv: list[str]) -> int:
 def failure_sentence(failures: dict, host: str) -> str:
     """One sentence for the workers of this node that failed (global rank -> ProcessFailure):
     the node, the first failed rank, how it ended, and where the node's output is."""
-    from lowband.local import describe_exit
+    from lowband.launch.local import describe_exit
 
     rank, failure = min(failures.items())
     node = os.environ.get("LOWBAND_NODE", "this node")

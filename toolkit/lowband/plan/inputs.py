@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from lowband import units
 from lowband.algorithms import ALGORITHMS as REGISTRY
-from lowband.comm import codecs, collectives
+from lowband.comm import codecs, wire
 from lowband.comm.codecs import CHUNK, CODEC_RECORDS, DENSITY, SPARSE, Chunks
 from lowband.model import MODELS as MODEL_SPECS
 from lowband.options import ConfigError
@@ -16,7 +16,24 @@ from lowband.plan.fragments import even_fragments, model_fragments, model_size
 from lowband.sources import HF, spec
 
 # the algorithms whose schedule the planner models (timeline.py), in the registry's order
-ALGORITHMS = tuple(name for name in REGISTRY if name in ("ddp", "diloco", "streaming", "acco"))
+ALGORITHMS = tuple(name for name in REGISTRY.builtin if name in ("ddp", "diloco", "streaming",
+                                                                  "acco"))
+
+
+def plan_as(algorithm: str) -> str:
+    """The algorithm the planner models `algorithm` as: itself, or, for one registered from
+    outside lowband (lowband.register), the nearest modeled algorithm its class subclasses (a
+    DiLoCo with another outer rule sends what diloco sends); PlanError when there is none."""
+    if algorithm in REGISTRY.builtin or algorithm not in REGISTRY:
+        return algorithm
+    for cls in REGISTRY[algorithm].__mro__:
+        if cls.__dict__.get("name") in ALGORITHMS and REGISTRY.builtin[cls.name] is cls:
+            return cls.name
+    raise PlanError(f"lowband plan does not model --algo {algorithm}, registered from outside "
+                    f"lowband: it models {', '.join(ALGORITHMS)} and the algorithms subclassing "
+                    "them.")
+
+
 CODECS = tuple(CODEC_RECORDS)  # what diloco and streaming may send (lowband.comm.codecs)
 GRAD_DTYPES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}
 BLOCK_SIZE = 64  # values per scale block
@@ -46,7 +63,7 @@ class Run:
     block_size: int = BLOCK_SIZE
     density: float = DENSITY      # topk codecs: the share of each chunk's values sent
     sparse_chunk: int = CHUNK     # topk codecs: values a chunk
-    exchange: str = "auto"        # how a quantized average travels (collectives.EXCHANGES)
+    exchange: str = "auto"        # how a quantized average travels (wire.EXCHANGES)
     bucket_mb: float | None = None
     acco_rounds: int = 2
     fragment_pattern: str = "strided"
@@ -155,7 +172,7 @@ def make_run(params=None, layers=None, step_time=None, *, model=None, flops_per_
     if not 0 < density <= 1:
         raise PlanError(f"--density must lie in (0, 1], got {density:g}.")
     try:  # refuses an unknown exchange, or two phases for a codec that cannot take them
-        collectives.exchange_plan(codec, 0, 2, 1, exchange)
+        wire.exchange_plan(codec, 0, 2, 1, exchange)
     except ValueError as e:
         raise PlanError(f"--exchange: {e}.") from None
     grad_dtype = str(grad_dtype).lower()
@@ -218,12 +235,12 @@ def exchange_phases(run: Run, values: int) -> tuple[int, ...]:
     the run's R replicas, as lowband.comm's Comm.average sends it: fp32 one all-reduce; another
     codec one all-gather of the encoded payloads, or two phases (an all-to-all of encoded
     chunks, then, once it has arrived, an all-gather of the owners' re-encoded means: half the
-    bytes each). collectives.exchange_plan picks the exchange, exchange_wire_bytes counts it."""
+    bytes each). wire.exchange_plan picks the exchange, exchange_wire_bytes counts it."""
     if run.replicas == 1:
         return ()
-    how, _ = collectives.exchange_plan(run.codec, values, run.replicas, block(run), run.exchange)
-    total = collectives.exchange_wire_bytes(run.codec, payload_bytes(run, values), run.replicas,
-                                            run.exchange, block(run))
+    how, _ = wire.exchange_plan(run.codec, values, run.replicas, block(run), run.exchange)
+    total = wire.exchange_wire_bytes(run.codec, payload_bytes(run, values), run.replicas,
+                                     run.exchange, block(run))
     return (total // 2, total - total // 2) if how == "two-phase" else (total,)
 
 

@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from lowband.comm.collectives import wire_bytes
-from lowband.plan.inputs import ALGORITHMS, GRAD_DTYPES, PlanError, Run, exchange_phases
+from lowband.comm.wire import wire_bytes
+from lowband.plan.inputs import ALGORITHMS, GRAD_DTYPES, PlanError, Run, exchange_phases, plan_as
 
 
 class Send(NamedTuple):
@@ -47,6 +47,7 @@ def average(run: Run, values: int, gate: int) -> tuple[Send, ...]:
 
 def schedule(algorithm: str, run: Run) -> Schedule:
     """The schedule of an algorithm (docs/plan.md has the formulas)."""
+    algorithm = plan_as(algorithm)
     T, N, R = run.step_time, run.params, run.replicas
     grad = N * GRAD_DTYPES[run.grad_dtype]
     if algorithm == "ddp":  # buckets leave during the backward pass; next forward waits for all

@@ -1,7 +1,6 @@
-"""Tokenizers and prepared corpora: `lowband prepare` and `lowband train --tokenizer`.
-
-`lowband prepare SRC -o DIR --tokenizer PATH` turns text into token shards that
-`lowband train --data DIR` reads memory-mapped (data.ShardedTokens). docs/data.md has the format.
+"""The prepare pipeline: text into the token shards that `lowband train --data DIR` reads
+memory-mapped (tokens.ShardedTokens), run by `lowband prepare` (cli.py) and by `lowband train
+--tokenizer` on raw text (batches.load_corpus). docs/data.md has the format.
 
   tokenizer  a tokenizer.json or a save_pretrained directory, read by tokenizer.py; its hash
              covers its files' bytes
@@ -20,29 +19,25 @@
              progress.json then records where the stream stands, and a rerun continues there
   meta.json  written last: its presence means the directory is complete
 
-`--tokenizer` with raw text (`load_corpus`) prepares it once into a cache directory keyed on the
-source files and the tokenizer's hash. tokenizers, transformers and pyarrow load lazily.
+`--tokenizer` with raw text (batches.load_corpus) prepares it once into a cache directory keyed
+on the source files and the tokenizer's hash. tokenizers, transformers and pyarrow load lazily.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import multiprocessing
 import os
-import re
 import shutil
 import sys
-import sysconfig
-import time
 from pathlib import Path
 
 import numpy as np
 
-from lowband.data import META, ShardedTokens, _cache_dir, load_tokens, sample_sha256, stdlib_files
-from lowband.options import ArgParser, ConfigError
-from lowband.tokenizer import TokenizerRef, existing, load_tokenizer, tokenizer_files, tokenizer_sha256
+from lowband.data.tokenizer import TokenizerRef, tokenizer_files
+from lowband.data.tokens import META, sample_sha256
+from lowband.options import ConfigError
 
 FORMAT = "lowband-shards-1"
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py")
@@ -340,121 +335,3 @@ def prepare_files(files: list[Path], root: Path, out: Path, tok: TokenizerRef, *
     _write_json(out / META, meta)
     (out / PROGRESS).unlink()
     return meta
-
-
-# ---------------------------------------------------------------------------------------------
-# training's side: --tokenizer and the run's record of it
-# ---------------------------------------------------------------------------------------------
-
-def load_corpus(data: str, tokenizer: str = "", progress: bool = False):
-    """The tokens `lowband train` reads: data.load_tokens(data) without a tokenizer; with one,
-    a prepared directory (which must have been tokenized by it) or text prepared once into a
-    cache directory (~/.cache/lowband/tokens-KEY, or $LOWBAND_CACHE)."""
-    if not tokenizer:
-        return load_tokens(data)
-    sha, path = tokenizer_sha256(existing(tokenizer)), Path(data)
-    if data != "builtin" and (path / META).exists():
-        tokens = ShardedTokens(path)
-        if tokens.meta.get("tokenizer_sha256") != sha:
-            raise ConfigError(f"'{data}' was prepared with another tokenizer than '{tokenizer}': "
-                              "drop --tokenizer (the directory brings its own) or prepare it again.")
-        return tokens
-    if path.suffix == ".bin":
-        raise ConfigError(f"'{data}' holds token ids already: drop --tokenizer, or give text.")
-    if data == "builtin":
-        root, files = Path(sysconfig.get_paths()["stdlib"]), stdlib_files()
-    else:
-        root, files = path, source_files(path)
-    key = json.dumps([FORMAT, sha, str(root.resolve()), _sources(files, root)])
-    cached = _cache_dir() / f"tokens-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    if not (cached / META).exists():  # prepared beside, then renamed: ranks may race here
-        tok = load_tokenizer(tokenizer)
-        tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        if progress:
-            print(f"lowband: tokenizing '{data}' with '{tokenizer}' once (cached in {cached})",
-                  file=sys.stderr)
-        prepare_files(files, root, tmp, tok, progress=progress)
-        try:
-            os.replace(tmp, cached)
-        except OSError:  # another process was first
-            shutil.rmtree(tmp, ignore_errors=True)
-    return ShardedTokens(cached)
-
-
-def record_tokenizer(tokens, run_root: Path) -> dict | None:
-    """Copy the tokenizer of prepared tokens into RUN/tokenizer/ (what an export ships); its
-    record for config.json's meta. None for bytes and .bin files."""
-    if not isinstance(tokens, ShardedTokens) or not (tokens.root / "tokenizer").is_dir():
-        return None
-    dest = Path(run_root) / "tokenizer"
-    shutil.rmtree(dest, ignore_errors=True)
-    shutil.copytree(tokens.root / "tokenizer", dest)
-    return {"sha256": tokens.meta.get("tokenizer_sha256"), "path": tokens.meta.get("tokenizer_path"),
-            "data": str(tokens.root.resolve()), "vocab_size": tokens.vocab_size, "eos_id": tokens.meta.get("eos_id")}
-
-
-# ---------------------------------------------------------------------------------------------
-# lowband prepare
-# ---------------------------------------------------------------------------------------------
-
-def parse_count(value: str) -> int:
-    """An integer count from '100M', '250k', '1G', '1e6' or '5000'."""
-    m = re.fullmatch(r"\s*(\d+\.?\d*(?:[eE]\d+)?)\s*([kKmMgG]?)\s*", str(value))
-    n = int(float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2).lower()]) if m else 0
-    if n < 1:
-        raise ConfigError(f"--shard-tokens '{value}' is not a positive count: write it like 100M, "
-                          "250k or 5000.")
-    return n
-
-
-def parser() -> argparse.ArgumentParser:
-    p = ArgParser(prog="lowband prepare", description="Tokenize text, JSONL or Parquet files into "
-                  "token shards that `lowband train --data DIR` reads (docs/data.md). Resumable: "
-                  "rerun the same command after an interruption.")
-    p.add_argument("src", metavar="SRC", help="a file or a directory of text "
-                   f"({', '.join(TEXT_SUFFIXES)}), JSONL (.jsonl) and Parquet (.parquet) files")
-    p.add_argument("-o", "--output", required=True, metavar="DIR", help="the shard directory")
-    p.add_argument("--tokenizer", required=True, metavar="PATH", help="a tokenizer.json file or a "
-                   "directory saved with save_pretrained (local files only)")
-    p.add_argument("--text-field", default="text", metavar="NAME", help="the field (JSONL) or column (Parquet) "
-                   "holding the text (default: text)")
-    p.add_argument("--shard-tokens", default="100M", metavar="N", help="tokens per shard (default: 100M)")
-    p.add_argument("--workers", type=int, default=cores(), metavar="N",
-                   help="tokenizing processes (default: the cores, %(default)s here)")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                   help="a progress bar on stderr (default: on)")
-    p.add_argument("--overwrite", action="store_true", help="prepare DIR again when it holds "
-                   "another preparation (other sources, tokenizer or settings)")
-    return p
-
-
-def main(argv: list[str]) -> int:
-    a = parser().parse_args(argv)
-    if a.workers < 1:
-        raise ConfigError(f"--workers must be a positive integer, got {a.workers}.")
-    shard_tokens = parse_count(a.shard_tokens)
-    tok = load_tokenizer(a.tokenizer)
-    src = Path(a.src)
-    files = source_files(src)
-    if tok.eos_id is None:
-        print(f"lowband: note: tokenizer '{a.tokenizer}' names no end-of-text token, so documents "
-              "are joined without a separator.", file=sys.stderr)
-    t0, done = time.perf_counter(), not a.overwrite and (Path(a.output) / META).exists()
-    try:
-        meta = prepare_files(files, src, Path(a.output), tok, text_field=a.text_field,
-                             shard_tokens=shard_tokens, workers=a.workers, progress=a.progress,
-                             overwrite=a.overwrite)
-    except KeyboardInterrupt:
-        print("lowband: interrupted; the shards done are kept: rerun the same command to "
-              "resume.", file=sys.stderr)
-        return 130
-    dt = time.perf_counter() - t0
-    if done:
-        print(f"{a.output} is prepared already, from the same sources and tokenizer: "
-              f"{meta['tokens']:,} tokens in {len(meta['shards'])} shards.")
-        return 0
-    print(f"{a.output}: {meta['tokens']:,} tokens in {len(meta['shards'])} shards ({meta['dtype']}, "
-          f"vocabulary {meta['vocab_size']}) from {len(files)} files in {dt:.1f} s "
-          f"({meta['tokens'] / max(dt, 1e-9):,.0f} tokens/s)")
-    return 0

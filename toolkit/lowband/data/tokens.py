@@ -1,18 +1,13 @@
-"""Corpora and deterministic, disjoint per-rank batches with a held-out validation split.
+"""A corpus as one flat array of token ids (batches.py cuts it into per-rank batches).
 
-Four sources, all read as one flat array of token ids:
+Four sources:
   builtin      the running Python's standard library source (*.py, sorted by path), as bytes;
                cached once under ~/.cache/lowband (or $LOWBAND_CACHE)
   a text file  its bytes; a directory: the bytes of every file under it, sorted by path
   a .bin file  uint16 token ids (nanoGPT style), memory-mapped
-  a shard dir  written by `lowband prepare` (corpus.py; docs/data.md): meta.json and token
+  a shard dir  written by `lowband prepare` (prepare.py; docs/data.md): meta.json and token
                shards, each memory-mapped and checked against meta.json (size, sampled sha256);
                read as their concatenation without copying it (ShardedTokens)
-
-The last `val_fraction` of the array is the validation split; the rest is cut into `world`
-contiguous, disjoint shards, one per global rank. A batch is a pure function of
-(seed, rank, step, micro): reproducible, resumable, and never touches another rank's shard or
-the validation split.
 """
 
 from __future__ import annotations
@@ -24,7 +19,6 @@ import sysconfig
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from lowband.options import ConfigError
 
@@ -155,45 +149,3 @@ class ShardedTokens:
             mask = which == k
             out[mask] = self.shards[k][idx[mask] - self.starts[k]]
         return out
-
-
-class Batches:
-    """Training and validation batches for one global rank."""
-
-    def __init__(self, tokens: np.ndarray, *, rank: int, world: int, seq_len: int,
-                 batch_size: int, seed: int, val_fraction: float, device: str = "cpu"):
-        """device: where batches are delivered (from pinned memory, asynchronously, on CUDA)."""
-        self.tokens, self.rank, self.world = tokens, rank, world
-        self.device = torch.device(device)
-        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
-        n = len(tokens)
-        self.val_start = n - max(int(n * val_fraction), seq_len + 1)
-        shard = self.val_start // world
-        if shard < seq_len + 1 or self.val_start < 0:
-            raise ConfigError(f"the corpus ({n} tokens) is too small for {world} shards of "
-                              f"sequences of {seq_len} tokens: use more data, fewer ranks or a "
-                              "shorter --seq-len.")
-        self.lo, self.hi = rank * shard, (rank + 1) * shard  # this rank's shard [lo, hi)
-
-    def _windows(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
-        chunk = torch.from_numpy(np.asarray(self.tokens[idx], dtype=np.int64))
-        if self.device.type == "cuda":  # page-locked, so the copy overlaps the GPU's work
-            chunk = chunk.pin_memory().to(self.device, non_blocking=True)
-        else:
-            chunk = chunk.to(self.device)
-        return chunk[:, :-1], chunk[:, 1:]
-
-    def train_starts(self, step: int, micro: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, self.rank, step, micro])
-        return rng.integers(self.lo, self.hi - self.seq_len, size=self.batch_size)
-
-    def train(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and next-token targets, each (batch_size, seq_len), from this rank's shard."""
-        return self._windows(self.train_starts(step, micro))
-
-    def val(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Validation batch i: the same on every rank, only from the held-out split."""
-        rng = np.random.default_rng([self.seed, 1 << 20, i])
-        starts = rng.integers(self.val_start, len(self.tokens) - self.seq_len, size=self.batch_size)
-        return self._windows(starts)

@@ -1,7 +1,7 @@
 """Synthetic run directories: events as a streaming-DiLoCo trainer would write them, without
 training anything. For tests, docs and trying the dashboard or a report in seconds:
 
-    from lowband.dashboard.synthetic import make_run
+    from lowband.testing.synthetic import make_run
     make_run("runs/demo", steps=300)             # a finished run
     make_run("runs/elastic", elastic={"kill": 1, "at": 60, "back": 100})   # group 1 lost, back
     make_run("runs/vote", elastic={"kill": 1, "at": 60, "back": 100, "uncommitted": 60})

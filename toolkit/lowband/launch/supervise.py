@@ -1,5 +1,5 @@
 """`lowband train --elastic` on one machine: a torchft Lighthouse and R replica groups, each a
-job of its own (S local workers, local.LocalJob), restarted when it dies.
+job of its own (S local workers, launch.local.LocalJob), restarted when it dies.
 
 The Lighthouse is torchft's own program (`torchft_lighthouse`), a process of its own whose
 output goes to RUN/logs/lighthouse.log; every worker finds it through TORCHFT_LIGHTHOUSE, and
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from lowband.comm.elastic import LIGHTHOUSE_ENV, NO_TORCHFT, REPLICA_ENV, quiet_rust
 from lowband.faults import lighthouse_kill_asked
-from lowband.local import LocalJob, describe_exit, free_port, last_line
+from lowband.launch.local import LocalJob, describe_exit, free_port, last_line
 from lowband.options import ConfigError
 from lowband.summary import add_ddp_bytes, summarize
 from lowband.telemetry import RunDir, read_events, write_json_atomic

@@ -2,15 +2,15 @@
 without a cluster: munge, MariaDB, slurmdbd (so `sacct`, which TorchX reads, answers), slurmctld
 and N slurmd nodes, all Debian's packages, all run as root from one state directory.
 
-    python -m lowband.slurm_cluster up --nodes 2            # nodes on loopback
-    python -m lowband.slurm_cluster up --nodes 2 --link 100mbit   # each node a test host
-    eval "$(python -m lowband.slurm_cluster env)"           # SLURM_CONF for sbatch, sacct, TorchX
-    python -m lowband.slurm_cluster down
+    python -m lowband.testing.slurm_cluster up --nodes 2         # nodes on loopback
+    python -m lowband.testing.slurm_cluster up --nodes 2 --link 100mbit  # each node a test host
+    eval "$(python -m lowband.testing.slurm_cluster env)"        # SLURM_CONF: sbatch, sacct, TorchX
+    python -m lowband.testing.slurm_cluster down
 
 `up` is idempotent: a cluster already up from the same directory is left as it is. With --link,
-each slurmd runs in a network namespace of its own (lowband.testbed.TestHosts) whose egress is
-shaped to that rate, so a job's nodes really talk over a slow link; the controller stays in this
-namespace, joined to the hosts' bridge. `down` stops only what `up` started (the pids it
+each slurmd runs in a network namespace of its own (lowband.testing.testbed.TestHosts) whose
+egress is shaped to that rate, so a job's nodes really talk over a slow link; the controller
+stays in this namespace, joined to the hosts' bridge. `down` stops only what `up` started (the pids it
 recorded, the lines it added to /etc/hosts, the test hosts) and keeps the state directory's logs.
 """
 
@@ -63,7 +63,7 @@ class LocalSlurm:
         return {"SLURM_CONF": str(self.conf)}
 
     def hosts(self):
-        from lowband.testbed import TestHosts
+        from lowband.testing.testbed import TestHosts
 
         return TestHosts(HOST_PREFIX, SUBNET, self.link or "100mbit", "128kb", "100ms",
                          host="n", hostnames=True, n=self.n, uplink=f"{SUBNET}.254")
@@ -82,7 +82,7 @@ class LocalSlurm:
             f"NodeName={name} NodeAddr={addr} Port={PORTS['slurmd'] + i} CPUs={self.cpus} "
             f"RealMemory={self.mem_mb} State=UNKNOWN\n"
             for i, (name, addr) in enumerate(zip(self.names, self._addrs())))
-        self.conf.write_text(f"""# written by lowband.slurm_cluster
+        self.conf.write_text(f"""# written by lowband.testing.slurm_cluster
 ClusterName={CLUSTER}
 SlurmctldHost={socket.gethostname()}({ctl_addr})
 SlurmctldPort={PORTS['slurmctld']}
@@ -345,7 +345,7 @@ def _wait_port(host: str, port: int, timeout: float, what: str, log: Path, pid: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lowband.slurm_cluster", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m lowband.testing.slurm_cluster", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=("up", "down", "env", "status"))
     p.add_argument("--root", default=str(DEFAULT_ROOT), help="state directory")

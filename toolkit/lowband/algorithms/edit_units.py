@@ -1,0 +1,146 @@
+"""What edit (and aedit) hold a unit at a time, and how a replica is sharded: a Unit is one
+FSDP unit (the root's own parameters, or one block) with this rank's piece of it and of its
+outer state; Landed and Summed are exchanges in flight as the unit's apply reads them;
+`shard_replica` applies FSDP2 over a replica's S ranks (edit.py skips it at S = 1), and the optimizer
+state's round trip between sharded tensors and this rank's pieces (heals) lives beside it."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from lowband.algorithms.outer import kept_at
+from lowband.algorithms.penalty import EWMA
+from lowband.options import ConfigError
+from lowband.params import is_dtensor
+
+
+def local_piece(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a (possibly sharded) tensor, sharing its storage."""
+    if is_dtensor(t):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+class Landed:
+    """An exchange that has already arrived (drained for a checkpoint, or restored from one)."""
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+    def wait(self) -> torch.Tensor:
+        return self.value.clone()
+
+
+class Summed:
+    """An encoded average in flight as a sum: its mean times the rows summed (each replica sent
+    its weighted pseudo-gradient, so the weighted average is their sum)."""
+
+    def __init__(self, avg, n: int):
+        self.avg, self.n = avg, n
+
+    def wait(self) -> torch.Tensor:
+        return self.avg.wait().mul_(self.n)
+
+
+class Unit:
+    """One FSDP unit (the root's own parameters or one block): this rank's shard of it and of
+    its outer state."""
+
+    def __init__(self, name, params: list[nn.Parameter], device: torch.device):
+        self.name, self.params = name, params
+        self.tag = name if isinstance(name, str) else f"block{name}"
+        self.numel = sum(p.numel() for p in params)  # whole unit, all shards
+        flat = self.local_flat()
+        self.outer = kept_at(flat, device)
+        self.momentum = kept_at(torch.zeros_like(flat), device)
+        self.ewma = EWMA()
+        self.pending = None  # the exchange in flight (Transfer, Summed or Landed)
+        self.residual = None  # error feedback (an encoded --codec): what was not sent
+
+    def locals(self) -> list[torch.Tensor]:
+        return [local_piece(p) for p in self.params]
+
+    def local_flat(self) -> torch.Tensor:
+        pieces = [t.detach().reshape(-1).float() for t in self.locals()]
+        return torch.cat(pieces) if pieces else torch.zeros(0)
+
+    def full_outer(self, device: torch.device) -> list[torch.Tensor]:
+        """The unit's outer parameters by parameter, whole (a sharded one gathered over the
+        inner group), on `device`."""
+        from torch.distributed.tensor import DTensor
+
+        out, offset = [], 0
+        for p, loc in zip(self.params, self.locals()):
+            piece = self.outer[offset: offset + loc.numel()].view_as(loc).to(device)
+            offset += loc.numel()
+            if isinstance(p, DTensor):
+                piece = DTensor.from_local(piece, p.device_mesh, p.placements, shape=p.shape,
+                                           stride=p.stride()).full_tensor()
+            out.append(piece.detach().clone())
+        return out
+
+    @torch.no_grad()
+    def write(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for t in self.locals():
+            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def shard_replica(model: nn.Module, blocks: nn.ModuleList, topology) -> None:
+    """FSDP2 over the replica's S ranks: `fully_shard` on every block, then on the root, with
+    the 1-D "shard" sub-mesh."""
+    from torch.distributed.fsdp import fully_shard  # imported when used: slow to import
+
+    if topology.device.type == "cuda" and dist.get_backend() == "gloo":
+        raise ConfigError(f"edit with --shards {topology.shards} on GPUs shared by several ranks "
+                          "cannot run: FSDP2's collectives crash in gloo with CUDA tensors "
+                          "(NCCL needs one GPU a rank), so use --shards 1 or one GPU per rank.")
+    mesh = topology.mesh["shard"]
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def local_state(optim_state: dict) -> dict:
+    """An optimizer's state dict with each sharded tensor as this rank's piece."""
+    return {"state": {i: {k: local_piece(v) for k, v in st.items()} for i, st in optim_state["state"].items()},
+            "param_groups": optim_state["param_groups"]}
+
+
+def sharded_state(local: dict, optimizer) -> dict:
+    """local_state's inverse for this optimizer: each piece as a DTensor shaped like its
+    parameter (the same mesh and placements: the groups shard alike)."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for i, st in local["state"].items():
+        p = params[int(i)]
+        state[i] = {k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape,
+                                          stride=p.stride())
+                    if is_dtensor(p) and v.dim() > 0 else v for k, v in st.items()}
+    return {"state": state, "param_groups": local["param_groups"]}
+
+
+def outer_memory(units: list[Unit], shards: int, device: torch.device, allocated: int) -> dict:
+    """The `memory` event of the outer state: the bytes its tensors' storages hold (every unit's
+    outer parameters and momentum), against 2 x 4 bytes x params / S."""
+    storages = {}
+    for u in units:
+        for t in (u.outer, u.momentum):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    n_params = sum(u.numel for u in units)
+    held, expected = sum(storages.values()), 2 * 4 * n_params / shards
+    fields = {"what": "outer_state", "bytes": held, "n_params": n_params, "shards": shards,
+              "device": device.type, "expected_bytes": expected, "ratio": held / expected}
+    if device.type == "cuda":
+        fields["allocated_bytes"] = allocated
+    return fields
+
+
+def allocated_bytes(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0

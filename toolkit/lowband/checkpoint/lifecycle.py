@@ -1,0 +1,153 @@
+"""A run's lifecycle, decided before the trainer's loop: which run directory (claimed, or a
+fresh runs/<algo>-<time>), whether this start continues a run (--resume, --auto-resume, a Slurm
+restart), which attempt it is, and the checkpoint it resumes from. Rank 0 decides each and
+tells the others (`decided_by_rank0`), so every rank stops with the same sentence or goes on
+with the same answer."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+
+from lowband import checkpoint
+from lowband.config import Config, ConfigError
+from lowband.telemetry import RunDir, new_run_dir
+
+
+@dataclass
+class Start:
+    """Where this process starts: the run directory, the checkpoint it resumes from (its path
+    and this rank's state in it) if any, and the attempt's fields for the `run` event."""
+    run: RunDir
+    resume_from: tuple[Path, dict] | None = None
+    attempt: dict = field(default_factory=dict)
+
+
+def begin(cfg: Config, topo, resume: bool = False) -> Start:
+    """The run directory, the resume point and the attempt of this start. resume: continue
+    cfg.run_dir from its latest checkpoint; a relaunch (`relaunched`) continues it too."""
+    resume = resume or decided_by_rank0(lambda: relaunched(cfg))
+    start = Start(resolve_run_dir(cfg, resume))
+    if resume:
+        path = resume_point(start.run, group(cfg, topo), required=resume is True)
+        if path is not None:  # the events after the checkpoint belong to a lost attempt
+            start.resume_from = (path, checkpoint.read_rank_state(path, dist.get_rank()))
+            start.attempt["events_kept"] = start.resume_from[1]["events_offset"]
+        elif not cfg.elastic:  # relaunched before its first checkpoint: start over in place
+            start.attempt["events_kept"] = 0
+    start.attempt["attempt"] = decided_by_rank0(lambda: attempts_before(start.run, topo.rank))
+    if slurm_restarts():
+        start.attempt["slurm_restart"] = slurm_restarts()
+    return start
+
+
+def group(cfg: Config, topo) -> int | None:
+    """With --elastic, this process's replica group: a world of its own, checkpointed apart."""
+    return topo.replica if cfg.elastic else None
+
+
+def resolve_run_dir(cfg: Config, resume: bool) -> RunDir:
+    """Rank 0 picks the run directory (default: a fresh runs/<algo>-<time>), refuses one that
+    holds another run unless --overwrite (or --resume) says what to do with it, and tells the
+    others."""
+
+    def pick():
+        if not cfg.run_dir:
+            return str(new_run_dir(cfg.algo).root)
+        if not resume and not cfg.elastic:  # an elastic run's launcher claimed it for every group
+            RunDir(cfg.run_dir).claim(cfg.overwrite)
+        return cfg.run_dir
+
+    cfg.run_dir = decided_by_rank0(pick)
+    return RunDir(cfg.run_dir).create()
+
+
+# what may differ between a run's attempts, when a relaunch continues it (--auto-resume)
+RELAUNCH_MAY_CHANGE = ("progress", "steps", "stop_after", "crash_checkpoint", "auto_resume",
+                       "run_dir", "overwrite")
+
+
+def slurm_restarts() -> int:
+    """How many times Slurm has run this job before (a requeue, a preemption, a retry)."""
+    return int(os.environ.get("SLURM_RESTART_COUNT", 0) or 0)
+
+
+def relaunched(cfg: Config) -> str | bool:
+    """'auto' when this process continues a run already in --run-dir: --auto-resume, or Slurm
+    restarted the job (SLURM_RESTART_COUNT > 0), and the directory holds the same run. A
+    directory holding another run is refused with one sentence (rank 0 decides)."""
+    if not (cfg.auto_resume or slurm_restarts()) or not cfg.run_dir or cfg.overwrite:
+        return False
+    run = RunDir(cfg.run_dir)
+    saved = run.read_json(run.config)
+    if saved is None:
+        return "auto" if run.holds_run() else False  # stopped before its config: start over
+    saved.pop("meta", None)
+    mine = {k: v for k, v in cfg.to_dict().items() if k not in RELAUNCH_MAY_CHANGE}
+    theirs = {k: v for k, v in saved.items() if k not in RELAUNCH_MAY_CHANGE}
+    differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    if differ:
+        raise ConfigError(f"{run.root} holds a run with other options (--{differ[0].replace('_', '-')}"
+                          f" {theirs.get(differ[0])!r}, not {mine.get(differ[0])!r}), so it is not "
+                          "continued: give another --run-dir, or --overwrite to replace it.")
+    return "auto"
+
+
+def attempts_before(run: RunDir, rank: int) -> int:
+    """This run's attempts so far: the starts and resumes in this rank's event file."""
+    try:
+        with open(run.event_file(rank), "rb") as f:
+            return sum(1 for line in f if b'"kind":"run"' in line and
+                       (b'"phase":"start"' in line or b'"phase":"resume"' in line))
+    except OSError:
+        return 0
+
+
+def decided_by_rank0(decide):
+    """decide() run on rank 0 and its result given to every rank; a ConfigError it raises is
+    raised on every rank, so all of them stop with the same sentence."""
+    box = [None, None]  # result, error
+    if dist.get_rank() == 0:
+        try:
+            box[0] = decide()
+        except ConfigError as e:
+            box[1] = str(e)
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise ConfigError(box[1])
+    return box[0]
+
+
+def resume_point(run: RunDir, group: int | None, required: bool = True) -> Path | None:
+    """The newest checkpoint of the run (with --elastic, of this replica group) whose files
+    match their checksums, chosen by rank 0; each newer, damaged one is named on rank 0's
+    stderr. None: an elastic group that has none while others do starts afresh (and heals
+    from a live peer in its first quorum); a relaunch (not `required`) with none starts over."""
+
+    def pick():
+        path, damaged = checkpoint.newest_intact(run, group)
+        if path is None and not damaged and not required:
+            return None
+        if path is None and not damaged and group is not None and \
+                any(p.parent.name != f"replica{group}" for p in run.checkpoints.glob("replica*/step-*")):
+            return None
+        if path is None and not damaged:
+            raise ConfigError(f"{run.root} has no checkpoint to resume from: train with "
+                              "--checkpoint-every N to write them.")
+        if path is None:
+            bad, why = damaged[0]
+            raise ConfigError(f"every checkpoint of {run.root} is damaged (the newest, {bad.name}: "
+                              f"{why}), so nothing can be resumed: start the run again with "
+                              "--overwrite.")
+        for bad, why in damaged:
+            print(f"lowband: checkpoint {bad} is damaged ({why}), so the run resumes from "
+                  f"{path.name}.", file=sys.stderr, flush=True)
+        return str(path)
+
+    path = decided_by_rank0(pick)
+    return None if path is None else Path(path)

@@ -1,0 +1,228 @@
+"""lowband's TorchX component, `train`: what lowband.launch() submits, and what TorchX runs as
+`lowband.train` (registered through the `torchx.components` entry point, so an installed wheel
+has it; launchers/lowband_components.py re-exports it for `torchx run` by path).
+
+    torchx run lowband.train --replicas 4 --shards 2 -- --algo streaming    # registered name
+    torchx run launchers/lowband_components.py:train --replicas 2 -- --model nano --steps 20
+    torchx run -s slurm lowband.train --replicas 4 --gpu 8 --shards 8 --run_dir /shared/runs/a
+
+`train` builds on `torchx.components.dist.ddp`: one torchrun agent per node, c10d rendezvous on
+port `rdzv_port` of the first node (its address comes from the scheduler's rank-0 host variable),
+`nproc_per_node` worker processes per node, each running `lowband train` as one rank, or with
+`--script PATH` the user's own training script (its arguments after `--`), which reads the layout
+from the workers' environment: LOWBAND_REPLICAS, LOWBAND_SHARDS, LOWBAND_RUN_DIR and
+LOWBAND_PROGRESS (lowband.launch.layout() and launch_config() read them back).
+
+Replicas to nodes: global rank r is shard r % S of replica r // S, and torchrun numbers ranks node
+by node, so node n holds ranks n*P .. n*P+P-1 (P = nproc_per_node). By default each node holds
+exactly one replica group (nnodes = replicas, nproc_per_node = shards): the slow link lowband
+economises on is the one between nodes, the fast inner link stays inside a node.
+`replicas_per_node` packs k replica groups on each node (nnodes = replicas / k, nproc_per_node =
+k * shards); `nnodes` and `nproc_per_node` set the layout outright. Either way
+nnodes x nproc_per_node must equal replicas x shards.
+
+(Annotations use typing.List/Dict/Optional: TorchX 0.7's component linter wants them.)
+"""
+
+from typing import Dict, List, Optional, Tuple
+
+import torchx.specs as specs
+from torchx.components import dist
+from torchx.specs import macros
+
+from lowband.launch.env import PROGRESS, REPLICAS, RUN_DIR, SHARDS
+
+# the workers' environment that tells a job's processes their layout (env.py reads it back)
+LAYOUT_ENV = (REPLICAS, SHARDS, RUN_DIR, PROGRESS)
+
+# the node agent: torchrun behind lowband's rendezvous check (lowband/launch/node.py, run by
+# lowband/launch/__main__.py when its first argument is "torchrun")
+AGENT = "python3 -m lowband.launch torchrun"
+
+
+def train(
+    *flags: str,
+    script: Optional[str] = None,
+    algo: Optional[str] = None,
+    replicas: int = 2,
+    shards: int = 1,
+    replicas_per_node: int = 1,
+    nnodes: int = 0,
+    nproc_per_node: int = 0,
+    run_dir: Optional[str] = None,
+    config: Optional[str] = None,
+    name: str = "lowband",
+    image: str = "lowband:latest",
+    h: Optional[str] = None,
+    cpu: int = 2,
+    gpu: int = 0,
+    memMB: int = 4096,
+    env: Optional[Dict[str, str]] = None,
+    mounts: Optional[List[str]] = None,
+    rdzv_port: int = 29500,
+    rdzv_timeout: int = 300,
+    max_retries: int = 0,
+    progress: bool = False,
+    debug: bool = False,
+    elastic: bool = False,
+    min_replicas: int = 1,
+    max_restarts: int = 3,
+    lighthouse_port: int = 29510,
+) -> specs.AppDef:
+    """Train a language model with `lowband train`, or your own training script, across nodes
+    (one torchrun agent per node).
+
+    Args:
+        flags: more `lowband train` flags, passed through as given (after `--` on the command
+            line, e.g. `-- --model nano --steps 20 --sync-every 4`); with script, the script's
+            own arguments
+        script: a training script (a path on the nodes) to run on every rank instead of
+            `lowband train`; it reads replicas, shards and the run directory from the
+            environment (LOWBAND_REPLICAS, LOWBAND_SHARDS, LOWBAND_RUN_DIR)
+        algo: training algorithm (ddp, diloco, streaming); lowband's default when not given
+            (not with script: pass it in the script's arguments)
+        replicas: R, replica groups joined by the slow outer link
+        shards: S, ranks inside each replica group joined by the fast inner link
+        replicas_per_node: replica groups on each node when nnodes/nproc_per_node are not given
+        nnodes: nodes (0: replicas / replicas_per_node, or derived from nproc_per_node)
+        nproc_per_node: worker processes on each node (0: replicas_per_node x shards, or derived)
+        run_dir: run directory, on a filesystem every node shares (default: runs/<app id>)
+        config: a TOML file of `lowband train` options, as seen from the nodes (not with script)
+        name: job name
+        image: container image with lowband installed (Kubernetes, Docker; ignored by local_cwd
+            and slurm)
+        h: a registered named resource (takes precedence over cpu, gpu, memMB)
+        cpu: CPUs per node
+        gpu: GPUs per node
+        memMB: memory per node in MB
+        env: environment variables for the workers (e.g. NCCL_DEBUG=INFO,GLOO_SOCKET_IFNAME=eth0)
+        mounts: mounts for the nodes' containers (e.g. type=bind,src=/shared,dst=/shared)
+        rdzv_port: port of the rendezvous store on the first node
+        rdzv_timeout: seconds a node waits to reach the rendezvous and for every node to join it
+            before it fails with a clear message
+        max_retries: scheduler retries of the whole job
+        progress: show a progress bar on rank 0 (off for batch logs; LOWBAND_PROGRESS for a
+            script)
+        debug: turn on torch's distributed debug variables
+        elastic: each replica group a role of its own (one node, `shards` processes) that the
+            scheduler restarts up to max_restarts times, joined to the others through a
+            torchft Lighthouse, the first role (docs/elastic.md); `lowband train --elastic`
+        min_replicas: smallest quorum of replica groups an outer update commits with (elastic)
+        max_restarts: scheduler restarts of each replica group's role (elastic)
+        lighthouse_port: the Lighthouse's port on its node (elastic)
+    """
+    if elastic:
+        return _elastic(flags, script, algo, replicas, shards, run_dir or f"runs/{macros.app_id}",
+                        config, name, image, h, cpu, gpu, memMB, dict(env or {}), mounts,
+                        rdzv_timeout, progress, debug, min_replicas, max_restarts, lighthouse_port)
+    n, p = node_layout(replicas, shards, replicas_per_node, nnodes, nproc_per_node)
+    return _nodes(flags, script, algo, replicas, shards, n, p, run_dir or f"runs/{macros.app_id}",
+                  config, name, image, h, cpu, gpu, memMB, dict(env or {}), mounts, rdzv_port,
+                  rdzv_timeout, max_retries, progress, debug)
+
+
+def _nodes(flags, script, algo, replicas, shards, n, p, run_dir, config, name, image, h, cpu,
+           gpu, memMB, env, mounts, rdzv_port, rdzv_timeout, max_retries, progress,
+           debug) -> specs.AppDef:
+    """One role of n nodes x p processes, each node running lowband's agent around torchrun."""
+    if script:
+        if algo or config:
+            raise ValueError(f"--{'algo' if algo else 'config'} is a `lowband train` flag: with "
+                             "a script, pass it among the script's own arguments.")
+        args, program = [], {"script": script}
+    else:
+        # a resumed run keeps its own config, layout included (`lowband train --resume` takes
+        # none of it again)
+        sizes = [] if _resumes(flags) else ["--replicas", str(replicas), "--shards", str(shards)]
+        args = ["train", *sizes, "--run-dir", run_dir]
+        if algo:
+            args += ["--algo", algo]
+        if config:
+            args += ["--config", config]
+        if not progress:
+            args += ["--no-progress"]
+        program = {"m": "lowband.cli"}
+    layout = (str(replicas), str(shards), run_dir, "1" if progress else "0")
+    # the node's name: its log is RUN/logs/<name>.log (the agent copies its output there)
+    env = dict(env or {})
+    env = {**env, **dict(zip(LAYOUT_ENV, layout)),
+           "LOWBAND_NODE": env.get("LOWBAND_NODE", f"node{macros.replica_id}")}
+    app = dist.ddp(
+        *args, *flags, **program, name=name, image=image, h=h, cpu=cpu, gpu=gpu,
+        memMB=memMB, j=f"{n}x{p}", env=env, max_retries=max_retries,
+        rdzv_port=rdzv_port, mounts=mounts, debug=debug)
+    role = app.roles[0]
+    role.name = "node"
+    timeouts = f"join_timeout={rdzv_timeout},read_timeout={min(rdzv_timeout, 60)}"
+    assert role.args[1].startswith("torchrun "), role.args
+    role.args[1] = f"{AGENT} --rdzv_conf {timeouts} " + role.args[1][len("torchrun "):]
+    return app
+
+
+def _elastic(flags, script, algo, replicas, shards, run_dir, config, name, image, h, cpu, gpu,
+             memMB, env, mounts, rdzv_timeout, progress, debug, min_replicas, max_restarts,
+             port) -> specs.AppDef:
+    """--elastic: role 0 runs the Lighthouse (python -m lowband.launch lighthouse, which also
+    writes summary.json from the groups' records when they are done); role 1 + g is replica
+    group g, `shards` processes on one node whose agent restarts them when one dies. Every role
+    finds the Lighthouse through the scheduler's rank-0 host variable, which names role 0's
+    first node. (On Slurm, TorchX runs the roles as one heterogeneous step with
+    --kill-on-bad-exit: a node lost for good ends the job; a process that dies is restarted.)"""
+    if script:
+        raise ValueError("--elastic runs `lowband train --elastic`: a script cannot be made "
+                         "elastic from outside; drop one of them.")
+    if "--elastic" not in flags and not _resumes(flags):
+        flags = (*flags, "--elastic")
+    address = f"http://$${{{macros.rank0_env}:=localhost}}:{port}"
+    lighthouse = specs.Role(
+        name="lighthouse", image=image, entrypoint="python3",
+        args=["-m", "lowband.launch", "lighthouse", "--port", str(port), "--min-replicas",
+              str(min_replicas), "--run-dir", run_dir, "--replicas", str(replicas)],
+        num_replicas=1, resource=specs.resource(cpu=1, gpu=0, memMB=1024),
+        env=dict(env), max_retries=0, mounts=specs.parse_mounts(mounts) if mounts else [])
+    roles = [lighthouse]
+    for g in range(replicas):
+        group = _nodes(flags, None, algo, replicas, shards, 1, shards, run_dir, config, name,
+                       image, h, cpu, gpu, memMB,
+                       {**env, "LOWBAND_REPLICA": str(g), "LOWBAND_NODE": f"group{g}"}, mounts,
+                       29500, rdzv_timeout, 0, progress, debug)
+        role = group.roles[0]
+        role.name = f"group{g}"
+        # the group's own agent restarts its workers (torchrun --max-restarts; they count their
+        # lives in TORCHELASTIC_RESTART_COUNT): a scheduler retry would restart the whole job
+        role.args[1] = role.args[1].replace(" torchrun ", f" torchrun --max_restarts {max_restarts} ", 1)
+        # in the command line, where the role's shell expands the rank-0 host variable on every
+        # scheduler (an environment value is expanded only by Slurm's batch script)
+        role.args[1] = f"TORCHFT_LIGHTHOUSE={address} {role.args[1]}"
+        roles.append(role)
+    return specs.AppDef(name=name, roles=roles)
+
+
+def _resumes(flags) -> bool:
+    return any(f == "--resume" or f.startswith("--resume=") for f in flags)
+
+
+def node_layout(replicas: int, shards: int, replicas_per_node: int, nnodes: int,
+                nproc_per_node: int) -> Tuple[int, int]:
+    """(nnodes, nproc_per_node) for R replicas x S shards; ValueError (one sentence) if none."""
+    world = replicas * shards
+    if replicas <= 0 or shards <= 0:
+        raise ValueError(f"replicas and shards must be positive, got {replicas} and {shards}.")
+    if nnodes < 0 or nproc_per_node < 0 or replicas_per_node <= 0:
+        raise ValueError("nnodes and nproc_per_node must be 0 (derive) or positive, and "
+                         "replicas_per_node positive.")
+    if not nnodes and not nproc_per_node:
+        if replicas % replicas_per_node:
+            raise ValueError(f"replicas_per_node {replicas_per_node} does not divide replicas "
+                             f"{replicas}: pick a divisor, or give nnodes and nproc_per_node.")
+        nnodes, nproc_per_node = replicas // replicas_per_node, replicas_per_node * shards
+    elif not nproc_per_node:
+        nproc_per_node = max(world // nnodes, 1)
+    elif not nnodes:
+        nnodes = max(world // nproc_per_node, 1)
+    if nnodes * nproc_per_node != world:
+        raise ValueError(
+            f"replicas {replicas} x shards {shards} = {world} ranks, but nnodes {nnodes} x "
+            f"nproc_per_node {nproc_per_node} = {nnodes * nproc_per_node} processes: make them "
+            "equal (by default nnodes = replicas and nproc_per_node = shards).")
+    return nnodes, nproc_per_node
