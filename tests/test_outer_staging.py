@@ -163,11 +163,11 @@ def drive(device=CPU, home="same", force_copies=False, rule="nesterov", P=4, H=8
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=g).to(device), alpha=1e-2)
         if step + 1 == heal_at:  # as a quorum at this sync's start would (its fragment staged)
-            algo._sync_step = step + 1
-            state = copy.deepcopy(algo._heal_state())
-            for t in state["outer"] + state["momentum"]:
-                t.add_(0.25)
-            algo._load_heal_state(state)
+            state = copy.deepcopy(algo.heal_state())
+            for f in state["algorithm"]["fragments"]:
+                f["outer"].add_(0.25)
+                f["momentum"].add_(0.25)
+            algo.load_heal_state(state)
         algo.after_step(step)
         if step + 1 in eval_at:
             with algo.eval_weights("outer"):

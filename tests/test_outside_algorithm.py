@@ -195,3 +195,42 @@ def test_a_bad_class_is_refused_in_one_sentence(cls, sentence):
         register(cls)
     assert str(e.value) == sentence
     assert dict(ALGORITHMS) == before and GROUPS == groups and "fine_knob" not in Config().__dict__
+
+
+ELASTIC = """
+import lowband
+from lowband.algorithms.base import Algorithm
+from lowband.config import Config, ConfigError
+from lowband.flags import train_parser
+
+@lowband.register
+class Plain(Algorithm):
+    name, summary = "plain", "an algorithm that does not say it runs elastic"
+
+print(Config(algo="diloco-avg", elastic=True).validate().algo)
+try:
+    Config(algo="plain", elastic=True).validate()
+except ConfigError as e:
+    print(e)
+print(" ".join(train_parser().format_help().split()).split("--elastic, --no-elastic")[1][:260])
+"""
+
+
+def test_an_algorithm_says_whether_it_runs_elastic():
+    """`elastic` beside `kind`: one registered from outside inherits it from the lowband
+    algorithm it subclasses (diloco-avg), the --elastic help names it, and one that does not
+    say so is refused with --elastic in one sentence; a word other than True or False is not
+    registered."""
+    proc = subprocess.run([sys.executable, "-c", ELASTIC], capture_output=True, text=True,
+                          env={**_env(), **WITH_IT, "COLUMNS": "400"})  # --help unwrapped
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "diloco-avg", proc.stderr
+    assert lines[1] == ("--elastic works with --algo ddp or diloco or streaming or edit or aedit "
+                        "or diloco-avg for now: --algo plain cannot lose a replica group mid-run yet.")
+    assert "peer (--algo ddp, diloco, streaming, edit, aedit, diloco-avg)" in lines[2]
+    assert {n for n, a in ALGORITHMS.items() if a.elastic} == {"ddp", "diloco", "streaming",
+                                                               "edit", "aedit"}
+    with pytest.raises(ConfigError) as e:
+        register(_cls(elastic="yes"))
+    assert str(e.value) == ("algorithm class Mine's elastic (whether it runs --elastic) must be "
+                            "True or False, got 'yes'.")

@@ -34,7 +34,7 @@ _f = option
 class RunOptions(Options):
     title = "run"
     # what to run
-    algo: str = _f("ddp", f"training algorithm: {', '.join(ALGORITHMS.builtin)}")
+    algo: str = _f("ddp", "training algorithm")  # its help names them (_name_algorithms)
     replicas: int = _f(2, "R: replica groups, joined by the slow outer link")
     shards: int = _f(1, "S: ranks inside each replica group, joined by the fast inner link")
     # model
@@ -147,6 +147,9 @@ class Config(*reversed(GROUPS)):
                               + (f" ({broken[0]} failed to load)." if broken else "."))
         sources.check(self)
         algorithm = ALGORITHMS[self.algo]
+        if self.elastic and not algorithm.elastic:
+            raise ConfigError(f"--elastic works with --algo {' or '.join(_elastic(ALGORITHMS))} "
+                              f"for now: --algo {self.algo} cannot lose a replica group mid-run yet.")
         for name, value in algorithm.defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
@@ -293,9 +296,26 @@ def _admit(cls) -> None:
         dataclass(Config)  # again, over the groups it now inherits
         FIELD_TYPES.clear()
         FIELD_TYPES.update((f.name, f.metadata["type"]) for f in dataclasses.fields(Config))
-    algo = RunOptions.__dataclass_fields__["algo"]
-    names = ", ".join(dict.fromkeys([*dict.keys(ALGORITHMS), cls.name]))
-    algo.metadata = MappingProxyType({**algo.metadata, "help": f"training algorithm: {names}"})
+    _name_algorithms({**dict.copy(ALGORITHMS), cls.name: cls})
 
 
+def _elastic(algorithms: dict) -> list[str]:
+    """The algorithms that run --elastic: those whose class says `elastic` (algorithms/base.py)."""
+    return [name for name, a in algorithms.items() if a.elastic]
+
+
+ELASTIC_HELP = ElasticOptions.__dataclass_fields__["elastic"].metadata["help"]
+
+
+def _name_algorithms(algorithms: dict) -> None:
+    """--algo's help names the algorithms, --elastic's those that run elastic: lowband's own,
+    and each registered from outside as it is (_admit)."""
+    for group, name, text in ((RunOptions, "algo", f"training algorithm: {', '.join(algorithms)}"),
+                              (ElasticOptions, "elastic", f"{ELASTIC_HELP} (--algo "
+                               f"{', '.join(_elastic(algorithms))})")):
+        f = group.__dataclass_fields__[name]
+        f.metadata = MappingProxyType({**f.metadata, "help": text})
+
+
+_name_algorithms(ALGORITHMS.builtin)
 registry.HOOKS.append(_admit)

@@ -1,4 +1,5 @@
-"""Parameters as flat vectors, and the split of a model into fragments of blocks."""
+"""Parameters as flat vectors, this rank's pieces of sharded ones (and of an optimizer's state),
+and the split of a model into fragments of blocks."""
 
 from __future__ import annotations
 
@@ -13,6 +14,35 @@ def is_dtensor(t) -> bool:
     torch.distributed.tensor, which is slow to import: no DTensor exists before it is imported."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
+
+
+def local_piece(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a (possibly sharded) tensor, sharing its storage."""
+    if is_dtensor(t):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def local_state(optim_state: dict) -> dict:
+    """An optimizer's state dict with each sharded tensor as this rank's piece."""
+    return {"state": {i: {k: local_piece(v) for k, v in st.items()} for i, st in optim_state["state"].items()},
+            "param_groups": optim_state["param_groups"]}
+
+
+def sharded_state(local: dict, optimizer) -> dict:
+    """local_state's inverse for this optimizer: each piece as a DTensor shaped like its
+    parameter (the same mesh and placements: the groups shard alike)."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for i, st in local["state"].items():
+        p = params[int(i)]
+        state[i] = {k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape,
+                                          stride=p.stride())
+                    if is_dtensor(p) and v.dim() > 0 else v for k, v in st.items()}
+    return {"state": state, "param_groups": local["param_groups"]}
 
 
 def flatten(params: list[torch.Tensor]) -> torch.Tensor:

@@ -152,9 +152,9 @@ class AEDiT(EDiT):
             due, self.elapsed = bool(flag[0]), flag[1]
         if not due:
             return False
-        if self.elastic is not None and not self.rejoining:
+        if self.membership is not None and not self.rejoining:
             self._quorum_at = step
-            self.elastic.begin(step)  # the groups' rendezvous; a group behind heals here
+            self.membership.begin(step)  # the groups' rendezvous; a group behind heals here
         self.rejoining = False
         self._reshard()
         while True:
@@ -183,11 +183,11 @@ class AEDiT(EDiT):
             self.stopped = True
             return True
         weights, me = [max(s, 1) for s in steps], self.topo.replica
-        if self.elastic is not None:  # over the quorum's groups; a healed one gets the mean
+        if self.membership is not None:  # over the quorum's groups; a healed one gets the mean
             mean = max(sum(weights) // len(weights), 1)
             members = iter(weights)
             weights = [mean if h else next(members) for h in self.healed_in_quorum]
-            me = self.elastic.position()
+            me = self.membership.position()
         self._open_window(weights, elapsed, time.monotonic(), me)
         return False
 
@@ -218,17 +218,11 @@ class AEDiT(EDiT):
             length = min(length, c.max_seconds - elapsed)
         self.window_len, self.window_start = max(length, 0.0), now
 
-    # --elastic: a joining group takes the run's progress too, and enters the sync at once
+    # --elastic: a joining group takes the run's progress too (state_dict's), and enters the
+    # sync at once
     def join(self, step):
         super().join(step)
         self.rejoining = self.healed_step is not None
-
-    def _heal_state(self) -> dict:
-        return {**super()._heal_state(), "aedit": [self.total, self.share]}
-
-    def _load_heal_state(self, state: dict) -> None:
-        self.total, self.share = state.pop("aedit")
-        super()._load_heal_state(state)
 
     def _progress(self, step: int) -> float:
         """The run's global progress in steps of --steps, `step` steps of this replica's done:

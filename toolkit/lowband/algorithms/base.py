@@ -20,6 +20,7 @@ import torch.nn as nn
 from typing import ClassVar
 
 from lowband.comm import Comm
+from lowband.params import local_piece, local_state, sharded_state
 from lowband.topology import Topology
 
 # How an algorithm uses the slow outer link, read by the dashboard, the report and the planner:
@@ -29,11 +30,17 @@ PERIODIC = "periodic"      # outer syncs every few steps or seconds (the diloco 
 
 class Algorithm:
     """One registry line (algorithms/__init__.py) plus these class attributes make an algorithm:
-    `name`, `kind` (EVERY_STEP or PERIODIC), `options` (the option groups it reads, declared
-    beside its code; Config inherits them all), `defaults` (values of its fields left None),
-    `summary` (one line for --help and `lowband recipes`)."""
+    `name`, `kind` (EVERY_STEP or PERIODIC), `elastic` (whether it runs --elastic), `options`
+    (the option groups it reads, declared beside its code; Config inherits them all), `defaults`
+    (values of its fields left None), `summary` (one line for --help and `lowband recipes`).
+
+    An elastic algorithm takes torchft's quorums (comm.elastic, a comm/elastic.py Membership:
+    join() in join, begin() before each sync) and votes on each outer update (commit()); its
+    state_dict() holds all of its own state, so that a group healed from a live peer gets it
+    with the model and the inner optimizer (heal_state, below); subclasses inherit all that."""
     name = "base"
     kind: ClassVar[str] = EVERY_STEP
+    elastic: ClassVar[bool] = False
     options: ClassVar[tuple] = ()
     defaults: ClassVar[dict] = {}
     summary: ClassVar[str] = ""
@@ -110,7 +117,28 @@ class Algorithm:
         return contextlib.nullcontext()
 
     def state_dict(self) -> dict:
+        """This rank's state beyond the model and the inner optimizer: what a checkpoint keeps
+        beside them (checkpoint/, through torch DCP) and a heal hands over with them."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+    # --elastic: what a live group hands a joining one through torchft's Manager (the trainer
+    # registers the algorithm with comm.elastic), each rank its own pieces of sharded tensors
+    def heal_state(self) -> dict:
+        state = self.state_dict()  # first: it drains and settles what is in flight
+        return {"algorithm": state, "optimizer": local_state(self.optimizer.state_dict()),
+                "model": {k: local_piece(v) for k, v in self.model.state_dict().items()}}
+
+    @torch.no_grad()
+    def load_heal_state(self, state: dict) -> None:
+        self.load_state_dict(state["algorithm"])
+        for k, v in self.model.state_dict().items():
+            local_piece(v).copy_(state["model"][k])
+        self.optimizer.load_state_dict(sharded_state(state["optimizer"], self.optimizer))
+        self.healed()
+
+    def healed(self) -> None:
+        """After a heal: drop the peer's state that is a group's own (streaming and edit: the
+        error feedback, what quantization left out of that group's own pseudo-gradients)."""

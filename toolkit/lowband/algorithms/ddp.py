@@ -24,7 +24,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lowband.algorithms.base import EVERY_STEP, Algorithm
-from lowband.comm.elastic import load_manager_state, manager_state
 
 
 def pack(sizes: list[int], limit_bytes: int) -> list[list[int]]:
@@ -73,6 +72,7 @@ class Bucket:
 class DDP(Algorithm):
     name = "ddp"
     kind = EVERY_STEP
+    elastic = True
     summary = "data-parallel baseline: gradients all-reduced over every rank every step"
 
     def __init__(self, group: str = "world"):
@@ -80,7 +80,7 @@ class DDP(Algorithm):
 
     def setup(self, model, blocks, make_optimizer, topology, comm, config):
         optimizer = super().setup(model, blocks, make_optimizer, topology, comm, config)
-        self.elastic = comm.elastic if self.group == "world" else None
+        self.membership = comm.elastic if self.group == "world" else None
         self.buckets = []
         if dist.get_world_size(topology.group(self.group)) == 1:
             return optimizer  # a group of one: its gradients are the average, nothing to copy
@@ -111,7 +111,7 @@ class DDP(Algorithm):
 
     def after_backward(self, step):
         self._average_buckets()
-        if self.elastic is not None:
+        if self.membership is not None:
             self._average_groups(step)
 
     def _average_buckets(self):
@@ -136,26 +136,12 @@ class DDP(Algorithm):
         self.armed = False
 
     # --elastic (see the module doc)
-    def join(self, step):
-        if self.elastic is not None:
-            self.elastic.register(self._heal_state, self._load_heal_state)
-
     def should_stop(self, step):
         if step >= self.config.steps:
             return True
-        if self.elastic is not None:
-            self._step = step
-            self.elastic.begin(step)  # a group behind heals here: healed_step
+        if self.membership is not None:
+            self.membership.begin(step)  # a group behind heals here: healed_step
         return False
-
-    def _heal_state(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "step": self._step}
-
-    def _load_heal_state(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.healed_step = state["step"]
 
     @torch.no_grad()
     def _average_groups(self, step):
@@ -167,11 +153,11 @@ class DDP(Algorithm):
         S, n = self.topo.shards, flat.numel()
         chunk = -(-n // S)
         piece = F.pad(flat, (0, chunk * S - n))[self.topo.shard * chunk:][:chunk]
-        mean = self.elastic.average(self.comm, piece, "fp32", 0, tag="grads",
+        mean = self.membership.average(self.comm, piece, "fp32", 0, tag="grads",
                                     healed_counts=True).wait()
         if S > 1:
             mean = torch.cat(self.comm.all_gather(mean, "inner", tag="grads").wait())[:n]
-        if not self.elastic.commit():  # nobody steps on this gradient
+        if not self.membership.commit():  # nobody steps on this gradient
             for p in params:
                 p.grad = None
             self.comm.events.emit("skip", step=step + 1, what="commit")
@@ -180,9 +166,3 @@ class DDP(Algorithm):
         for p in params:
             p.grad = mean[offset: offset + p.numel()].view_as(p).to(p.dtype)
             offset += p.numel()
-
-    def state_dict(self) -> dict:
-        return {"manager": manager_state(self.elastic)} if self.elastic is not None else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        load_manager_state(self.elastic, state.get("manager"))

@@ -55,13 +55,12 @@ from lowband.algorithms.base import PERIODIC, Algorithm
 from lowband.algorithms.edit_plan import (Plan, clip_scale, decide_sync, event_fields, extras_of,
                                          new_stats, penalty_config, plan_from_state, plan_state,
                                          stats_from_state)
-from lowband.algorithms.edit_units import (Landed, Summed, Unit, allocated_bytes, local_piece,
-                                          local_state, outer_memory, shard_replica, sharded_state)
+from lowband.algorithms.edit_units import (Landed, Summed, Unit, allocated_bytes, outer_memory,
+                                          shard_replica)
 from lowband.algorithms.exchange import ExchangeOptions, exchange_block
 from lowband.algorithms.outer import OuterOptions, nesterov_step, outer_home, settle, sgd_step
-from lowband.algorithms.penalty import EWMA
-from lowband.comm.elastic import load_manager_state, manager_state
 from lowband.options import ConfigError, Options, non_negative, option, positive, require
+from lowband.params import local_piece
 
 
 @dataclass
@@ -103,6 +102,7 @@ class EditOptions(Options):
 class EDiT(Algorithm):
     name = "edit"
     kind = PERIODIC
+    elastic = True
     options = (OuterOptions, ExchangeOptions, EditOptions)
     defaults = {"codec": "fp32"}
     summary = ("EDiT: local SGD over FSDP2-sharded replicas, layer-wise sync in the forward pass, "
@@ -140,7 +140,7 @@ class EDiT(Algorithm):
         self.plan: Plan | None = None  # the sync being applied
         self.started = self.applied = 0
         self.sync_info: dict = {}
-        self.elastic = comm.elastic  # --elastic: the replicate dimension is torchft's
+        self.membership = comm.elastic  # --elastic: the replicate dimension is torchft's
         self.me = topology.replica   # this replica's row in the sync's plan (elastic: per quorum)
         self._quorum_at = None       # steps done at the last quorum
         self._report_memory(allocated, outer_device)
@@ -163,9 +163,9 @@ class EDiT(Algorithm):
     def should_stop(self, step):
         if step >= self.config.steps:
             return True
-        if self.elastic is not None and self._due(step) and self._quorum_at != step:
+        if self.membership is not None and self._due(step) and self._quorum_at != step:
             self._quorum_at = step  # before the step reads its data: a group behind heals here
-            self.elastic.begin(step)
+            self.membership.begin(step)
         return False
 
     def before_forward(self, step):
@@ -235,7 +235,7 @@ class EDiT(Algorithm):
         mine = torch.cat([sq, torch.tensor(extra or [], dtype=torch.float64, device=self.device)])
         rows = [r.cpu().tolist() for r in self.comm.all_gather(mine, "world", tag="norms").wait()]
         replicas, shards = t.replicas, t.shards
-        if self.elastic is not None:
+        if self.membership is not None:
             rows = self._quorum_rows(rows)
             replicas, shards = len(rows), 1
         if skip is not None and skip(extras_of(rows, len(self.units), replicas, shards)):
@@ -268,8 +268,8 @@ class EDiT(Algorithm):
             if c.error_feedback:
                 u.residual = delta - avg.sent
             u.pending = Summed(avg, self.n_summed)
-        elif self.elastic is not None:
-            u.pending = self.elastic.all_reduce(self.comm, delta, u.tag)
+        elif self.membership is not None:
+            u.pending = self.membership.all_reduce(self.comm, delta, u.tag)
         else:
             u.pending = self.comm.all_reduce(delta, "outer", tag=u.tag)
 
@@ -301,7 +301,7 @@ class EDiT(Algorithm):
         if not d.all_flagged:
             avg = u.pending.wait().to(self.device)
             u.pending = None
-            if self.elastic is not None and self.elastic.failed():
+            if self.membership is not None and self.membership.failed():
                 self._uncommitted(j)  # a peer died mid-sync: this unit keeps its state
                 return
             if self.penalty.clip > 0:
@@ -332,8 +332,8 @@ class EDiT(Algorithm):
     def _applied_one(self) -> None:
         if self.applied == len(self.units):
             self.plan = None
-            if self.elastic is not None:
-                self.elastic.commit()  # the sync's vote, once every unit is done
+            if self.membership is not None:
+                self.membership.commit()  # the sync's vote, once every unit is done
 
     # -- --elastic (docs/elastic.md) -----------------------------------------------------------
 
@@ -343,12 +343,12 @@ class EDiT(Algorithm):
         of its source) is left out and sends zeros (self.me None)."""
         n = len(self.units)
         mine = [sum(r[j] for r in rows) for j in range(n)] + rows[0][n:]
-        healed = float(self.elastic.healed_now)
+        healed = float(self.membership.healed_now)
         t = torch.tensor(mine + [healed], dtype=torch.float64, device=self.device)
-        every = [r.cpu().tolist() for r in self.elastic.all_gather(self.comm, t, "norms").wait()]
+        every = [r.cpu().tolist() for r in self.membership.all_gather(self.comm, t, "norms").wait()]
         self.healed_in_quorum = [bool(r[-1]) for r in every]
         members = [i for i, r in enumerate(every) if not r[-1]]
-        position = self.elastic.position()
+        position = self.membership.position()
         self.me = members.index(position) if position in members else None
         return [every[i][:-1] for i in members]
 
@@ -359,37 +359,15 @@ class EDiT(Algorithm):
         self._applied_one()
 
     def join(self, step):
-        if self.elastic is None:
+        if self.membership is None:
             return
         self._quorum_at = step
-        if self.elastic.join(step, self._heal_state, self._load_heal_state):  # the others are in
-            self._quorum_at = self.healed_step  # the sync of healed_step: the trainer goes on
-                                                # there, and this group takes part in it
+        if self.membership.join(step):  # healed: the others are in the sync of healed_step,
+            self._quorum_at = self.healed_step  # the trainer goes on there, and so does this group
 
-    def _heal_state(self) -> dict:
-        """What a live group hands a joining one (each rank its shards): model, inner optimizer,
-        outer state, the penalty's statistics, counters."""
-        self._reshard()
-        return {"model": {k: local_piece(v) for k, v in self.model.state_dict().items()},
-                "optimizer": local_state(self.optimizer.state_dict()),
-                "outer": [u.outer for u in self.units], "momentum": [u.momentum for u in self.units],
-                "ewma": [u.ewma.state() for u in self.units], "syncs": self.syncs,
-                "step": self._quorum_at}
-
-    def _load_heal_state(self, state: dict) -> None:
-        self._reshard()
-        with torch.no_grad():
-            for k, v in self.model.state_dict().items():
-                local_piece(v).copy_(state["model"][k])
-        self.optimizer.load_state_dict(sharded_state(state["optimizer"], self.optimizer))
-        for u, outer, momentum, ewma in zip(self.units, state["outer"], state["momentum"],
-                                            state["ewma"]):
-            u.outer.copy_(outer)
-            u.momentum.copy_(momentum)
-            u.ewma = EWMA.from_state(ewma)
-            u.pending, u.residual = None, None  # error feedback is this group's own
-        self.syncs, self.anchored = state["syncs"], True
-        self.healed_step = state["step"]
+    def healed(self) -> None:  # (a heal hands over each rank's shards: state_dict(), base.py)
+        for u in self.units:
+            u.residual = None  # error feedback is this group's own
 
     # -- outer parameters, evaluation, state --------------------------------------------------
 
@@ -419,6 +397,7 @@ class EDiT(Algorithm):
         """This rank's state: outer shards, momentum, statistics, counters; an exchange in
         flight is waited for and kept as landed."""
         units = []
+        self._reshard()  # (the model's state beside it is the sharded one)
         settle(self.device)
         for u in self.units:
             if u.pending is not None and not isinstance(u.pending, Landed):
@@ -430,10 +409,10 @@ class EDiT(Algorithm):
         return {"units": units, "plan": plan, "started": self.started, "applied": self.applied,
                 "anchored": self.anchored, "steps_done": self.steps_done,
                 "last_prepared": self.last_prepared, "syncs": self.syncs,
-                "sync_info": dict(self.sync_info), "skips": getattr(self, "skips", 0),
-                "manager": manager_state(self.elastic)}
+                "sync_info": dict(self.sync_info), "skips": getattr(self, "skips", 0)}
 
     def load_state_dict(self, state: dict) -> None:
+        self._reshard()
         settle(self.device)
         for u, s in zip(self.units, state["units"]):
             u.outer.copy_(s["outer"])
@@ -447,4 +426,3 @@ class EDiT(Algorithm):
         self.last_prepared, self.syncs = state["last_prepared"], state["syncs"]
         self.sync_info = dict(state["sync_info"])
         self.skips = state.get("skips", 0)
-        load_manager_state(self.elastic, state.get("manager"))

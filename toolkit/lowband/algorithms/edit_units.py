@@ -1,8 +1,7 @@
 """What edit (and aedit) hold a unit at a time, and how a replica is sharded: a Unit is one
 FSDP unit (the root's own parameters, or one block) with this rank's piece of it and of its
 outer state; Landed and Summed are exchanges in flight as the unit's apply reads them;
-`shard_replica` applies FSDP2 over a replica's S ranks (edit.py skips it at S = 1), and the optimizer
-state's round trip between sharded tensors and this rank's pieces (heals) lives beside it."""
+`shard_replica` applies FSDP2 over a replica's S ranks (edit.py skips it at S = 1)."""
 
 from __future__ import annotations
 
@@ -13,15 +12,7 @@ import torch.nn as nn
 from lowband.algorithms.outer import kept_at
 from lowband.algorithms.penalty import EWMA
 from lowband.options import ConfigError
-from lowband.params import is_dtensor
-
-
-def local_piece(t: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a (possibly sharded) tensor, sharing its storage."""
-    if is_dtensor(t):
-        with torch.no_grad():
-            return t.to_local()
-    return t
+from lowband.params import local_piece
 
 
 class Landed:
@@ -103,27 +94,6 @@ def shard_replica(model: nn.Module, blocks: nn.ModuleList, topology) -> None:
     for block in blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-
-
-def local_state(optim_state: dict) -> dict:
-    """An optimizer's state dict with each sharded tensor as this rank's piece."""
-    return {"state": {i: {k: local_piece(v) for k, v in st.items()} for i, st in optim_state["state"].items()},
-            "param_groups": optim_state["param_groups"]}
-
-
-def sharded_state(local: dict, optimizer) -> dict:
-    """local_state's inverse for this optimizer: each piece as a DTensor shaped like its
-    parameter (the same mesh and placements: the groups shard alike)."""
-    from torch.distributed.tensor import DTensor
-
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    state = {}
-    for i, st in local["state"].items():
-        p = params[int(i)]
-        state[i] = {k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape,
-                                          stride=p.stride())
-                    if is_dtensor(p) and v.dim() > 0 else v for k, v in st.items()}
-    return {"state": state, "param_groups": local["param_groups"]}
 
 
 def outer_memory(units: list[Unit], shards: int, device: torch.device, allocated: int) -> dict:

@@ -181,6 +181,9 @@ def register(cls: type) -> type:
     if cls.kind not in (EVERY_STEP, PERIODIC):
         raise ConfigError(f"{what}'s kind must be EVERY_STEP or PERIODIC (lowband.algorithms."
                           f"base), got {cls.kind!r}.")
+    if not isinstance(cls.elastic, bool):
+        raise ConfigError(f"{what}'s elastic (whether it runs --elastic) must be True or False, "
+                          f"got {cls.elastic!r}.")
     if not (isinstance(cls.summary, str) and cls.summary.strip()):
         raise ConfigError(f"{what} has no `summary`: set one line, shown by --help and "
                           "`lowband recipes`.")

@@ -40,7 +40,6 @@ from lowband.algorithms.ddp import DDP
 from lowband.algorithms.outer import (OuterOptions, Staging, kept_at, nesterov_step, outer_home,
                                       settle, sgd_step)
 from lowband.algorithms.exchange import ExchangeOptions, exchange_block
-from lowband.comm.elastic import load_manager_state, manager_state
 from lowband.options import ConfigError, Options, option
 from lowband.params import flatten, split_fragments, write_flat
 
@@ -105,6 +104,7 @@ class StreamingOptions(Options):
 class Streaming(Algorithm):
     name = "streaming"
     kind = PERIODIC
+    elastic = True
     options = (OuterOptions, ExchangeOptions, StreamingOptions)
     defaults = {"fragments": 4, "overlap": 1, "alpha": 0.5, "codec": "fp4-e3m0"}
     summary = ("Streaming DiLoCo: fragments synced in turn, overlapped with training, "
@@ -185,42 +185,20 @@ class Streaming(Algorithm):
         if p is not None:
             self._start(self.fragments[p], s)
 
-    # --elastic (comm/elastic.py): a quorum before each sync, the commit vote before each apply
+    # --elastic (comm/elastic.py): a quorum before each sync, the commit vote before each apply;
+    # a heal hands over state_dict() at the start of a sync or in the first quorum (nothing in
+    # flight then, but a resumed exchange that already landed)
     def join(self, step: int) -> None:
-        elastic = self.comm.elastic
-        if elastic is None:
-            return
-        self._sync_step = step
-        if elastic.join(step, self._heal_state, self._load_heal_state):  # restarted: the
+        if self.comm.elastic is not None and self.comm.elastic.join(step):  # restarted: the
             s = self.healed_step               # others are in the sync of healed_step; join it
             self._exchange(self.fragments[self.due(s)], s)
 
-    def _heal_state(self) -> dict:
-        """What a live group hands a joining one: at the start of a sync, or in its first
-        quorum (nothing in flight then, but a resumed exchange that already landed)."""
-        self.staging.settle()  # the last applies' copies back to host memory
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "outer": [f.outer for f in self.fragments],
-                "momentum": [f.momentum for f in self.fragments],
-                "pending": [self._landed(f) for f in self.fragments], "step": self._sync_step}
-
-    def _load_heal_state(self, state: dict) -> None:
-        self.staging.settle()  # no copy in flight reads or writes the state overwritten here
-        self.staging.drop()  # staged copies of the state this replaces
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        for f, outer, momentum, pending in zip(self.fragments, state["outer"], state["momentum"],
-                                               state["pending"]):
-            f.outer.copy_(outer)
-            f.momentum.copy_(momentum)
+    def healed(self) -> None:
+        for f in self.fragments:
             f.residual = None  # error feedback is this group's own
-            f.pending = None if pending is None else (pending[0], pending[1],
-                                                      Landed(pending[2], pending[3]))
-        self.healed_step = state["step"]
 
     def _start(self, f: Fragment, s: int) -> None:
         if self.comm.elastic is not None:
-            self._sync_step = s
             if self.comm.elastic.begin(s):  # behind the others: now a live peer's copy
                 s = self.healed_step
                 f = self.fragments[self.due(s)]
@@ -312,7 +290,7 @@ class Streaming(Algorithm):
 
     def state_dict(self) -> dict:
         """This rank's outer state; an exchange in flight is waited for and kept as landed
-        (with --elastic, with its commit vote, taken now), and the Manager's step."""
+        (with --elastic, with its commit vote, taken now)."""
         self.staging.settle()  # the state's writes to host memory, flushed and done
         settle(self.topo.device)
         for f in self.fragments:
@@ -323,8 +301,7 @@ class Streaming(Algorithm):
                 f.pending = (apply_at, started, Landed(value, vote))
         frags = [{"outer": f.outer, "momentum": f.momentum, "residual": f.residual,
                   "pending": self._landed(f), "tokens": f.tokens} for f in self.fragments]
-        return {"fragments": frags, "skips": self.skips,
-                "manager": manager_state(self.comm.elastic)}
+        return {"fragments": frags, "skips": self.skips}
 
     @staticmethod
     def _landed(f: Fragment) -> list | None:
@@ -345,7 +322,6 @@ class Streaming(Algorithm):
             p = st["pending"]
             f.pending = None if p is None else (p[0], p[1], Landed(p[2], (p + [None])[3]))
         self.skips = state["skips"]
-        load_manager_state(self.comm.elastic, state.get("manager"))
 
     def _gather(self, f: Fragment, piece: torch.Tensor) -> torch.Tensor:
         """The whole fragment from every shard's slice (over the fast inner link)."""

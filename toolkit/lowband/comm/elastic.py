@@ -8,9 +8,10 @@ each quorum. lowband writes no quorum, heartbeat or rendezvous protocol of its o
 
 One outer sync (diloco, streaming):
   begin(step)      Manager.start_quorum, synchronous: who takes part. A group behind the others
-                   (restarted, or dropped from a quorum) receives the state registered with
-                   `state_fns` from a live peer here (torchft's HTTP checkpoint transport) and
-                   loads it: model, inner optimizer, outer parameters and momentum, the step.
+                   (restarted, or dropped from a quorum) receives the algorithm's state from a
+                   live peer here (torchft's HTTP checkpoint transport; `register`) and loads it:
+                   model, inner optimizer, the algorithm's state_dict() (outer parameters and
+                   momentum...), the step.
   average(x, ...)  the mean over the groups that take part with what they trained: a group
                    healed in this quorum holds a copy of its source's state, so it sends weight
                    0 (and zeros) and the mean divides by the summed weights
@@ -55,9 +56,10 @@ def load_manager_state(elastic: "Membership | None", state: dict | None) -> None
 @dataclass
 class ElasticOptions(Options):
     title = "elastic replica groups (torchft)"
+    # its help ends with the algorithms whose class says `elastic` (lowband.config adds them)
     elastic: bool = option(False, "each replica group a world of its own, joined through a "
                            "torchft Lighthouse: a lost group does not stop the others, and a "
-                           "restarted one heals from a live peer (ddp, diloco, streaming, edit, aedit)")
+                           "restarted one heals from a live peer")
     min_replicas: int = option(1, "smallest quorum of replica groups an outer update commits with")
     quorum_timeout: float = option(600.0, "seconds a group waits for a quorum (longer than the "
                                    "time between syncs)")
@@ -69,9 +71,6 @@ class ElasticOptions(Options):
     def check(cls, cfg) -> None:
         if not cfg.elastic:
             return
-        if cfg.algo not in ELASTIC_ALGOS:
-            raise ConfigError(f"--elastic works with --algo {' or '.join(ELASTIC_ALGOS)} for now: "
-                              f"--algo {cfg.algo} cannot lose a replica group mid-run yet.")
         if not 1 <= cfg.min_replicas <= cfg.replicas:
             raise ConfigError(f"--min-replicas {cfg.min_replicas} must lie in 1..{cfg.replicas} "
                               f"(the replica groups of the run).")
@@ -80,9 +79,6 @@ class ElasticOptions(Options):
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive seconds.")
         if cfg.max_restarts < 0:
             raise ConfigError("--max-restarts must be zero or positive.")
-
-
-ELASTIC_ALGOS = ("ddp", "diloco", "streaming", "edit", "aedit")
 
 
 class ElasticStopped(RuntimeError):
@@ -112,7 +108,7 @@ class Membership:
         self.topo, self.events = topo, events
         timeout = timedelta(seconds=cfg.elastic_timeout)
         self.pg = ProcessGroupGloo(timeout=timeout)
-        self._heal = None  # (bytes, seconds) of the state received in the last quorum
+        self._heal = None  # (bytes, seconds, step) of the state received in the last quorum
         self.manager = Manager(
             pg=self.pg, load_state_dict=None, state_dict=None,
             min_replica_size=cfg.min_replicas, use_async_quorum=False, timeout=timeout,
@@ -122,27 +118,29 @@ class Membership:
             replica_id=f"replica{topo.replica}", init_sync=False)
         self.members: tuple[int, ...] = ()
         self.quorum_id = -1
+        self.at = 0  # the inner step of the quorum this group is in (begin's)
         self.healed_now = self.peer_in_sync = self._joining = False
 
-    def register(self, save, load) -> None:
-        """The state a live group hands a joining one: save() -> dict, load(dict). It also
-        says whether the sender was in a sync (in_sync) or in its first quorum (join)."""
+    def register(self, algo) -> None:
+        """What a live group hands a joining one (the trainer registers its algorithm once):
+        the algorithm's heal_state() (algorithms/base.py), the step of the quorum, which the
+        joining group's trainer goes on from (healed_step), and whether the sender was in a
+        sync (in_sync) or in its first quorum (join)."""
 
-        def load_timed(state):
+        def load(state):
             t0 = time.perf_counter()
-            self.peer_in_sync = state.pop("in_sync")
-            load(state)
-            self._heal = (_nbytes(state), time.perf_counter() - t0, state.get("step"))
+            algo.load_heal_state(state["algorithm"])
+            algo.healed_step, self.peer_in_sync = state["step"], state["in_sync"]
+            self._heal = (_nbytes(state), time.perf_counter() - t0, state["step"])
 
-        self.manager.register_state_dict_fn("lowband", load_timed,
-                                            lambda: {**save(), "in_sync": not self._joining})
+        self.manager.register_state_dict_fn("lowband", load, lambda: {
+            "algorithm": algo.heal_state(), "step": self.at, "in_sync": not self._joining})
 
-    def join(self, step: int, save, load) -> bool:
+    def join(self, step: int) -> bool:
         """The first quorum, before the first step (`step` done: 0, or a checkpoint's). True
         when this group healed into a sync the others are in: it must take part in that sync.
         Otherwise every group is in its first quorum (a fresh start or a resume): they meet in
         a barrier, so a group behind has its state before the senders vote, and commit."""
-        self.register(save, load)
         self._joining = True
         healed = self.begin(step)
         self._joining = False
@@ -156,7 +154,7 @@ class Membership:
         """A quorum for the sync after inner step `step`. True when this group was healed in it
         (its state is now a live peer's, the step included)."""
         t0 = time.perf_counter()
-        self._heal = None
+        self._heal, self.at = None, step
         try:
             self.manager.start_quorum()
         except Exception as e:  # the Lighthouse is gone, or no quorum within --quorum-timeout
@@ -172,7 +170,7 @@ class Membership:
             joined = sorted(set(members) - set(self.members)) if self.members else list(members)
             extra = {}
             if self.healed_now:  # this group: restarted or behind, now a live peer's copy
-                step = self._heal[2] if self._heal[2] is not None else step
+                step = self._heal[2]
                 extra = {"heal_bytes": self._heal[0], "heal_s": self._heal[1]}
             self.events.emit("membership", step=step, quorum_id=quorum, size=len(members),
                              members=list(members), joined=joined,
