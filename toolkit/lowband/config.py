@@ -25,7 +25,7 @@ from lowband.comm.elastic import ElasticOptions
 from lowband.comm.link import LinkOptions
 from lowband.faults import FaultOptions
 from lowband.options import ArgParser, ConfigError, Options, flag, option  # noqa: F401 (re-exported)
-from lowband import sources
+from lowband import models
 
 _f = option
 
@@ -38,7 +38,7 @@ class RunOptions(Options):
     replicas: int = _f(2, "R: replica groups, joined by the slow outer link")
     shards: int = _f(1, "S: ranks inside each replica group, joined by the fast inner link")
     # model
-    model: str = _f("micro", f"model: {sources.names()}")
+    model: str = _f("micro", f"model: {models.names()}")
     n_layer: int = _f(0, "override the preset's number of blocks (0 keeps the preset)")
     n_head: int = _f(0, "override the preset's attention heads (0 keeps the preset)")
     d_model: int = _f(0, "override the preset's width (0 keeps the preset)")
@@ -145,7 +145,7 @@ class Config(*reversed(GROUPS)):
             broken = [w for w in registry.BROKEN if f"'{self.algo}" in w]
             raise ConfigError(f"unknown algorithm '{self.algo}': use one of {', '.join(ALGORITHMS)}"
                               + (f" ({broken[0]} failed to load)." if broken else "."))
-        sources.check(self)
+        models.check(self)
         algorithm = ALGORITHMS[self.algo]
         for name, value in algorithm.defaults.items():
             if getattr(self, name) is None:
@@ -179,7 +179,7 @@ class Config(*reversed(GROUPS)):
     def n_blocks(self) -> int:
         if self.model_blocks is not None:
             return self.model_blocks
-        return sources.spec(self.model).blocks(self.n_layer)
+        return models.spec(self.model).n_blocks(self.n_layer)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
