@@ -73,6 +73,8 @@ def test_help_groups_options_by_algorithm():
         for name in group.names():
             assert "--" + name.replace("_", "-") in section
     assert "run options:" in text and "emulated outer link" in text
+    model = text.split("model options:", 1)[1].split("\n\n", 1)[0]  # the sizes: a group of their own
+    assert all(f in model for f in ("--model", "--n-layer", "--n-head", "--d-model", "--vocab-size"))
 
 
 def test_a_run_config_json_and_its_directory_are_configs(tmp_path):

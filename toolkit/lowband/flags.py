@@ -1,6 +1,6 @@
 """The flags of `lowband train`: one per Config field, grouped in --help as the option groups
-are (the run's own, the link's and the faults', then each algorithm's, titled with the
-algorithms that read it), and the parse of a command line into a Config."""
+are (the run's own, the model's, the link's and the faults', then each algorithm's, titled with
+the algorithms that read it), and the parse of a command line into a Config."""
 
 from __future__ import annotations
 

@@ -13,13 +13,14 @@ trainer, the planner, export and `lowband launch` call it and never ask which ki
   to_hf(model, meta)                                                     `lowband export`
 `files(name)`: the local path a name reads, unread (`lowband launch` leaves a path that is not
 here to the nodes; export refuses a run whose model is gone). `blocks_of` and `for_training`
-take any module, a user's own too.
+take any module, a user's own too. The model options (ModelOptions) are declared here.
 
 A new kind: its module with a record class and a KIND, and that KIND in KINDS below.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.nn as nn
@@ -27,9 +28,9 @@ import torch.nn as nn
 from lowband.models import gpt, hf
 from lowband.models.base import (SIZES, ModelSource, compile_blocks, find_blocks, lm_loss,
                                  load_weights, num_params)
-from lowband.options import ConfigError
+from lowband.options import ConfigError, Options, flag, option
 
-__all__ = ["KINDS", "SIZES", "ModelSource", "blocks_of", "build", "check",
+__all__ = ["KINDS", "SIZES", "ModelOptions", "ModelSource", "blocks_of", "build", "check",
            "check_vocab", "compile_blocks", "files", "find_blocks", "for_training", "lm_loss",
            "load_weights", "names", "num_params", "spec"]
 
@@ -91,3 +92,20 @@ def for_training(model: nn.Module) -> nn.Module:
     for kind in KINDS:
         model = kind.source.prepare(model)
     return model
+
+
+@dataclass
+class ModelOptions(Options):
+    title = "model"
+    model: str = option("micro", f"model: {names()}")
+    n_layer: int = option(0, "override the preset's number of blocks (0 keeps the preset)")
+    n_head: int = option(0, "override the preset's attention heads (0 keeps the preset)")
+    d_model: int = option(0, "override the preset's width (0 keeps the preset)")
+    vocab_size: int = option(0, "override the vocabulary size (0: 256 for bytes, the preset's "
+                             "otherwise)")
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        for name in SIZES:
+            if getattr(cfg, name) < 0:
+                raise ConfigError(f"{flag(name)} must be zero or positive, got {getattr(cfg, name)}.")
