@@ -34,9 +34,9 @@ from lowband.config import Config
 from lowband.data import Batches, load_tokens
 from lowband.launch.local import free_port
 from lowband.options import ConfigError
-from lowband.model import lm_loss
+from lowband.models import lm_loss
 from lowband.telemetry import EventWriter, RunDir
-from lowband.sources import blocks_of
+from lowband.models import blocks_of
 from lowband.train import build_model, make_optimizer_factory
 
 

@@ -35,7 +35,8 @@ import torch
 from lowband.config import Config
 from lowband.data import Batches, load_tokens
 from lowband.launch.local import free_port
-from lowband.model import GPT, compile_blocks, gpt_config, lm_loss, num_params
+from lowband.models import compile_blocks, lm_loss, num_params
+from lowband.models.gpt import GPT, gpt_config
 from lowband.telemetry import read_events
 
 SECTIONS = ("inner", "codecs", "overhead", "target", "e2e")

@@ -51,7 +51,8 @@ def model_line(name: str, seq_len: int = 0) -> str:
     """A model name with what it is, for printed results: 'mini (GPT preset, 6 blocks, 4,820,224
     parameters)' or 'hf:DIR (llama, 6 decoder layers, 4,812,032 parameters)'. seq_len: the
     context trained (a preset's learned position table grows with it)."""
-    from lowband.sources import HFModel, spec
+    from lowband.models import spec
+    from lowband.models.hf import HFModel
 
     m = spec(name)
     if isinstance(m, HFModel):

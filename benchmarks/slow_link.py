@@ -366,8 +366,8 @@ def main(argv=None) -> int:
         return 0
 
     from lowband.data import load_tokens
+    from lowband.models import spec
     from lowband.options import ConfigError
-    from lowband.sources import spec
 
     if a.llama:
         a.model = write_llama_mini(out, a.seq_len)

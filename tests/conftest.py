@@ -129,7 +129,7 @@ def reference_replicas(R: int, S: int, n_layer: int, seq: int, batch: int, lr: f
     import torch
 
     from lowband.data import Batches, load_tokens
-    from lowband.model import GPT, gpt_config
+    from lowband.models.gpt import GPT, gpt_config
 
     torch.manual_seed(seed)
     mc = gpt_config("nano", n_layer=n_layer, seq_len=seq)

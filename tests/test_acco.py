@@ -18,7 +18,8 @@ from conftest import join_local_job
 from lowband.algorithms.acco_budget import MicroBudget, trim
 from lowband.config import Config, ConfigError
 from lowband.data import Batches, load_tokens
-from lowband.model import GPT, gpt_config, num_params
+from lowband.models import num_params
+from lowband.models.gpt import GPT, gpt_config
 from lowband.schedule import lr_at
 from lowband.summary import one_line
 from lowband.telemetry import RunDir, read_events

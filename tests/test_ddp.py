@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from lowband.data import Batches, load_tokens
-from lowband.model import GPT, gpt_config, num_params
+from lowband.models import num_params
+from lowband.models.gpt import GPT, gpt_config
 from lowband.telemetry import read_events
 
 STEPS, ACCUM, BATCH, SEQ, LR, WARMUP, CLIP = 4, 2, 2, 32, 1e-3, 2, 0.5

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from lowband.algorithms import penalty as pen
 from lowband.config import Config, ConfigError
-from lowband.model import GPT, gpt_config
+from lowband.models.gpt import GPT, gpt_config
 from conftest import join_local_job, reference_replicas, train_in_one_job
 from test_penalty_reference import AtorchPenalty
 from lowband.telemetry import RunDir, read_events
@@ -515,7 +515,7 @@ ROUND_TRIP = textwrap.dedent("""
     from lowband.comm import Comm
     from lowband.config import Config
     from lowband.data import Batches, load_tokens
-    from lowband.model import GPT, gpt_config
+    from lowband.models.gpt import GPT, gpt_config
     from lowband.params import is_dtensor
     from lowband.train import make_optimizer_factory, standard_step
 

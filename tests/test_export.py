@@ -14,7 +14,8 @@ from conftest import hf_config, lowband
 from lowband.cli import main as cli
 from lowband.config import Config
 from lowband.data import Batches, ShardedTokens
-from lowband.model import GPT, gpt_config, lm_loss
+from lowband.models import lm_loss
+from lowband.models.gpt import GPT, gpt_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 FAST = ["--seq-len", 32, "--batch-size", 4, "--eval-every", 0, "--eval-batches", 2, "--no-progress"]

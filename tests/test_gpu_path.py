@@ -14,7 +14,8 @@ from lowband import topology
 from lowband.comm import Comm
 from lowband.config import ConfigError
 from lowband.launch.local import free_port
-from lowband.model import GPT, compile_blocks, gpt_config, lm_loss
+from lowband.models import compile_blocks, lm_loss
+from lowband.models.gpt import GPT, gpt_config
 from lowband.telemetry import read_events
 
 

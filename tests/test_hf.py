@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs through `lowband train --model hf:PATH` (lowband/sources.py): every
+"""Hugging Face causal LMs through `lowband train --model hf:PATH` (lowband/models/hf.py): every
 algorithm on a tiny Llama built from its config, zero1 equal to ddp, lowband's ddp equal to
 torch's DistributedDataParallel, block-sized options checked against the model trained, the
 initial broadcast kept out of the sync figures, and bad input in one sentence.
@@ -15,7 +15,7 @@ import torch
 from conftest import hf_config, lowband, train_in_one_job
 from lowband.config import Config, ConfigError
 from lowband.launch.local import free_port
-from lowband.sources import build
+from lowband.models import build
 from lowband.telemetry import read_events
 
 SMALL = ["--steps", 8, "--warmup-steps", 2, "--seq-len", 32, "--batch-size", 4,
@@ -96,7 +96,7 @@ DDP_SCRIPT = textwrap.dedent('''
     from lowband import Config
     from lowband.data import Batches, load_corpus, vocab_needed
     from lowband.schedule import lr_at
-    from lowband.sources import build
+    from lowband.models import build
     from lowband.train import make_optimizer_factory, train
 
     cfg = Config(algo="ddp", model="hf:" + sys.argv[1], replicas=2, steps=10, warmup_steps=3,

@@ -2,7 +2,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lowband.model import GPT, MODELS, find_blocks, gpt_config, num_params
+from lowband.models import find_blocks, num_params
+from lowband.models.gpt import GPT, MODELS, gpt_config
 
 
 @pytest.mark.parametrize("preset,low,high", [("nano", 0.08e6, 0.2e6), ("micro", 0.7e6, 1.0e6),

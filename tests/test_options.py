@@ -11,7 +11,8 @@ from lowband.algorithms.base import EVERY_STEP, PERIODIC
 from lowband.comm import CODEC_RECORDS, CODECS, encode, payload_bytes
 from lowband.config import COMMON_GROUPS, GROUPS, Config, ConfigError, fields
 from lowband.flags import train_parser
-from lowband.model import MODELS, num_params
+from lowband.models import num_params
+from lowband.models.gpt import MODELS
 from lowband.plan import inputs as plan_inputs
 
 
@@ -72,6 +73,8 @@ def test_help_groups_options_by_algorithm():
         for name in group.names():
             assert "--" + name.replace("_", "-") in section
     assert "run options:" in text and "emulated outer link" in text
+    model = text.split("model options:", 1)[1].split("\n\n", 1)[0]  # the sizes: a group of their own
+    assert all(f in model for f in ("--model", "--n-layer", "--n-head", "--d-model", "--vocab-size"))
 
 
 def test_a_run_config_json_and_its_directory_are_configs(tmp_path):
@@ -118,5 +121,5 @@ def test_model_registry_counts_what_it_builds():
     for name, spec in MODELS.items():
         assert plan_inputs.MODELS[name] == (spec.param_count(), spec.n_layer)
         if name != "gpt2":  # building GPT-2 takes a second; its formula is the same
-            assert spec.param_count(seq_len=64) == num_params(spec.build(seq_len=64))
+            assert spec.param_count(seq_len=64) == num_params(spec.network(seq_len=64))
     assert Config(model="nano", n_layer=5).n_blocks() == 5

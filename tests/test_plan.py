@@ -436,8 +436,9 @@ def test_figure():
 def test_presets_match_lowband_models():
     import torch
 
-    from lowband.model import GPT, gpt_config, num_params
-    from lowband.model import MODELS as PRESETS
+    from lowband.models import num_params
+    from lowband.models.gpt import GPT, gpt_config
+    from lowband.models.gpt import MODELS as PRESETS
 
     assert set(MODELS) == set(PRESETS)
     for name, (params, layers) in MODELS.items():

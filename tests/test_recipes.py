@@ -9,7 +9,8 @@ import pytest
 from conftest import lowband, train_in_one_job
 from lowband import recipes
 from lowband.config import Config, ConfigError
-from lowband.model import MODELS, num_params
+from lowband.models import num_params
+from lowband.models.gpt import MODELS
 
 
 @pytest.mark.parametrize("name", recipes.RECIPES)
@@ -87,6 +88,6 @@ def test_main_job_shows_the_point(tmp_path):
     assert config["algo"] == "streaming" and config["link_bandwidth"] == "100Mbit"
     # ddp's bytes, computed: every step each of the R ranks sends 2(n-1)/n of 4 bytes a
     # parameter to the next replica (one bucket holds the whole 0.8M model)
-    n = num_params(MODELS["micro"].build(seq_len=config["seq_len"]))
+    n = num_params(MODELS["micro"].network(seq_len=config["seq_len"]))
     assert summary["ddp_outer_wire_bytes"] == 2 * 200 * (2 * 1 * 4 * n // 2)
     assert summary["ddp_outer_wire_bytes"] > 50 * summary["outer_wire_bytes"]

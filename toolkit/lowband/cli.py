@@ -74,7 +74,7 @@ def cmd_train(argv: list[str]) -> int:
 def launch_local(cfg: Config, argv: list[str], main_job: bool = False, resume: bool = False) -> int:
     from lowband.data import load_corpus, vocab_needed
     from lowband.launch.local import LocalJob, describe_exit, last_line
-    from lowband.sources import check_vocab
+    from lowband.models import check_vocab
     from lowband.telemetry import RunDir, new_run_dir
 
     for note in cfg.ignored():

@@ -1,10 +1,11 @@
 """The configuration of a run: one flat dataclass made of option groups, one validate().
 
-The run's own options are declared here (RunOptions); each algorithm's beside its code
-(algorithms/), the emulated link's in comm/link.py, the fault injectors' in faults.py. Config
-inherits every group, so `cfg.fragments` reads as before, and the registry of algorithms
-(algorithms/__init__.py) says which groups each algorithm reads: validation refuses an option
-of another algorithm's group, and `lowband train --help` lists the options group by group.
+The run's own options are declared here (RunOptions); the model's beside the model sources
+(models/), each algorithm's beside its code (algorithms/), the emulated link's in comm/link.py,
+the fault injectors' in faults.py. Config inherits every group, so `cfg.fragments` reads as
+before, and the registry of algorithms (algorithms/__init__.py) says which groups each algorithm
+reads: validation refuses an option of another algorithm's group, and `lowband train --help`
+lists the options group by group.
 
 Every field is a `lowband train` flag (`--batch-size` for `batch_size`) and a key of a
 `--config` file (TOML, or a run's own config.json); flags given on the command line override it.
@@ -25,7 +26,8 @@ from lowband.comm.elastic import ElasticOptions
 from lowband.comm.link import LinkOptions
 from lowband.faults import FaultOptions
 from lowband.options import ArgParser, ConfigError, Options, flag, option  # noqa: F401 (re-exported)
-from lowband import sources
+from lowband import models
+from lowband.models import ModelOptions
 
 _f = option
 
@@ -37,12 +39,6 @@ class RunOptions(Options):
     algo: str = _f("ddp", "training algorithm")  # its help names them (_name_algorithms)
     replicas: int = _f(2, "R: replica groups, joined by the slow outer link")
     shards: int = _f(1, "S: ranks inside each replica group, joined by the fast inner link")
-    # model
-    model: str = _f("micro", f"model: {sources.names()}")
-    n_layer: int = _f(0, "override the preset's number of blocks (0 keeps the preset)")
-    n_head: int = _f(0, "override the preset's attention heads (0 keeps the preset)")
-    d_model: int = _f(0, "override the preset's width (0 keeps the preset)")
-    vocab_size: int = _f(0, "override the vocabulary size (0: 256 for bytes, the preset's otherwise)")
     # data
     data: str = _f("builtin", "'builtin' (the Python standard library's source), a text file or "
                    "directory of text files, a uint16 token file (.bin), or a directory written "
@@ -99,8 +95,7 @@ class RunOptions(Options):
                      "eval_batches", "keep_checkpoints"):
             if getattr(cfg, name) <= 0:
                 raise ConfigError(f"{flag(name)} must be a positive integer, got {getattr(cfg, name)}.")
-        for name in ("n_layer", "n_head", "d_model", "vocab_size", "warmup_steps", "eval_every",
-                     "checkpoint_every", "max_skips", "stop_after"):
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "max_skips", "stop_after"):
             if getattr(cfg, name) < 0:
                 raise ConfigError(f"{flag(name)} must be zero or positive, got {getattr(cfg, name)}.")
         for name in ("lr", "bucket_mb"):
@@ -123,7 +118,7 @@ class RunOptions(Options):
 
 
 # the groups every algorithm reads, then each algorithm's own (in registry order)
-COMMON_GROUPS = (RunOptions, LinkOptions, FaultOptions, ElasticOptions)
+COMMON_GROUPS = (RunOptions, ModelOptions, LinkOptions, FaultOptions, ElasticOptions)
 # a list: an algorithm registered from outside (algorithms/registry.py) adds its new groups
 GROUPS = [*COMMON_GROUPS, *option_groups(builtin=True)]
 
@@ -145,7 +140,7 @@ class Config(*reversed(GROUPS)):
             broken = [w for w in registry.BROKEN if f"'{self.algo}" in w]
             raise ConfigError(f"unknown algorithm '{self.algo}': use one of {', '.join(ALGORITHMS)}"
                               + (f" ({broken[0]} failed to load)." if broken else "."))
-        sources.check(self)
+        models.check(self)
         algorithm = ALGORITHMS[self.algo]
         if self.elastic and not algorithm.elastic:
             raise ConfigError(f"--elastic works with --algo {' or '.join(_elastic(ALGORITHMS))} "
@@ -182,7 +177,7 @@ class Config(*reversed(GROUPS)):
     def n_blocks(self) -> int:
         if self.model_blocks is not None:
             return self.model_blocks
-        return sources.spec(self.model).blocks(self.n_layer)
+        return models.spec(self.model).n_blocks(self.n_layer)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -4,12 +4,11 @@ directory that `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads.
   weights    --which local (default): RUN/model.pt, rank 0's final weights; --which outer:
              RUN/outer.pt, the outer (synced) parameters, with what it lacks (a tied head is
              the embedding's; buffers) from model.pt
-  hf: runs   the model is rebuilt from the config directory recorded in the run's "model",
-             loaded strictly (only keys tied to a loaded one may be missing), save_pretrained
-  presets    lowband's GPT becomes an equivalent GPT2LMHeadModel: Conv1D weights are the
-             transposed Linear ones, the qkv Linear is c_attn ([q|k|v], heads contiguous), zero
-             biases, exact GELU, eps 1e-5, n_positions = the run's seq_len, tied head; the two
-             models' logits are compared before anything is written
+  model      the run's model source (lowband.models) rebuilds its network from the run's
+             config and takes the weights strictly (only keys tied to a loaded one may be
+             missing); its to_hf gives the transformers model: hf: runs as they are, lowband's
+             GPT as an equivalent GPT2LMHeadModel (models/gpt.py's as_gpt2, its logits compared
+             before anything is written), then save_pretrained
   tokenizer  RUN/tokenizer/ when the run used one: a save_pretrained directory is copied, a lone
              tokenizer.json is wrapped in PreTrainedTokenizerFast (eos from the run's meta)
 
@@ -27,10 +26,10 @@ from pathlib import Path
 
 import torch
 
+from lowband import models
 from lowband.config import Config
-from lowband.model import GPT, gpt_config
+from lowband.models import SIZES, load_weights
 from lowband.options import ArgParser, ConfigError
-from lowband.sources import HF, HFModel, spec
 from lowband.telemetry import RunDir
 
 
@@ -81,16 +80,18 @@ def export(run_dir, output, which: str = "local", overwrite: bool = False) -> Pa
                               "pass --overwrite to replace it.")
         if run.root.resolve().is_relative_to(out.resolve()):
             raise ConfigError(f"'{out}' holds the run itself: give another output directory.")
-    if cfg.model.startswith(HF) and not Path(cfg.model[len(HF):]).expanduser().exists():
-        raise ConfigError(f"the run's model config '{cfg.model[len(HF):]}' is gone, and export "
-                          "rebuilds the model from it: restore that directory (or run the export "
-                          "where the path holds).")
+    path = models.files(cfg.model)
+    if path is not None and not path.exists():
+        raise ConfigError(f"the run's model '{path}' is gone, and export rebuilds the model "
+                          "from it: restore it (or run the export where the path holds).")
     local = _read(run.root / "model.pt")
     outer = _read(weights) if which == "outer" else None
-    if cfg.model.startswith(HF):
-        model = _hf(spec(cfg.model), local, outer)
-    else:
-        model = _gpt2(cfg, meta, local, outer)
+    source = models.spec(cfg.model)
+    net = source.network(*(getattr(cfg, name) for name in SIZES), cfg.seq_len)
+    load_weights(net, local, "model.pt")
+    if outer is not None:  # after model.pt: a tied head takes the outer embedding
+        load_weights(net, outer, "outer.pt", partial=True)
+    model = source.to_hf(net, meta)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
@@ -114,75 +115,6 @@ def _read(path: Path) -> dict:
     if not isinstance(state, dict):
         raise ConfigError(f"'{path}' holds no state dict: it is not a lowband weights file.")
     return state
-
-
-def _load(model: torch.nn.Module, state: dict, path: str, partial: bool = False) -> None:
-    """Load state into model: no unexpected keys, no wrong shapes, and (unless partial) no
-    missing key but one tied to a loaded tensor."""
-    try:
-        result = model.load_state_dict(state, strict=False)
-    except RuntimeError as e:
-        why = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line), "")
-        raise ConfigError(f"{path} does not fit the model the run's config describes "
-                          f"({why[:160] or 'wrong shapes'}).") from None
-    own = model.state_dict(keep_vars=True)
-    loaded = {id(own[k]) for k in state if k in own}
-    missing = [k for k in result.missing_keys if not partial and id(own[k]) not in loaded]
-    if result.unexpected_keys or missing:
-        key = (result.unexpected_keys or missing)[0]
-        raise ConfigError(f"{path} does not hold the weights of the model the run's config "
-                          f"describes ({'unexpected' if result.unexpected_keys else 'missing'} key "
-                          f"'{key}'): was it trained on a model of its own?")
-
-
-def _hf(model_spec: HFModel, local: dict, outer: dict | None):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(model_spec.config, dtype=torch.float32)
-    _load(model, local, "model.pt")
-    if outer is not None:  # after model.pt: a tied head takes the outer embedding
-        _load(model, outer, "outer.pt", partial=True)
-    return model.eval()
-
-
-def _gpt2(cfg: Config, meta: dict, local: dict, outer: dict | None):
-    """lowband's GPT as an equivalent GPT2LMHeadModel, checked on one input."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    mc = gpt_config(cfg.model, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.vocab_size, cfg.seq_len)
-    gpt = GPT(mc)
-    _load(gpt, local, "model.pt")
-    if outer is not None:
-        _load(gpt, outer, "outer.pt", partial=True)
-    eos = (meta.get("tokenizer") or {}).get("eos_id")
-    D = mc.d_model
-    hf = GPT2LMHeadModel(GPT2Config(
-        vocab_size=mc.vocab_size, n_positions=mc.max_seq_len, n_embd=D, n_layer=mc.n_layer,
-        n_head=mc.n_head, n_inner=4 * D, activation_function="gelu", layer_norm_epsilon=1e-5,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
-        bos_token_id=eos, eos_token_id=eos))
-    s, zero = gpt.state_dict(), torch.zeros
-    state = {"transformer.wte.weight": s["wte.weight"], "transformer.wpe.weight": s["wpe.weight"],
-             "transformer.ln_f.weight": s["norm.weight"], "transformer.ln_f.bias": zero(D),
-             "lm_head.weight": s["wte.weight"]}
-    for i in range(mc.n_layer):
-        b, h = f"blocks.{i}.", f"transformer.h.{i}."
-        for ours, theirs, n in (("attn.qkv", "attn.c_attn", 3 * D), ("attn.proj", "attn.c_proj", D),
-                                ("fc", "mlp.c_fc", 4 * D), ("proj", "mlp.c_proj", D)):
-            state[h + theirs + ".weight"] = s[b + ours + ".weight"].t().contiguous()  # Conv1D: (in, out)
-            state[h + theirs + ".bias"] = zero(n)
-        for ours, theirs in (("norm1", "ln_1"), ("norm2", "ln_2")):
-            state[h + theirs + ".weight"], state[h + theirs + ".bias"] = s[b + ours + ".weight"], zero(D)
-    _load(hf, state, "model.pt")
-    hf.eval()
-    x = torch.randint(0, mc.vocab_size, (1, min(mc.max_seq_len, 16)),
-                      generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        gap = (gpt.eval()(x) - hf(x).logits).abs().max().item()
-    if not gap <= 1e-4:
-        raise ConfigError(f"the GPT-2 form of this run's model differs from it (logits apart by "
-                          f"{gap:.2g}), so nothing was exported.")
-    return hf
 
 
 def _tokenizer(root: Path, meta: dict, out: Path) -> None:

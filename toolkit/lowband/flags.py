@@ -1,6 +1,6 @@
 """The flags of `lowband train`: one per Config field, grouped in --help as the option groups
-are (the run's own, the link's and the faults', then each algorithm's, titled with the
-algorithms that read it), and the parse of a command line into a Config."""
+are (the run's own, the model's, the link's and the faults', then each algorithm's, titled with
+the algorithms that read it), and the parse of a command line into a Config."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from lowband import models
 from lowband.algorithms import ALGORITHMS, users
 from lowband.config import COMMON_GROUPS, GROUPS, ArgParser, Config, ConfigError
 
@@ -49,9 +50,9 @@ def parse_train(argv: list[str], *, here: bool = True) -> tuple[Config, bool]:
     """The config of `lowband train ARGV`, validated, and whether it resumes a run.
 
     here=False: the run starts on a cluster (`lowband launch` to a remote scheduler), whose paths
-    need not exist here: a --config file, data, tokenizer or hf:PATH model not found here is the
-    nodes' to check, and everything else is checked as `lowband train` checks it. A --resume run
-    directory is read here either way: the job's layout is the run's own."""
+    need not exist here: a --config file, data, tokenizer or model files (hf:PATH) not found here
+    are the nodes' to check, and everything else is checked as `lowband train` checks it. A
+    --resume run directory is read here either way: the job's layout is the run's own."""
     args = vars(train_parser().parse_args(argv))
     path, resume, recipe = args.pop("config", None), args.pop("resume", None), args.pop("recipe", None)
     if resume:
@@ -87,12 +88,12 @@ def parse_train(argv: list[str], *, here: bool = True) -> tuple[Config, bool]:
 
 
 def _validate_elsewhere(cfg: Config) -> Config:
-    """cfg.validate() with the paths not found here (data, tokenizer, an hf:PATH model) set aside
+    """cfg.validate() with the paths not found here (data, tokenizer, a model's files) set aside
     for the check, as the nodes will check them."""
     default, saved = Config(), {}
     for key, path in (("data", None if cfg.data == "builtin" else cfg.data),
                       ("tokenizer", getattr(cfg, "tokenizer", "") or None),
-                      ("model", cfg.model[3:] if cfg.model.startswith("hf:") else None)):
+                      ("model", models.files(cfg.model))):
         if path is not None and not Path(path).expanduser().exists():
             saved[key] = getattr(cfg, key)
             setattr(cfg, key, getattr(default, key))

@@ -5,7 +5,7 @@ MASTER_ADDR, MASTER_PORT in the environment). `train(config)` builds lowband's G
 `train(config, model=my_module)` trains a user's own nn.Module that maps (B, T) token ids to
 (B, T, V) logits (a tensor, or an output with `.logits` as Hugging Face models return), whose
 blocks are a Hugging Face model's decoder layers or found by `find_blocks` (or passed as
-`blocks=`). `--model hf:PATH` builds a Hugging Face model from local files (sources.py).
+`blocks=`). `--model hf:PATH` builds a Hugging Face model from local files (models/hf.py).
 What comes before the loop (the run directory, a relaunch, the attempt, the checkpoint to
 resume from) is checkpoint/lifecycle.py's.
 """
@@ -34,11 +34,10 @@ from lowband.comm.link import LinkOptions
 from lowband.config import Config
 from lowband.data import Batches, load_corpus, record_tokenizer, vocab_needed
 from lowband.faults import Faults
-from lowband.model import compile_blocks, lm_loss, num_params
+from lowband.models import blocks_of, check_vocab, compile_blocks, for_training, lm_loss, num_params
+from lowband.models import build as build_model
 from lowband.params import flatten, is_dtensor, write_flat
 from lowband.schedule import lr_at
-from lowband.sources import blocks_of, check_vocab, for_training
-from lowband.sources import build as build_model
 from lowband.summary import add_ddp_bytes, summarize
 from lowband.telemetry import EventWriter, write_json_atomic
 

@@ -103,7 +103,7 @@ import torch.distributed as dist
 
 from lowband.algorithms.acco_budget import MicroBudget
 from lowband.algorithms.zero1 import ShardOptions, ZeRO1
-from lowband.model import lm_loss
+from lowband.models import lm_loss
 from lowband.options import ConfigError, Options, option
 from lowband.schedule import lr_at
 

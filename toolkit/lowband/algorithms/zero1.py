@@ -46,7 +46,7 @@ import torch
 
 from lowband.algorithms.base import EVERY_STEP, Algorithm
 from lowband.algorithms.optim import ShardOptimizer
-from lowband.model import lm_loss
+from lowband.models import lm_loss
 from lowband.options import ConfigError, Options, option
 from lowband.params import write_flat
 

@@ -9,9 +9,9 @@ import sys
 
 from lowband.comm.codecs import CHUNK, DENSITY
 from lowband.config import ArgParser
+from lowband.models import names
 from lowband.plan.api import plan
-from lowband.plan.inputs import (BLOCK_SIZE, CODECS, MODELS, fmt_bandwidth, fmt_bytes,
-                                 fmt_count, fmt_seconds)
+from lowband.plan.inputs import BLOCK_SIZE, CODECS, fmt_bandwidth, fmt_bytes, fmt_count, fmt_seconds
 
 EXAMPLE = ("lowband plan --params 1e9 --layers 24 --step-time 0.1 --replicas 2 --sync-every 100 "
            "--fragments 8 --overlap 1 --codec fp4-e3m0 --bandwidth 1gbit --target-cu 0.9")
@@ -58,9 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--params", help="parameter count, e.g. 1e9 or 1.3B")
     add("--layers", help="number of blocks (with a preset --model: its n_layer, as lowband "
         "train's --n-layer)")
-    add("--model", help=f"a preset instead of --params/--layers: {', '.join(MODELS)}, or hf:PATH "
-        "(a Hugging Face model directory or config.json); built on the meta device for its "
-        "parameter count and real fragments")
+    add("--model", help=f"a model instead of --params/--layers: {names()}; built on the meta "
+        "device for its parameter count and real fragments")
     add("--step-time", help="compute seconds per step, e.g. 0.1 or 100ms")
     add("--flops-per-step", help="FLOPs of one step (with --flops, instead of --step-time)")
     add("--flops", help="achieved FLOP/s of one replica")

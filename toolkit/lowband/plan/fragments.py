@@ -13,25 +13,19 @@ import functools
 
 import torch
 
+from lowband.models import spec
 from lowband.params import fragment_of_blocks, split_fragments
-from lowband.sources import HFModel, blocks_of, spec
 
 
 @functools.lru_cache(maxsize=16)
 def _meta_model(model: str, n_layer: int, n_head: int, d_model: int, vocab_size: int,
                 seq_len: int):
-    """(model, blocks) built on the meta device: a preset with lowband's size overrides (0 keeps
-    the preset's), or hf:PATH (its sizes are its config's)."""
-    record = spec(model)
+    """(model, blocks) built on the meta device, with lowband's size overrides (0 keeps the
+    model's; a source whose files fix its sizes ignores them)."""
+    source = spec(model)
     with torch.device("meta"):
-        if isinstance(record, HFModel):
-            from transformers import AutoModelForCausalLM
-
-            net = AutoModelForCausalLM.from_config(record.config)
-        else:
-            net = record.build(n_layer=n_layer, n_head=n_head, d_model=d_model,
-                               vocab_size=vocab_size, seq_len=seq_len or record.seq_len)
-    return net, blocks_of(net)
+        net = source.network(n_layer, n_head, d_model, vocab_size, seq_len or source.seq_len)
+    return net, source.blocks(net)
 
 
 def model_size(model: str, *shape: int) -> tuple[int, int]:

@@ -10,10 +10,10 @@ from lowband import units
 from lowband.algorithms import ALGORITHMS as REGISTRY
 from lowband.comm import codecs, wire
 from lowband.comm.codecs import CHUNK, CODEC_RECORDS, DENSITY, SPARSE, Chunks
-from lowband.model import MODELS as MODEL_SPECS
+from lowband.models import spec
+from lowband.models.gpt import MODELS as MODEL_SPECS
 from lowband.options import ConfigError
 from lowband.plan.fragments import even_fragments, model_fragments, model_size
-from lowband.sources import HF, spec
 
 # the algorithms whose schedule the planner models (timeline.py), in the registry's order
 ALGORITHMS = tuple(name for name in REGISTRY.builtin if name in ("ddp", "diloco", "streaming",
@@ -203,7 +203,7 @@ def make_run(params=None, layers=None, step_time=None, *, model=None, flops_per_
 
 def _model_layers(model: str, layers, sizes: tuple) -> tuple[int, tuple[int, ...]]:
     """(blocks, the size overrides model_size takes) of a named model; PlanError naming the fix
-    for an unknown or unusable one, or a --layers a Hugging Face config fixes."""
+    for an unknown or unusable one, or a --layers its files fix (a Hugging Face config)."""
     try:
         record = spec(model)
     except ConfigError as e:
@@ -211,10 +211,10 @@ def _model_layers(model: str, layers, sizes: tuple) -> tuple[int, tuple[int, ...
     n_layer = 0 if layers is None else _integer(layers, "layers", 1)
     flags = ("n-head", "d-model", "vocab-size", "seq-len")
     shape = (n_layer, *(_integer(v, flag, 0) for v, flag in zip(sizes, flags)))
-    if model.startswith(HF):
+    if record.sizes_from:
         if n_layer not in (0, record.n_layer) or any(shape[1:-1]):
             raise PlanError(f"--layers and the model's sizes do not apply to --model {model}: "
-                            "its config.json sets them.")
+                            f"{record.sizes_from} sets them.")
         shape = (0,) * len(SHAPE)
     return model_size(model, *shape)[1], shape
 

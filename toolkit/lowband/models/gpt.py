@@ -1,8 +1,10 @@
-"""A small GPT whose transformer blocks are an nn.ModuleList (fragments and hooks need that).
+"""lowband's GPT and its presets (MODELS): the model source of `--model NAME`.
 
+A small GPT whose transformer blocks are an nn.ModuleList (fragments and hooks need that).
 Pre-norm blocks, causal attention through F.scaled_dot_product_attention, learned positions,
 tied input/output embeddings, byte-level vocabulary (256) by default. No parallelism here:
-algorithms wrap the model from outside.
+algorithms wrap the model from outside. --n-layer, --n-head, --d-model and --vocab-size
+override a preset's sizes; `lowband export` writes it as an equivalent GPT-2 (ModelSpec.to_hf).
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from lowband.models.base import Kind, ModelSource, load_weights
+from lowband.options import ConfigError
 
 
 @dataclass
@@ -25,9 +30,9 @@ class GPTConfig:
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    """One entry of the model registry, read by validation, the trainer and the planner: how to
-    build the model and, without building it, its blocks and parameter count."""
+class ModelSpec(ModelSource):
+    """A preset: how to build the GPT and, without building it, its blocks and parameter count
+    (the planner's presets)."""
     name: str
     n_layer: int
     n_head: int
@@ -41,18 +46,36 @@ class ModelSpec:
         return GPTConfig(n_layer or self.n_layer, n_head or self.n_head, d_model or self.d_model,
                          vocab_size or self.vocab_size, max(seq_len, 1))
 
-    def build(self, **sizes) -> nn.Module:
-        return GPT(self.config(**sizes))
-
-    def blocks(self, n_layer: int = 0) -> int:
-        return n_layer or self.n_layer
+    def network(self, n_layer=0, n_head=0, d_model=0, vocab_size=0, seq_len=1024) -> nn.Module:
+        return GPT(self.config(n_layer, n_head, d_model, vocab_size, seq_len))
 
     def param_count(self, n_layer=0, d_model=0, vocab_size=0, seq_len=0) -> int:
-        """Exactly num_params(build(...)): tied embeddings, learned positions, per block two
+        """Exactly num_params(network(...)): tied embeddings, learned positions, per block two
         norms (D each), attention (4 D^2) and MLP (8 D^2), a final norm."""
         L, D = n_layer or self.n_layer, d_model or self.d_model
         T = seq_len or self.seq_len
         return (vocab_size or self.vocab_size) * D + T * D + L * (12 * D * D + 2 * D) + D
+
+    def check_vocab(self, cfg, vocab: int) -> None:
+        size = cfg.vocab_size or self.vocab_size
+        if size < vocab:
+            raise ConfigError(f"the data has token ids up to {vocab - 1} but the model's "
+                              f"vocabulary is {size}: pass --vocab-size {vocab} or more.")
+
+    def build(self, cfg, vocab: int) -> nn.Module:
+        self.check_vocab(cfg, vocab)
+        d_model, n_head = cfg.d_model or self.d_model, cfg.n_head or self.n_head
+        if d_model % n_head:
+            raise ConfigError(f"--d-model {d_model} is not divisible by --n-head {n_head}: "
+                              "pick sizes where it is.")
+        return super().build(cfg, vocab)
+
+    def to_hf(self, model: nn.Module, meta: dict) -> nn.Module:
+        return as_gpt2(model, (meta.get("tokenizer") or {}).get("eos_id"))
+
+    @staticmethod
+    def blocks(model: nn.Module) -> nn.ModuleList | None:
+        return model.blocks if isinstance(model, GPT) else None
 
 
 MODELS = {m.name: m for m in (
@@ -62,6 +85,9 @@ MODELS = {m.name: m for m in (
     ModelSpec("small", 8, 8, 512, 256, note="~25M"),
     ModelSpec("gpt2", 12, 12, 768, 50304, 1024, "GPT-2 124M (GPT-2 BPE vocabulary, padded to 50304)"),
 )}
+
+
+KIND = Kind(prefix="", names=", ".join(MODELS), spec=MODELS.get, source=ModelSpec)
 
 
 def gpt_config(preset: str, n_layer=0, n_head=0, d_model=0, vocab_size=0, seq_len=1024) -> GPTConfig:
@@ -126,39 +152,38 @@ class GPT(nn.Module):
         return self.head(self.norm(x))
 
 
-def num_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+def as_gpt2(gpt: GPT, eos: int | None = None) -> nn.Module:
+    """lowband's GPT as an equivalent GPT2LMHeadModel: Conv1D weights are the transposed Linear
+    ones, the qkv Linear is c_attn ([q|k|v], heads contiguous), zero biases, exact GELU, eps
+    1e-5, n_positions = its max_seq_len, tied head; the two models' logits are compared on one
+    input (ConfigError when they differ)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
 
-
-def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-            precision: str = "fp32") -> torch.Tensor:
-    """Next-token cross-entropy of any model that maps (B, T) token ids to (B, T, V) logits, as
-    a tensor or as an output with `.logits` (Hugging Face models; lowband builds them with
-    use_cache=False, sources.for_training). precision 'bf16' runs the forward (and so the backward) under bf16 autocast on x's device;
-    the parameters and their gradients stay fp32, the loss is computed in fp32."""
-    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-        logits = model(x)
-    if not isinstance(logits, torch.Tensor):
-        logits = logits.logits
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-
-def compile_blocks(blocks: nn.ModuleList) -> None:
-    """torch.compile each block's forward in place: parameter names, hooks (FSDP's, lowband's
-    sync hooks) and communication stay outside the compiled graphs, and one compiled graph
-    serves every block of the same shape."""
-    for block in blocks:
-        block.forward = torch.compile(block.forward)
-
-
-def find_blocks(model: nn.Module) -> nn.ModuleList:
-    """The transformer blocks of a model: its `blocks` attribute when that is an nn.ModuleList,
-    else the nn.ModuleList holding the most parameters. Pass `blocks=` explicitly to override."""
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleList):
-        return blocks
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
-        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of blocks: put its "
-                         "transformer blocks in one, or pass blocks= explicitly.")
-    return max(lists, key=num_params)
+    mc, D = gpt.config, gpt.config.d_model
+    hf = GPT2LMHeadModel(GPT2Config(
+        vocab_size=mc.vocab_size, n_positions=mc.max_seq_len, n_embd=D, n_layer=mc.n_layer,
+        n_head=mc.n_head, n_inner=4 * D, activation_function="gelu", layer_norm_epsilon=1e-5,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+        bos_token_id=eos, eos_token_id=eos))
+    s, zero = gpt.state_dict(), torch.zeros
+    state = {"transformer.wte.weight": s["wte.weight"], "transformer.wpe.weight": s["wpe.weight"],
+             "transformer.ln_f.weight": s["norm.weight"], "transformer.ln_f.bias": zero(D),
+             "lm_head.weight": s["wte.weight"]}
+    for i in range(mc.n_layer):
+        b, h = f"blocks.{i}.", f"transformer.h.{i}."
+        for ours, theirs, n in (("attn.qkv", "attn.c_attn", 3 * D), ("attn.proj", "attn.c_proj", D),
+                                ("fc", "mlp.c_fc", 4 * D), ("proj", "mlp.c_proj", D)):
+            state[h + theirs + ".weight"] = s[b + ours + ".weight"].t().contiguous()  # Conv1D: (in, out)
+            state[h + theirs + ".bias"] = zero(n)
+        for ours, theirs in (("norm1", "ln_1"), ("norm2", "ln_2")):
+            state[h + theirs + ".weight"], state[h + theirs + ".bias"] = s[b + ours + ".weight"], zero(D)
+    load_weights(hf, state, "model.pt")
+    hf.eval()
+    x = torch.randint(0, mc.vocab_size, (1, min(mc.max_seq_len, 16)),
+                      generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        gap = (gpt.eval()(x) - hf(x).logits).abs().max().item()
+    if not gap <= 1e-4:
+        raise ConfigError(f"the GPT-2 form of this run's model differs from it (logits apart by "
+                          f"{gap:.2g}), so nothing was exported.")
+    return hf
