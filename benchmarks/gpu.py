@@ -35,7 +35,7 @@ import torch
 from lowband.config import Config
 from lowband.data import Batches, load_tokens
 from lowband.launch.local import free_port
-from lowband.models import compile_blocks, lm_loss, num_params
+from lowband.models import compile_blocks, num_params
 from lowband.models.gpt import GPT, gpt_config
 from lowband.telemetry import read_events
 

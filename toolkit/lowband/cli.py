@@ -7,7 +7,6 @@ Errors a user can cause end with one sentence on stderr and exit status 2.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
