@@ -311,10 +311,9 @@ def section_e2e(args, device, root) -> list[dict]:
         model = f"hf:{llama_dir(root, not args.smoke)}"
     print(f"\n[e2e] {args.e2e_model} ({model}), data {args.e2e_data}, {args.e2e_steps} steps, "
           f"batch {args.e2e_batch}x{args.seq_len}, emulated outer link {args.e2e_link}")
-    torchrun = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in torchrun}  # the CLI starts its ranks
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1] / "toolkit"),
-                                         os.environ.get("PYTHONPATH", "")])
+    from gpu_target import cli_env  # benchmarks/gpu_target.py
+
+    env = cli_env()
     for name, flags in args.e2e_algos.items():
         run = root / f"e2e-{name}"
         argv = [sys.executable, "-m", "lowband.cli", "train", "--no-progress", "--run-dir", str(run),

@@ -120,6 +120,15 @@ def _flags(algo_flags: list[str], over: dict) -> list[str]:
     return argv
 
 
+def cli_env() -> dict:
+    """The environment of a `lowband train` started from a benchmark: the CLI starts its own
+    ranks (no torchrun variables of the benchmark's world of one), lowband from this checkout."""
+    torchrun = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in torchrun}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "toolkit"), os.environ.get("PYTHONPATH", "")])
+    return env
+
+
 def curve(run: Path) -> list[dict]:
     """Rank 0's evaluations with the training time (sum of step_s) and tokens (all ranks) so far."""
     from lowband.telemetry import read_events
@@ -145,9 +154,7 @@ def run_one(name: str, data: str, root: Path, steps: int, link: str, device: str
             "warmup_steps": max(steps // 20, 2)}
     argv = [sys.executable, "-m", "lowband.cli", "train", "--no-progress",
             *_flags(RUNS[name], over)]
-    torchrun = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in torchrun}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "toolkit"), os.environ.get("PYTHONPATH", "")])
+    env = cli_env()
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=limit)
