@@ -102,13 +102,11 @@ def planned_steps(algo_flags: list[str], step_time: float, seconds: float, link:
     """(steps that fill `seconds`, predicted seconds a step) from lowband's planner: compute
     step_time a step plus the stall it predicts for this algorithm on the link."""
     from lowband.flags import parse_train
-    from lowband.plan.api import config_inputs, simulate
+    from lowband.plan import run_of, simulate
 
     over = {**(common or {}), "link_bandwidth": link, "steps": 100}
-    cfg = parse_train(_flags(algo_flags, over))[0].to_dict()
-    algorithm, kw = config_inputs(cfg, step_time=step_time)
-    kw.pop("steps", None)
-    sim = simulate(algorithm, **kw)
+    cfg = parse_train(_flags(algo_flags, over))[0]
+    sim = simulate(cfg.algo, run=run_of(cfg, step_time, steady=True))
     per_step = step_time + sim.stall_per_step
     return max(int(seconds / per_step), 4), per_step
 

@@ -16,9 +16,9 @@ from lowband.plan import (ALGORITHMS, MODELS, PlanError, exchange_phases, figure
                           parse_bandwidth, payload_bytes, plan, plan_config, required_bandwidth,
                           simulate)
 
-EXAMPLE = ["--params", "1e9", "--layers", "24", "--step-time", "0.1", "--replicas", "2",
-           "--sync-every", "100", "--fragments", "8", "--overlap", "1", "--codec", "fp4-e3m0",
-           "--target-cu", "0.9", "--json"]
+EXAMPLE = ["--params", "1e9", "--n-layer", "24", "--step-time", "0.1", "--replicas", "2",
+           "--algo", "streaming", "--sync-every", "96", "--fragments", "8", "--overlap", "1",
+           "--codec", "fp4-e3m0", "--target-cu", "0.9", "--steady", "--json"]
 BASE = dict(params=1e8, layers=8, step_time=0.2, replicas=4, sync_every=48, codec="bf16",
             grad_dtype="bf16")
 
@@ -161,15 +161,54 @@ def test_ddp_buckets_through_backward(bw):
 
 @pytest.mark.parametrize("rounds", [1, 2])
 @pytest.mark.parametrize("lat", [0.0, 0.001, 0.03])
-def test_acco_round_must_fit_its_window(rounds, lat):
-    u = 0.2 / rounds  # the compute a round hides behind
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_acco_round_must_fit_its_window(rounds, lat, adaptive):
+    # a round: zero1's reduce-scatter of 4 pieces of chunk + 1 values (the count), the norm's
+    # all-reduce (8 bytes), the all-gather of the shards; adaptive counts first an all-gather of
+    # the counts (4 bytes a rank). Each waits for the one before it to arrive; the round after
+    # next waits for the last; the link is free for the next round once the last bit has left.
+    u, chunk = 0.2 / rounds, 1e8 / 4  # the compute a round hides behind, values a shard
+    sizes = [3 * 4, 3 * (chunk + 1) * 2, 2 * 3 * 8 // 4, 3 * chunk * 2][0 if adaptive else 1:]
     for bw in (1e9, 1e10, 1e11, 1e12):
-        s = 3 / 4 * 2e8 * 8 / bw  # a reduce-scatter or an all-gather; the second waits for the
-        # first to arrive; the next round's reduce-scatter may follow the all-gather's last bit
-        cycle = max(u, 2 * s + lat, s + lat + u / 2)
-        r = simulate("acco", **BASE, bandwidth=bw, latency=lat, acco_rounds=rounds)
+        busy = sum(sizes) * 8 / bw + (len(sizes) - 1) * lat  # the link's, per round
+        cycle = max(u, busy, (u + busy + lat) / 2)
+        r = simulate("acco", **BASE, bandwidth=bw, latency=lat, acco_rounds=rounds,
+                     acco_adaptive=adaptive)
         assert r.cu == pytest.approx(u / cycle, rel=1e-9)
-        assert (r.cu == 1.0) == (2 * (s + lat) <= u)
+        assert (r.cu == 1.0) == (busy + lat <= u)
+
+
+def test_zero1_waits_for_its_round():
+    chunk = 1e8 / 4
+    sizes = [3 * (chunk + 1) * 2, 2 * 3 * 8 // 4, 3 * chunk * 2]
+    for bw, lat in ((1e9, 0.0), (1e10, 0.01)):
+        stall = sum(sizes) * 8 / bw + 3 * lat  # after the step, one collective after the other
+        r = simulate("zero1", **BASE, bandwidth=bw, latency=lat)
+        assert r.cu == pytest.approx(0.2 / (0.2 + stall), rel=1e-9)
+
+
+def test_edit_syncs_unit_by_unit_in_the_forward():
+    # no root unit (bare --params), L equal blocks of fp32 (an all-reduce each); the sync after
+    # H steps: the prepare all-gather of L float64 norms (waited for), then block 0 (waited for
+    # before its forward), block 1 behind it, block u >= 2 leaving as block u - 2's forward ends
+    L, H, T, R = 8, 48, 0.2, 4
+    u_s, block = T / (3 * L), ring(1e8 / L * 4, R)
+    prepare = (R - 1) * 8 * L
+    for bw in (1e8, 1e9, 1e11):
+        link, t, arrive = prepare * 8 / bw, 0.0, [0.0] * L
+        for u in range(2):  # released once the prepare has arrived
+            link += block * 8 / bw
+            arrive[u] = link
+        for u in range(L):
+            t = max(t, arrive[u]) + u_s
+            if u + 2 < L:  # as block u's forward ends
+                link = max(link, t) + block * 8 / bw
+                arrive[u + 2] = link
+        stall = t - L * u_s
+        r = simulate("edit", **BASE | {"codec": "fp32"}, bandwidth=bw)
+        assert r.cu == pytest.approx(H * T / (H * T + stall), rel=1e-9)
+        a = simulate("aedit", **BASE | {"codec": "fp32"}, sync_seconds=H * T, bandwidth=bw)
+        assert a.cu == pytest.approx(r.cu, rel=1e-3)  # two more numbers in its prepare
 
 
 def test_single_replica_sends_nothing():
@@ -323,11 +362,11 @@ def test_model_presets_and_flops():
     assert r["inputs"]["params"] == 1.3e9 and r["inputs"]["step_time"] == pytest.approx(20.0)
 
 
-def test_plan_config_reads_lowband_config_names():
-    cfg = {"algo": "streaming", "params": 1e9, "n_layer": 24, "sync_every": 100, "fragments": 4,
+def test_plan_config_reads_a_lowband_config():
+    cfg = {"algo": "streaming", "n_layer": 24, "sync_every": 100, "fragments": 4,
            "overlap": 1, "codec": "int8", "codec_block": 128, "link_bandwidth": "1Gbit",
            "link_latency": "20ms", "steps": 400}
-    r = plan_config(cfg, step_time=0.1)
+    r = plan_config(cfg, step_time=0.1, params=1e9)  # a model of 1e9 spread over 24 blocks
     assert r["inputs"]["block_size"] == 128 and r["inputs"]["latency"] == pytest.approx(0.02)
     assert r["inputs"]["steps"] == 400
     want = simulate("streaming", params=1e9, layers=24, step_time=0.1, sync_every=100,
@@ -341,59 +380,108 @@ def test_plan_config_reads_lowband_config_names():
     json.dumps(ddp, allow_nan=False)
 
 
-def test_plan_config_takes_a_lowband_config_dict():
-    cfg = {"algo": "streaming", "model": "mini", "n_layer": 0, "step_time": 0.05, "replicas": 2,
-           "sync_every": 30, "fragments": 3, "overlap": 1, "codec": "fp4_e2m1",
-           "bandwidth": "100mbit", "latency": 0.01, "lr": 3e-3, "seed": 0}
-    r = plan_config(cfg)
+def test_plan_config_takes_the_configs_own_names_only():
+    from lowband.config import Config
+
+    cfg = {"algo": "streaming", "model": "mini", "replicas": 2, "sync_every": 30,
+           "fragments": 3, "overlap": 1, "codec": "fp4-e2m1", "link_bandwidth": "100mbit",
+           "link_latency": "10ms", "lr": 3e-3, "seed": 0}
+    r = plan_config(cfg, step_time=0.05)
     assert r["algorithm"] == "streaming" and 0 < r["cu"] <= 1
     assert r["inputs"]["layers"] == MODELS["mini"][1] and r["inputs"]["codec"] == "fp4-e2m1"
-    with pytest.raises(ValueError):
-        plan_config(cfg | {"algo": "nope"})
+    assert plan_config(Config.from_dict(cfg), step_time=0.05) == r  # a Config as well
+    for bad, word in (({"algo": "nope"}, "unknown algorithm"), ({"bandwidth": "1gbit"}, "unknown key"),
+                      ({"codec": "fp4_e2m1"}, "unknown codec")):
+        with pytest.raises(PlanError, match=word):
+            plan_config(cfg | bad, step_time=0.05)
 
 
 # ----------------------------------------------------------------------------- the command line
 
-def test_example_json_shape_and_speed(capsys):
-    start = time.perf_counter()
+def test_example_json_shape(capsys):
     assert main(EXAMPLE) == 0
-    assert time.perf_counter() - start < 1.0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"inputs", "target_cu", "algorithms"}
-    assert out["target_cu"] == 0.9 and out["inputs"]["codec"] == "fp4-e3m0"
-    assert list(out["algorithms"]) == list(ALGORITHMS)
-    for row in out["algorithms"].values():
-        assert row["cu"] is None  # no --bandwidth: only the requirement
+    assert set(out) == {"algorithm", "target_cu", "algorithms"}
+    assert out["target_cu"] == 0.9 and out["algorithm"] == "streaming"
+    rows = out["algorithms"]
+    assert list(rows) == ["streaming"] + [a for a in ALGORITHMS if a != "streaming"]
+    assert rows["streaming"]["inputs"]["codec"] == "fp4-e3m0"
+    assert rows["diloco"]["inputs"]["codec"] == "fp32"  # each other one at its own defaults
+    assert (rows["diloco"]["inputs"]["fragments"], rows["diloco"]["inputs"]["overlap"]) == (1, 0)
+    for row in rows.values():
+        assert row["cu"] is None  # no --link-bandwidth: only the requirement
         assert row["required_bandwidth"] is None or row["required_bandwidth"] > 0
         assert row["wire_bytes_per_step"] > 0
-    need = out["algorithms"]
-    assert need["streaming"]["required_bandwidth"] < need["diloco"]["required_bandwidth"]
-    assert need["diloco"]["required_bandwidth"] < need["ddp"]["required_bandwidth"]
+        assert row["inputs"]["params"] == 1e9 and row["inputs"]["sync_every"] == 96
+    assert rows["streaming"]["required_bandwidth"] < rows["diloco"]["required_bandwidth"]
+    assert rows["diloco"]["required_bandwidth"] < rows["ddp"]["required_bandwidth"]
 
 
 def test_json_with_bandwidth_and_table(capsys):
-    assert main(EXAMPLE + ["--bandwidth", "1gbit", "--latency", "10ms"]) == 0
+    assert main(EXAMPLE + ["--link-bandwidth", "1gbit", "--link-latency", "10ms"]) == 0
     out = json.loads(capsys.readouterr().out)
     for row in out["algorithms"].values():
         assert 0 < row["cu"] <= 1 and row["stall_per_step"] >= 0
-    assert main([a for a in EXAMPLE if a != "--json"] + ["--bandwidth", "1gbit"]) == 0
-    table = capsys.readouterr().out
-    assert all(alg in table for alg in ALGORITHMS) and "needs for CU 0.9" in table
+    assert main([a for a in EXAMPLE if a != "--json"] + ["--link-bandwidth", "1gbit",
+                                                        "--compare", "ddp,acco"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in table[3:]] == ["streaming", "ddp", "acco"]
+    assert "every 96 steps P=8 tau=1 fp4-e3m0" in table[3] and "needs for CU 0.9" in table[2]
+
+
+def test_plan_and_train_take_the_same_options():
+    from lowband.flags import train_parser
+    from lowband.plan.cli import OWN, _parser
+
+    def flags(parser):
+        return {o for a in parser._actions for o in a.option_strings}
+
+    train, plan_flags = flags(train_parser()), flags(_parser())
+    own = {"--" + k.replace("_", "-") for k in OWN}
+    assert plan_flags == (train - {"--resume"}) | own
+    defaults = {a.dest: a.help for a in train_parser()._actions}
+    assert all(defaults[a.dest] == a.help for a in _parser()._actions if a.dest in defaults)
+
+
+def test_recipe_main_and_a_finished_run_of_every_algorithm(train_runs, capsys):
+    assert main(["--recipe", "main", "--step-time", "50ms", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["algorithm"] == "streaming" and set(out["algorithms"]) == set(ALGORITHMS)
+    assert out["algorithms"]["streaming"]["inputs"]["steps"] == 200  # the main job's whole run
+    assert all(0 < row["cu"] <= 1 for row in out["algorithms"].values())  # its 100 Mbit/s link
+    common = ["--model", "nano", "--n-layer", "2", "--seq-len", "16", "--batch-size", "2",
+              "--steps", "6", "--eval-every", "0", "--link-bandwidth", "50Mbit"]
+    own = {"diloco": ["--sync-every", "2"], "edit": ["--sync-every", "2"],
+           "acco": ["--acco-micro", "1:1", "--steps", "12"]}  # 2 micro-batches a step
+    runs = train_runs(**{a: ["--algo", a, *common, *own.get(a, [])]
+                         for a in ALGORITHMS if a != "streaming"},
+                      streaming=["--algo", "streaming", "--fragments", "2", "--sync-every", "4",
+                                 *common])
+    for name, run in runs.items():
+        assert main(["--config", str(run.root), "--json", "--compare", "none"]) == 0, name
+        out = json.loads(capsys.readouterr().out)
+        assert list(out["algorithms"]) == [name] and out["measured"]["algorithm"] == name
+        assert 0 < out["algorithms"][name]["cu"] <= 1
+        assert out["algorithms"][name]["cu"] == out["measured"]["predicted_cu"]
+        assert out["algorithms"][name]["inputs"]["steps"] == 6
 
 
 BAD = [
-    (["--params", "-5", "--layers", "4", "--step-time", "0.1"], "--params"),
-    (["--params", "1e9", "--layers", "4", "--step-time", "0.1", "--codec", "fp3"], "codec"),
-    (["--params", "1e9", "--layers", "4", "--step-time", "0.1", "--bandwidth", "fast"],
-     "bandwidth"),
-    (["--params", "1e9", "--layers", "4", "--step-time", "0.1", "--fragments", "8"], "--fragments"),
-    (["--params", "1e9", "--layers", "24", "--step-time", "0.1", "--sync-every", "4",
-      "--fragments", "8"], "--fragments"),
-    (["--params", "1e9", "--layers", "4"], "--step-time"),
-    (["--params", "1e9", "--layers", "4.5", "--step-time", "0.1"], "--layers"),
+    (["--params", "-5", "--n-layer", "4", "--step-time", "0.1"], "--params"),
+    (["--step-time", "0.1", "--algo", "streaming", "--codec", "fp3"], "codec"),
+    (["--step-time", "0.1", "--link-bandwidth", "fast"], "bandwidth"),
+    (["--step-time", "0.1", "--algo", "streaming", "--n-layer", "4", "--fragments", "8",
+      "--sync-every", "8"], "--fragments"),
+    (["--step-time", "0.1", "--algo", "streaming", "--sync-every", "4", "--fragments", "8"],
+     "--fragments"),
+    (["--params", "1e9", "--n-layer", "4"], "--step-time"),
+    (["--params", "1e9", "--n-layer", "4.5", "--step-time", "0.1"], "--n-layer"),
     (["--model", "huge", "--step-time", "0.1"], "model"),
-    (["--params", "1e9", "--layers", "4", "--step-time", "0.1", "--target-cu", "2"], "--target-cu"),
-    (["--params", "1e9", "--layers", "4", "--step-time", "0.1", "--wat"], "unrecognized"),
+    (["--step-time", "0.1", "--target-cu", "2"], "--target-cu"),
+    (["--step-time", "0.1", "--wat"], "unrecognized"),
+    (["--step-time", "0.1", "--bandwidth", "1gbit"], "unrecognized"),  # no alias of train's names
+    (["--step-time", "0.1", "--recipe", "nope"], "recipe"),
+    (["--step-time", "0.1", "--config", "/nonexistent/run.toml"], "/nonexistent/run.toml"),
 ]
 
 
@@ -408,7 +496,7 @@ def test_bad_input_one_sentence_exit_2(argv, word, capsys):
 
 def test_bad_input_in_a_real_process():
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1] / "toolkit"))
-    p = subprocess.run([sys.executable, "-m", "lowband.plan", "--params", "-1", "--layers", "2",
+    p = subprocess.run([sys.executable, "-m", "lowband.plan", "--params", "-1", "--n-layer", "2",
                         "--step-time", "1"], capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == 2 and p.stdout == ""
     assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
@@ -416,12 +504,8 @@ def test_bad_input_in_a_real_process():
 
 def test_help_exits_0(capsys):
     assert main(["--help"]) == 0
-    assert "--bandwidth" in capsys.readouterr().out
-
-
-def test_uneven_fragments_are_planned_with_a_note(capsys):
-    assert main(EXAMPLE) == 0  # P=8 does not divide H=100, as in the example
-    assert "note" in capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "--link-bandwidth" in out and "--step-time" in out and "--recipe" in out
 
 
 def test_figure():

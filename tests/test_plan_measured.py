@@ -6,8 +6,8 @@ import json
 import re
 from collections import Counter
 
-from lowband.plan import check_run, exchange_phases, make_run, plan_config
-from lowband.plan.api import config_inputs
+from lowband.plan import check_run, exchange_phases, plan_config, run_of
+from lowband.plan.api import config_of
 from lowband.report import write_report
 from lowband.telemetry import read_events
 
@@ -23,7 +23,10 @@ def test_a_run_is_checked_against_its_plan_and_drawn_on_it(train_run, tmp_path):
     page = write_report([run.root], tmp_path / "report.html").read_text()
     assert 'id="plan-section"' in page
     data = json.loads(re.search(r'Plotly.newPlot\(\s*"lowband-plan",\s*(\[.*?\]),\s*\{', page, re.S).group(1))
-    assert [d["name"] for d in data if "measured" in d["name"]] == ["streaming measured (streaming)"]
+    assert [d["name"] for d in data if "measured" in d["name"]] == [
+        "streaming measured (streaming, 100 Mbit/s)"]
+    planned = next(d for d in data if d["name"] == "streaming planned (streaming, 100 Mbit/s)")
+    assert planned["y"] == [result["predicted_cu"]]
 
 
 def test_planned_transfers_are_the_bytes_sent(train_run):
@@ -39,12 +42,12 @@ def test_planned_transfers_are_the_bytes_sent(train_run):
             sent[e["tag"]] += e["wire_bytes"]
             calls[e["tag"]] += 1
     config = run.read_json(run.config)
-    cfg = {k: v for k, v in config.items() if k != "meta"} | {"params": config["meta"]["n_params"]}
-    plan = make_run(**config_inputs(cfg, step_time=0.01)[1])
+    cfg, params = {k: v for k, v in config.items() if k != "meta"}, config["meta"]["n_params"]
+    plan = run_of(config_of(cfg), 0.01, params=params)
     phases = {f"frag{p}": exchange_phases(plan, n)
               for p, n in enumerate(plan.fragment_sizes)}
     assert sent == {tag: sum(w) for tag, w in phases.items()}
     assert calls == {tag: len(w) for tag, w in phases.items()}
     assert plan.fragment_sizes[0] > 1.2 * plan.params / 4
     peak = max(e["wire_bytes"] for e in read_events(run, ("comm",)) if e["group"] == "outer")
-    assert plan_config(cfg, step_time=0.01)["peak_transfer_bytes"] == peak == max(phases["frag0"])
+    assert plan_config(cfg, step_time=0.01, params=params)["peak_transfer_bytes"] == peak == max(phases["frag0"])

@@ -13,17 +13,23 @@ from lowband.algorithms import ALGORITHMS, users
 from lowband.config import COMMON_GROUPS, GROUPS, ArgParser, Config, ConfigError
 
 
-def train_parser() -> argparse.ArgumentParser:
+TRAIN = ("Train a language model across ranks and replicas. With no arguments: the main job "
+         "(`--recipe main`: streaming DiLoCo over an emulated slow link). Flags override "
+         "--recipe or --config.")
+
+
+def train_parser(prog: str = "lowband train", description: str = TRAIN,
+                 resume: bool = True) -> argparse.ArgumentParser:
+    """The parser of `lowband train`'s command line; `lowband plan` builds its own on it (its
+    prog and description, without --resume), so both take the same options."""
     ALGORITHMS.load()  # algorithms registered from outside bring their option groups
-    p = ArgParser(prog="lowband train", description="Train a language model across ranks and "
-                  "replicas. With no arguments: the main job (`--recipe main`: streaming DiLoCo "
-                  "over an emulated slow link). Flags override --recipe or --config.",
-                  argument_default=argparse.SUPPRESS)
+    p = ArgParser(prog=prog, description=description, argument_default=argparse.SUPPRESS)
     p.add_argument("--recipe", help="start from a named recipe (`lowband recipes` lists them)")
     p.add_argument("--config", help="start from a TOML file whose keys are these options' names, "
                    "a run's config.json, or a run directory (to repeat that run)")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest "
-                   "checkpoint with its own config (only --steps and --progress may change)")
+    if resume:
+        p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest "
+                       "checkpoint with its own config (only --steps and --progress may change)")
     for group in GROUPS:
         title = f"{group.title} options"
         if group not in COMMON_GROUPS:
@@ -53,7 +59,14 @@ def parse_train(argv: list[str], *, here: bool = True) -> tuple[Config, bool]:
     need not exist here: a --config file, data, tokenizer or model files (hf:PATH) not found here
     are the nodes' to check, and everything else is checked as `lowband train` checks it. A
     --resume run directory is read here either way: the job's layout is the run's own."""
-    args = vars(train_parser().parse_args(argv))
+    return config_of_args(vars(train_parser().parse_args(argv)), here=here)
+
+
+def config_of_args(args: dict, *, here: bool = True, file_here: bool | None = None
+                   ) -> tuple[Config, bool]:
+    """parse_train's config from the parsed arguments (a dict of train_parser's, emptied).
+    file_here: the --config file must be here (default: as `here`; `lowband plan` reads it
+    here and leaves the paths it names unchecked)."""
     path, resume, recipe = args.pop("config", None), args.pop("resume", None), args.pop("recipe", None)
     if resume:
         other = sorted(set(args) - RESUME_MAY_CHANGE) + (["config"] if path else []) + \
@@ -74,7 +87,7 @@ def parse_train(argv: list[str], *, here: bool = True) -> tuple[Config, bool]:
     elif path and recipe:
         raise ConfigError("--recipe and --config each give a whole configuration: pick one, and "
                           "put changes in flags.")
-    elif path and (here or Path(path).exists()):
+    elif path and (here if file_here is None else file_here or Path(path).exists()):
         cfg = Config.from_file(path)
     elif path:
         cfg = Config()
@@ -84,10 +97,10 @@ def parse_train(argv: list[str], *, here: bool = True) -> tuple[Config, bool]:
         cfg = recipes.get(recipe).config() if recipe else Config()
     for name, value in args.items():
         setattr(cfg, name, value)
-    return (cfg.validate() if here else _validate_elsewhere(cfg)), bool(resume)
+    return (cfg.validate() if here else validate_elsewhere(cfg)), bool(resume)
 
 
-def _validate_elsewhere(cfg: Config) -> Config:
+def validate_elsewhere(cfg: Config) -> Config:
     """cfg.validate() with the paths not found here (data, tokenizer, a model's files) set aside
     for the check, as the nodes will check them."""
     default, saved = Config(), {}

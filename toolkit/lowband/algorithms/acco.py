@@ -103,6 +103,8 @@ import torch.distributed as dist
 
 from lowband.algorithms.acco_budget import MicroBudget
 from lowband.algorithms.zero1 import ShardOptions, ZeRO1
+from lowband.comm.sends import Schedule, chained
+from lowband.comm.wire import wire_bytes
 from lowband.models import lm_loss
 from lowband.options import ConfigError, Options, option
 from lowband.schedule import lr_at
@@ -177,6 +179,16 @@ class ACCO(ZeRO1):
     options = (ShardOptions, AccoOptions)
     summary = ("ACCO: zero1 whose communication hides behind accumulation, estimate and real "
                "rounds")
+
+    @classmethod
+    def outer_link(cls, run):
+        """--acco-rounds rounds a step (lowband's: two, the estimate and the real one), each
+        zero1's round (with adaptive micro-batches first the counts' all-gather) on the
+        background thread, released at the end of its share of a step and waited for at the
+        end of the next round's share."""
+        u = run.step_time / run.acco_rounds
+        counts = [wire_bytes("all_gather", 4, run.world)] if run.acco_adaptive else []
+        return Schedule(u, run.acco_rounds, 1, (0,), (chained(counts + cls.round_bytes(run), 2, u),))
 
     def setup(self, model, blocks, make_optimizer, topology, comm, config):
         optimizer = super().setup(model, blocks, make_optimizer, topology, comm, config)

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from lowband.algorithms.edit import EDiT, EditOptions
+from lowband.algorithms.edit_units import sync_schedule
 from lowband.algorithms.exchange import ExchangeOptions
 from lowband.algorithms.outer import OuterOptions
 from lowband.options import (ConfigError, Options, flag, non_negative, option, positive, require,
@@ -102,6 +103,14 @@ class AEDiT(EDiT):
     options = (OuterOptions, ExchangeOptions, EditOptions, AEditOptions)
     summary = "A-EDiT: edit with syncs every --sync-seconds of wall-clock time"
     timed = True
+
+    @classmethod
+    def outer_link(cls, run):
+        """edit's sync every --sync-seconds: every round(sync_seconds / step time) steps (a
+        window ends at the step boundary nearest its end; the stall inside a window is left
+        out), its prepare carrying two more numbers (steps and elapsed time)."""
+        every = max(1, round(run.sync_seconds / run.step_time))
+        return sync_schedule(run, every, extras=2)
 
     def setup(self, model, blocks, make_optimizer, topology, comm, config):
         optimizer = super().setup(model, blocks, make_optimizer, topology, comm, config)

@@ -48,6 +48,14 @@ class Algorithm:
     @classmethod
     def check(cls, cfg) -> None:
         """Checks of this algorithm's own beyond its option groups' (ConfigError)."""
+
+    @classmethod
+    def outer_link(cls, run):
+        """What this algorithm sends over the outer link, for `lowband plan`: a
+        comm.sends.Schedule read off run (a comm.sends.Run: the model's sizes, R, S, H, P, tau,
+        the codec, the step time). None: not modeled (the planner says so); a subclass of a
+        modeled algorithm inherits its schedule."""
+        return None
     # An algorithm whose step is not the standard sequence above (acco: micro-batches keep
     # accumulating while its communication round is in flight) sets owns_step and implements
     # train_step(step, batches, lr) -> (loss, micro-batches used); the trainer then calls it

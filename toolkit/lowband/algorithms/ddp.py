@@ -19,11 +19,15 @@ gradient counts like theirs.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from lowband.algorithms.base import EVERY_STEP, Algorithm
+from lowband.comm.sends import GRAD_BYTES, Schedule, Send
+from lowband.comm.wire import wire_bytes
 
 
 def pack(sizes: list[int], limit_bytes: int) -> list[list[int]]:
@@ -74,6 +78,17 @@ class DDP(Algorithm):
     kind = EVERY_STEP
     elastic = True
     summary = "data-parallel baseline: gradients all-reduced over every rank every step"
+
+    @classmethod
+    def outer_link(cls, run):
+        """Buckets leave during the backward pass (its 2/3 of a step), each ring all-reduced over
+        all R x S ranks; the next step's forward waits for every one. One bucket per block, or
+        buckets of --bucket-mb MiB of fp32 gradients, of equal size."""
+        T, grad = run.step_time, run.params * GRAD_BYTES[run.grad_dtype]
+        n = run.layers if run.bucket_mb is None else math.ceil(run.params * 4 / (run.bucket_mb * 2**20))
+        sends = tuple(Send(T / 3 + (k + 1) / n * 2 * T / 3,
+                           wire_bytes("all_reduce", grad / n, run.world), 1) for k in range(n))
+        return Schedule(T, 1, 1, (0,), (sends,))
 
     def __init__(self, group: str = "world"):
         self.group = group  # streaming reuses this class over its replica's inner group

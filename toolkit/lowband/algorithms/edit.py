@@ -56,7 +56,7 @@ from lowband.algorithms.edit_plan import (Plan, clip_scale, decide_sync, event_f
                                          new_stats, penalty_config, plan_from_state, plan_state,
                                          stats_from_state)
 from lowband.algorithms.edit_units import (Landed, Summed, Unit, allocated_bytes, outer_memory,
-                                          shard_replica)
+                                          shard_replica, sync_schedule)
 from lowband.algorithms.exchange import ExchangeOptions, exchange_block
 from lowband.algorithms.outer import OuterOptions, nesterov_step, outer_home, settle, sgd_step
 from lowband.options import ConfigError, Options, non_negative, option, positive, require
@@ -108,6 +108,11 @@ class EDiT(Algorithm):
     summary = ("EDiT: local SGD over FSDP2-sharded replicas, layer-wise sync in the forward pass, "
                "pseudo-gradient penalty")
     timed = False  # aedit: syncs by wall-clock time
+
+    @classmethod
+    def outer_link(cls, run):
+        """A sync every H steps, unit by unit in the next forward (edit_units.sync_schedule)."""
+        return sync_schedule(run, run.sync_every, extras=0)
 
     def setup(self, model, blocks, make_optimizer, topology, comm, config):
         self.model, self.blocks, self.topo, self.comm, self.config = model, blocks, topology, comm, config

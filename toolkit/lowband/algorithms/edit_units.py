@@ -1,7 +1,8 @@
 """What edit (and aedit) hold a unit at a time, and how a replica is sharded: a Unit is one
 FSDP unit (the root's own parameters, or one block) with this rank's piece of it and of its
 outer state; Landed and Summed are exchanges in flight as the unit's apply reads them;
-`shard_replica` applies FSDP2 over a replica's S ranks (edit.py skips it at S = 1)."""
+`shard_replica` applies FSDP2 over a replica's S ranks (edit.py skips it at S = 1);
+`sync_schedule` is what a sync sends over the outer link, for the planner."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import math
+
 from lowband.algorithms.outer import kept_at
+from lowband.comm.sends import Schedule, Send, average, exchange_phases
+from lowband.comm.wire import wire_bytes
 from lowband.algorithms.penalty import EWMA
 from lowband.options import ConfigError
 from lowband.params import local_piece
@@ -114,3 +119,32 @@ def outer_memory(units: list[Unit], shards: int, device: torch.device, allocated
 
 def allocated_bytes(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def sync_schedule(run, sync_every: int, extras: int) -> Schedule:
+    """edit's outer link (edit.py's docstring has the sync), in units of a third of a block's
+    compute: a step is L forward units (block u's forward is unit u) and 2L backward units.
+    After every `sync_every` steps, at the end of the last backward unit: the prepare
+    all-gather over all R x S ranks (float64: each unit's norm and `extras` numbers), waited
+    for; once it has arrived the root unit's and block 0's exchanges leave (block 0's forward
+    waits for both); block 1's once the root's has arrived (block 0's hook, after the root's
+    wait), and block u's (u >= 2) at the end of block u - 2's forward, when block u - 1's hook
+    runs; block u's forward waits for it. Each rank sends its 1/S of a unit over the outer group
+    of R ranks, as Comm.average sends it (an fp32 all-reduce, or a codec's exchange)."""
+    L, S, T = run.layers, run.shards, run.step_time
+    units, u_s = 3 * L, T / (3 * L)
+    root, *blocks = (math.ceil(n / S) for n in run.unit_sizes)
+    prepare = wire_bytes("all_gather", 8 * (L + (root > 0) + extras), run.world)
+    first = [exchange_phases(run, root) if root else (), exchange_phases(run, blocks[0])]
+    sends, at = [Send(u_s, prepare, 1)], [[], []]
+    for phase in range(max(map(len, first))):  # the root's and block 0's, phase by phase
+        for i, phases in enumerate(first):
+            if phase < len(phases):
+                at[i].append(len(sends))
+                sends.append(Send(0.0, phases[phase], 1, at[i][-2] if phase else 0))
+    if L > 1:  # block 1: once the root's exchange (or, without root parameters, the prepare)
+        sends += average(run, blocks[1], 2, 0.0, (at[0] or [0])[-1], len(sends))
+    period = sync_every * units
+    later = tuple(average(run, n, 2, u_s) for n in blocks[2:])  # from units 0 .. L-3
+    return Schedule(u_s, units, period, (*range(L - 2), period - 1), (*later, tuple(sends)),
+                    first=period - 1)

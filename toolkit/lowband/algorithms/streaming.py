@@ -40,6 +40,7 @@ from lowband.algorithms.ddp import DDP
 from lowband.algorithms.outer import (OuterOptions, Staging, kept_at, nesterov_step, outer_home,
                                       settle, sgd_step)
 from lowband.algorithms.exchange import ExchangeOptions, exchange_block
+from lowband.comm.sends import Schedule, average
 from lowband.options import ConfigError, Options, option
 from lowband.params import flatten, split_fragments, write_flat
 
@@ -109,6 +110,16 @@ class Streaming(Algorithm):
     defaults = {"fragments": 4, "overlap": 1, "alpha": 0.5, "codec": "fp4-e3m0"}
     summary = ("Streaming DiLoCo: fragments synced in turn, overlapped with training, "
                "quantized exchange")
+
+    @classmethod
+    def outer_link(cls, run):
+        """Fragment p's average leaves after steps floor((p + 1) H / P) - 1 (mod H), each rank
+        sending its 1/S slice over the outer group; the step tau + 1 later waits for it (its
+        merge). diloco: P = 1, tau = 0."""
+        H, P, T = run.sync_every, run.fragments, run.step_time
+        return Schedule(T, 1, H, tuple((p + 1) * H // P - 1 for p in range(P)),
+                        tuple(average(run, math.ceil(n / run.shards), 1 + run.overlap, T)
+                              for n in run.fragment_sizes))
 
     def setup(self, model, blocks, make_optimizer, topology, comm, config):
         c = config

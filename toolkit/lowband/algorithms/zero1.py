@@ -46,6 +46,8 @@ import torch
 
 from lowband.algorithms.base import EVERY_STEP, Algorithm
 from lowband.algorithms.optim import ShardOptimizer
+from lowband.comm.sends import GRAD_BYTES, Schedule, chained
+from lowband.comm.wire import wire_bytes
 from lowband.models import lm_loss
 from lowband.options import ConfigError, Options, option
 from lowband.params import write_flat
@@ -138,6 +140,23 @@ class ZeRO1(Algorithm):
     options = (ShardOptions,)
     summary = "ZeRO-1: optimizer states sharded over every rank, gradients reduce-scattered"
     owns_step = True
+
+    @classmethod
+    def outer_link(cls, run):
+        """One round after the backward pass, waited for by the next step."""
+        T = run.step_time
+        return Schedule(T, 1, 1, (0,), (chained(cls.round_bytes(run), 1, T),))
+
+    @staticmethod
+    def round_bytes(run) -> list[float]:
+        """Wire bytes a rank sends in one round over the ring of all n = R x S ranks, one
+        collective after the other: the reduce-scatter of n pieces of chunk + 1 values (the
+        gradients and the count), the norm's all-reduce (one float64), the all-gather of the
+        updated shards (chunk = ceil(params / n))."""
+        n, g = run.world, GRAD_BYTES[run.grad_dtype]
+        chunk = math.ceil(run.params / n)
+        return [wire_bytes("reduce_scatter", n * (chunk + 1) * g, n), wire_bytes("all_reduce", 8, n),
+                wire_bytes("all_gather", chunk * g, n)]
 
     def setup(self, model, blocks, make_optimizer, topology, comm, config):
         self.model, self.blocks, self.topo, self.comm, self.config = model, blocks, topology, comm, config

@@ -223,8 +223,9 @@ def _plan_section(run_dirs) -> str:
     if fig is None:
         return ""
     return ('<section id="plan-section"><h2>Compute utilization against bandwidth</h2>'
-            '<p class="meta">Curves: lowband plan for the first run\'s model and measured compute '
-            "time per step; diamonds: the runs on an emulated link, as measured.</p>"
+            '<p class="meta">Curves: lowband plan for each run\'s config and its measured compute '
+            "time per step (`lowband plan --config RUN`); circles: the planned utilization of "
+            "each run on an emulated link, at its link; diamonds: the same runs as measured.</p>"
             f"{_figure_html(fig, 'lowband-plan', 420)}</section>")
 
 

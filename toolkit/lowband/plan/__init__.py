@@ -10,18 +10,23 @@ visited. docs/plan.md states the model, its assumptions and its formulas.
     simulate("streaming", params=1e9, layers=24, step_time=0.1, sync_every=100, fragments=8,
              overlap=1, codec="fp4-e3m0", bandwidth="1gbit").cu
 
-inputs.py (presets, codecs, parsing, validation), timeline.py (each algorithm's schedule and
-the replay), api.py (simulate, required_bandwidth, plan, plan_config, figure), cli.py (main).
+    plan_configs(lowband.recipes.get("main").config(), step_time=0.05)  # a lowband Config
+
+Each algorithm declares what it sends (its class's outer_link, comm/sends.py). inputs.py
+(presets, codecs, parsing, validation, a Config's Run), timeline.py (the replay), api.py
+(simulate, required_bandwidth, plan, plan_configs, plan_config, figure), check.py (against a
+finished run), cli.py (main: lowband train's options).
 """
 
-from lowband.plan.api import SimResult, figure, plan, plan_config, required_bandwidth, simulate
+from lowband.plan.api import (SimResult, figure, plan, plan_config, plan_configs,
+                              required_bandwidth, simulate)
 from lowband.plan.check import check_run, measured_figure
-from lowband.plan.cli import main, table
+from lowband.plan.cli import main, run_plan, table
 from lowband.plan.inputs import (ALGORITHMS, BLOCK_SIZE, CODECS, GRAD_DTYPES, MODELS,
-                                 PlanError, Run, exchange_phases, make_run, parse_bandwidth,
-                                 payload_bytes)
+                                 PlanError, Run, exchange_phases, make_run, modeled,
+                                 parse_bandwidth, payload_bytes, run_of)
 
 __all__ = ["ALGORITHMS", "BLOCK_SIZE", "CODECS", "GRAD_DTYPES", "MODELS", "PlanError", "Run",
            "SimResult", "check_run", "exchange_phases", "figure", "main", "make_run",
-           "measured_figure", "parse_bandwidth", "payload_bytes", "plan", "plan_config",
-           "required_bandwidth", "simulate", "table"]
+           "measured_figure", "modeled", "parse_bandwidth", "payload_bytes", "plan", "plan_config",
+           "plan_configs", "required_bandwidth", "run_of", "run_plan", "simulate", "table"]

@@ -1,15 +1,21 @@
-"""The Python API: simulate one algorithm, find the bandwidth a target needs, plan all, draw."""
+"""The Python API: simulate one algorithm, find the bandwidth a target needs, plan all (from
+numbers, or from a lowband Config as `lowband train` takes it), draw."""
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Mapping
+from typing import TYPE_CHECKING
 
 from lowband.algorithms import ALGORITHMS as REGISTRY
-from lowband.plan.inputs import (ALGORITHMS, GRAD_DTYPES, SHAPE, PlanError, Run, _number,
-                                 fmt_bandwidth, fmt_count, make_run, payload_bytes)
+from lowband.options import ConfigError
+from lowband.plan.inputs import (ALGORITHMS, GRAD_DTYPES, PlanError, Run, _number, fmt_bandwidth,
+                                 fmt_count, make_run, modeled, payload_bytes, run_of)
 from lowband.plan.timeline import Timeline, schedule, steady_stall
+
+if TYPE_CHECKING:
+    from lowband.config import Config
 
 
 @dataclass
@@ -57,7 +63,7 @@ def _simulate(algorithm: str, run: Run, bandwidth: float) -> SimResult:
         units, stall = steady_stall(s, bandwidth, run.latency)
     else:  # the whole run, and the wait for what is still in flight after its last step
         units, timeline = run.steps * s.units_per_step, Timeline(s, bandwidth, run.latency)
-        stall = timeline.advance(units) + timeline.drain()
+        stall = timeline.run(units) + timeline.drain()
     compute = units * s.unit_s
     per_step = s.units_per_step / s.period  # each sending unit comes this often a step
     sizes = [send.nbytes for send in s.every()]
@@ -130,51 +136,84 @@ def plan(target_cu: float = 0.9, algorithms=ALGORITHMS, **params) -> dict:
     return out
 
 
-def config_inputs(cfg: Mapping, **overrides) -> tuple[str, dict]:
-    """(algorithm, make_run's keyword arguments) of a lowband config-like dict, e.g.
-    Config.to_dict() plus the measured step_time.
+def config_of(cfg) -> "Config":
+    """A validated lowband Config: cfg itself, or one from a mapping of its options (a run's
+    config.json, less its meta). Paths that are not here (data, a tokenizer) are left unchecked:
+    the plan reads none of them."""
+    from lowband.config import Config
+    from lowband.flags import validate_elsewhere
 
-    Keys read: algorithm (or algo), params and/or model, layers (or n_layer; 0 keeps the
-    preset), n_head, d_model, vocab_size, seq_len, step_time, replicas, sync_every, fragments,
-    fragment_pattern, overlap, codec, exchange, density, sparse_chunk, block_size (or
-    codec_block), bandwidth (or link_bandwidth; empty or 0: no emulated link), latency (or
-    link_latency), bucket_mb, steps, grad_dtype; other keys are ignored. Unset
-    fragments/overlap/codec take lowband's per-algorithm defaults, and ddp sends fp32 gradients
-    as lowband's ddp does.
-    overrides: the same keys, taking precedence over cfg."""
-    aliases = {"algo": "algorithm", "n_layer": "layers", "codec_block": "block_size",
-               "link_bandwidth": "bandwidth", "link_latency": "latency"}
-    known = {f.name for f in fields(Run)} | {"model", "flops_per_step", "flops", "algorithm",
-                                             *SHAPE[1:]}
-    kw: dict = {}
-    for key, value in list(cfg.items()) + list(overrides.items()):
-        name = aliases.get(key, key)
-        if name in known and value is not None and (key == name or name not in kw
-                                                    or key in overrides):
-            kw[name] = value
-    algorithm = kw.pop("algorithm", None)
-    if algorithm is None:
-        raise PlanError("the config names no algorithm: add 'algorithm' (or 'algo').")
-    if kw.get("layers") == 0:  # lowband's config: 0 keeps the preset
-        kw.pop("layers")
-    if kw.get("bandwidth") in ("", 0, "0", None):  # lowband: no emulated link
-        kw["bandwidth"] = math.inf
-    defaults = REGISTRY[algorithm].defaults if algorithm in REGISTRY else {}
-    for name, value in defaults.items():
-        if name in known and kw.get(name) is None:
-            kw[name] = value
-    if algorithm == "ddp":
-        kw.setdefault("grad_dtype", "fp32")
-    return algorithm, kw
+    try:
+        if not isinstance(cfg, Config):
+            cfg = Config.from_dict({k: v for k, v in dict(cfg).items() if k != "meta"})
+        return validate_elsewhere(cfg)
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
 
 
-def plan_config(cfg: Mapping, target_cu: float = 0.9, **overrides) -> dict:
-    """The plan of one run described by a lowband config-like dict (see config_inputs), to set a
-    measured run beside its prediction."""
-    algorithm, kw = config_inputs(cfg, **overrides)
-    result = plan(target_cu, algorithms=(algorithm,), run=make_run(**kw))
-    return {"inputs": result["inputs"], "target_cu": result["target_cu"], "algorithm": algorithm,
-            **result["algorithms"][algorithm]}
+def variants(cfg: "Config", algorithms) -> dict:
+    """cfg as each of `algorithms` would run it: cfg itself for its own algorithm; another at
+    its own defaults (--fragments, --overlap, --codec, ... as `lowband train --algo X` sets
+    them, the options of other algorithms it would refuse left out) with cfg's model, R, S, H,
+    data, link and steps. name -> Config, or the sentence of the ConfigError refusing it."""
+    out: dict = {}
+    for name in dict.fromkeys(algorithms):
+        if name == cfg.algo:
+            out[name] = cfg
+            continue
+        other = copy.copy(cfg)
+        other.algo = name
+        if name not in REGISTRY:
+            out[name] = f"unknown algorithm '{name}': use one of {', '.join(REGISTRY)}."
+            continue
+        for group in other._foreign_groups():  # what `lowband train --algo NAME` would refuse
+            for f in fields(group) if not group.shared_knob else ():
+                if f.name in group.names():
+                    setattr(other, f.name, f.default)
+        for key in REGISTRY[name].defaults:
+            setattr(other, key, None)
+        try:
+            out[name] = config_of(other)
+        except PlanError as e:
+            out[name] = str(e)
+    return out
+
+
+def plan_configs(cfg, algorithms=None, target_cu: float = 0.9, *, step_time=None, params=None,
+                 steady: bool = False, **overrides) -> dict:
+    """What `lowband plan --json` prints for a config: per algorithm (cfg's own first, then
+    `algorithms`: default every one the planner models) the Run it makes (`inputs`, see
+    variants) and its plan on the config's link, or an `error`. Without an emulated link
+    (--link-bandwidth empty) only the bandwidth each needs."""
+    cfg, target = config_of(cfg), _target(target_cu)
+    names = [cfg.algo, *(modeled() if algorithms is None else algorithms)]
+    out = {"algorithm": cfg.algo, "target_cu": target, "algorithms": {}}
+    for name, c in variants(cfg, names).items():
+        if isinstance(c, str):
+            out["algorithms"][name] = {"error": c}
+            continue
+        try:
+            run = run_of(c, step_time, params=params, steady=steady, **overrides)
+            row = plan(target, algorithms=(name,), run=run)
+        except PlanError as e:
+            out["algorithms"][name] = {"error": str(e)}
+            continue
+        out["algorithms"][name] = {"inputs": row["inputs"], **row["algorithms"][name]}
+    return out
+
+
+def plan_config(cfg, target_cu: float = 0.9, *, step_time=None, params=None, steady=False,
+                **overrides) -> dict:
+    """The plan of one run described by a lowband Config (or a mapping of its options), to set
+    a measured run beside its prediction: a run without an emulated link ran on an unlimited
+    one. overrides: make_run's arguments (step_time, params, bandwidth, ...)."""
+    cfg = config_of(cfg)
+    if not cfg.link_bandwidth:
+        overrides.setdefault("bandwidth", "inf")
+    run = run_of(cfg, step_time, params=params, steady=steady, **overrides)
+    result = plan(target_cu, algorithms=(cfg.algo,), run=run)
+    return {"inputs": result["inputs"], "target_cu": result["target_cu"], "algorithm": cfg.algo,
+            **result["algorithms"][cfg.algo]}
 
 
 def figure(target_cu: float = 0.9, algorithms=ALGORITHMS, points: int = 60, bandwidths=None,
@@ -182,22 +221,32 @@ def figure(target_cu: float = 0.9, algorithms=ALGORITHMS, points: int = 60, band
     """A plotly Figure of CU against bandwidth (log x axis), one curve per algorithm, the target
     as a dashed line and the given --bandwidth, if any, as a dotted one. By default the x axis
     spans 100x around the bandwidths the algorithms need."""
-    import plotly.graph_objects as go  # optional dependency (the `ui` extra)
-
-    run, target = _run(params), _target(target_cu)
-    if bandwidths is None:
-        need = [b for a in algorithms if (b := _required(a, run, target))] or [1e9]
-        lo, hi = min(need) / 100, max(need) * 100
-        bandwidths = [lo * (hi / lo) ** (i / (points - 1)) for i in range(points)]
-    fig = go.Figure()
-    for alg in algorithms:
-        fig.add_trace(go.Scatter(x=list(bandwidths), name=alg, mode="lines",
-                                 y=[_simulate(alg, run, b).cu for b in bandwidths]))
-    fig.add_hline(y=target, line_dash="dash", annotation_text=f"target CU {target:g}")
+    run = _run(params)
+    fig = curves([(alg, alg, run) for alg in algorithms], target_cu, points, bandwidths)
     if run.bandwidth is not None:
         fig.add_vline(x=run.bandwidth, line_dash="dot",
                       annotation_text=fmt_bandwidth(run.bandwidth))
     title = f"Compute utilization, {fmt_count(run.params)} params, {run.replicas} replicas"
-    fig.update_layout(title=title, xaxis=dict(type="log", title="bandwidth (bit/s)"),
+    fig.update_layout(title=title)
+    return fig
+
+
+def curves(lines, target_cu: float = 0.9, points: int = 60, bandwidths=None):
+    """A plotly Figure of CU against bandwidth (log x axis): one curve per (label, algorithm,
+    Run) of `lines`, the target as a dashed line; by default the x axis spans 100x around the
+    bandwidths they need."""
+    import plotly.graph_objects as go  # optional dependency (the `ui` extra)
+
+    target = _target(target_cu)
+    if bandwidths is None:
+        need = [b for _, a, run in lines if (b := _required(a, run, target))] or [1e9]
+        lo, hi = min(need) / 100, max(need) * 100
+        bandwidths = [lo * (hi / lo) ** (i / (points - 1)) for i in range(points)]
+    fig = go.Figure()
+    for label, alg, run in lines:
+        fig.add_trace(go.Scatter(x=list(bandwidths), name=label, mode="lines",
+                                 y=[_simulate(alg, run, b).cu for b in bandwidths]))
+    fig.add_hline(y=target, line_dash="dash", annotation_text=f"target CU {target:g}")
+    fig.update_layout(xaxis=dict(type="log", title="bandwidth (bit/s)"),
                       yaxis=dict(title="compute utilization", range=[0, 1.05]))
     return fig

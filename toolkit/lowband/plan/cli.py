@@ -1,4 +1,6 @@
-"""`lowband plan`: a table for people, --json for scripts; bad input exits 2 with one sentence."""
+"""`lowband plan`: lowband train's options (the same names, defaults, --recipe and --config, from
+the same option groups) plus what the plan needs to know of the machine; a table per algorithm
+for people, --json for scripts; bad input exits 2 with one sentence."""
 
 from __future__ import annotations
 
@@ -6,105 +8,145 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
-from lowband.comm.codecs import CHUNK, DENSITY
-from lowband.config import ArgParser
-from lowband.models import names
-from lowband.plan.api import plan
-from lowband.plan.inputs import BLOCK_SIZE, CODECS, fmt_bandwidth, fmt_bytes, fmt_count, fmt_seconds
+from lowband.algorithms import ALGORITHMS as REGISTRY
+from lowband.flags import config_of_args, train_parser
+from lowband.options import ConfigError
+from lowband.plan.api import plan_configs
+from lowband.plan.check import check_run, measured
+from lowband.plan.inputs import PlanError, fmt_bandwidth, fmt_bytes, fmt_count, fmt_seconds, modeled
+from lowband.plan.timeline import schedule
+from lowband.comm.sends import Run
 
-EXAMPLE = ("lowband plan --params 1e9 --layers 24 --step-time 0.1 --replicas 2 --sync-every 100 "
-           "--fragments 8 --overlap 1 --codec fp4-e3m0 --bandwidth 1gbit --target-cu 0.9")
+EXAMPLE = ("lowband plan --recipe main --step-time 50ms; lowband plan --config RUN_DIR; "
+           "lowband plan --params 1e9 --n-layer 24 --step-time 0.1 --algo streaming "
+           "--sync-every 100 --fragments 8 --link-bandwidth 1gbit")
+# the plan's own flags, with their defaults (the rest are lowband train's)
+OWN = {"step_time": None, "flops_per_step": None, "flops": None, "params": None,
+       "target_cu": "0.9", "compare": "all", "steady": False, "json": False}
+# the options a row shows, where its algorithm reads them (H comes from its schedule)
+SHOWN = (("fragments", "P={}"), ("overlap", "tau={}"), ("codec", "{}"))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = train_parser(prog="lowband plan", resume=False, description=(
+        "How much bandwidth does a run need, and what compute utilization does it reach on its "
+        "link? Takes lowband train's options (a run as `lowband train` would start it) and the "
+        "compute time of a step, and simulates the schedule of the run's algorithm and, beside "
+        "it, every other algorithm at its own defaults (docs/plan.md)."))
+    p.epilog = f"examples: {EXAMPLE}"
+    g = p.add_argument_group("plan options (the machine and the question, not lowband train's)")
+    add = g.add_argument
+    add("--step-time", help="compute seconds of one step on one rank, e.g. 0.1 or 100ms (with "
+        "--config of a finished run: measured from its events)")
+    add("--flops-per-step", help="FLOPs of one step (with --flops, instead of --step-time)")
+    add("--flops", help="achieved FLOP/s of one rank")
+    add("--params", help="a model of this many parameters (1e9, 1.3B) spread evenly over the "
+        "blocks (--n-layer, or the model's), in place of --model's own count")
+    add("--target-cu", help="compute utilization to reach (default 0.9)")
+    add("--compare", help="the algorithms planned beside the config's: all (default), none, or "
+        "names separated by commas")
+    add("--steady", action="store_true", help="the steady state of a long run, instead of the "
+        "whole run of --steps steps (its start and its last wait included)")
+    add("--json", action="store_true", help="print JSON for scripts instead of a table")
+    return p
+
+
+def _finished(path) -> Path | None:
+    """The run directory --config names, when it holds a finished run."""
+    if not path:
+        return None
+    run = Path(path).parent if Path(path).name == "config.json" else Path(path)
+    return run if (run / "summary.json").exists() else None
+
+
+def run_plan(argv: list[str]) -> tuple[dict, bool]:
+    """(what `lowband plan --json ARGV` prints, whether --json was given); PlanError or
+    ConfigError on bad input."""
+    args = vars(_parser().parse_args(argv))
+    own = {k: args.pop(k, default) for k, default in OWN.items()}
+    finished = _finished(args.get("config"))
+    cfg, _ = config_of_args(args, here=False, file_here=True)
+    extra, result_measured = {}, None
+    if finished is not None:  # its compute a step, parameters, steps, link (check.measured)
+        took = measured(finished)[2]
+        own["step_time"] = own["step_time"] or took.pop("step_time")
+        own["params"] = own["params"] or took.pop("params")
+        extra |= {k: v for k, v in took.items() if k == "bandwidth" or not own["steady"]}
+        result_measured = check_run(finished)
+    if own["flops_per_step"] is not None:
+        extra |= {"flops_per_step": own["flops_per_step"], "flops": own["flops"]}
+    compare = own["compare"] or "all"
+    names = (modeled() if compare == "all" else [] if compare == "none"
+             else [n.strip() for n in compare.split(",") if n.strip()])
+    result = plan_configs(cfg, names, own["target_cu"] or "0.9", step_time=own["step_time"],
+                          params=own["params"], steady=own["steady"], **extra)
+    if result_measured is not None:
+        result["measured"] = result_measured
+    if all("error" in row for row in result["algorithms"].values()):
+        raise PlanError(result["algorithms"][cfg.algo]["error"])
+    return result, own["json"]
+
+
+def _setup(name: str, inputs: dict) -> str:
+    """'every 20 steps, P=4 tau=1 fp4-e3m0': how often it syncs (its schedule's period) and
+    the options it reads among P, tau and the codec."""
+    run = Run(**{k: tuple(v) if isinstance(v, list) else v for k, v in inputs.items()
+                 if k not in ("codec_bytes_per_value", "grad_bytes_per_value")}
+              | {"bandwidth": None})
+    s = schedule(name, run)
+    every = s.period // s.units_per_step if s.units_per_step else 1
+    reads = {f for group in REGISTRY[name].options for f in group.names()}
+    parts = [form.format(inputs[key]) for key, form in SHOWN if key in reads]
+    return " ".join([f"every {every} steps" if every > 1 else "every step", *parts])
 
 
 def table(result: dict) -> str:
-    """The human table of a plan() result."""
-    i, target = result["inputs"], result["target_cu"]
-    link = {None: "(no --bandwidth: CU not shown)", "inf": "unlimited"}.get(i["bandwidth"])
+    """The human table of a run_plan() result: one row per algorithm, the config's first."""
+    own, target = result["algorithms"][result["algorithm"]], result["target_cu"]
+    i = own.get("inputs") or next(r["inputs"] for r in result["algorithms"].values() if "inputs" in r)
+    link = {None: "none emulated (CU not shown)", "inf": "unlimited"}.get(i["bandwidth"])
     link = link or fmt_bandwidth(i["bandwidth"])
-    lines = [
-        f"{fmt_count(i['params'])} params, {i['layers']} blocks, "
-        f"step {fmt_seconds(i['step_time'])}, {i['replicas']} replicas, "
-        f"H={i['sync_every']} P={i['fragments']} tau={i['overlap']}"
-        f"{_fragments(i['fragment_sizes'])}",
-        f"outer codec {i['codec']} ({i['codec_bytes_per_value']:.4g} B/value), exchange "
-        f"{i['exchange']}, "
-        f"ddp/acco send {i['grad_dtype']}; link {link}, latency {fmt_seconds(i['latency'])}",
-        ""]
-    rows = [("algorithm", "CU", "stall/step", "wire/step", "largest transfer",
+    run = "the steady state" if i["steps"] is None else f"a run of {i['steps']} steps"
+    lines = [f"{fmt_count(i['params'])} params, {i['layers']} blocks, step "
+             f"{fmt_seconds(i['step_time'])}, R={i['replicas']} S={i['shards']}; link {link}, "
+             f"latency {fmt_seconds(i['latency'])}; {run}", ""]
+    rows = [("algorithm", "syncs", "CU", "stall/step", "wire/step", "largest transfer",
              f"needs for CU {target:g}")]
-    for alg, r in result["algorithms"].items():
-        rows.append((alg, "-" if r["cu"] is None else f"{r['cu']:.3f}",
+    notes = []
+    for name, r in result["algorithms"].items():
+        label = name + (" (this config)" if name == result["algorithm"] else "")
+        if "error" in r:
+            notes.append(f"{name}: {r['error']}")
+            rows.append((label, "-", "-", "-", "-", "-", "-"))
+            continue
+        rows.append((label, _setup(name, r["inputs"]), "-" if r["cu"] is None else f"{r['cu']:.3f}",
                      fmt_seconds(r["stall_per_step"]), fmt_bytes(r["wire_bytes_per_step"]),
                      fmt_bytes(r["peak_transfer_bytes"]), fmt_bandwidth(r["required_bandwidth"])))
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    return "\n".join(lines)
-
-
-def _fragments(sizes) -> str:
-    """', largest fragment 73.9k values (33%)': of the real split, for P > 1."""
-    if len(sizes) == 1:
-        return ""
-    return f", largest fragment {fmt_count(max(sizes))} values ({max(sizes) / sum(sizes):.0%})"
-
-
-def _parser() -> argparse.ArgumentParser:
-    # every value is read as text and validated by make_run, so that errors read the same
-    p = ArgParser(prog="lowband plan", epilog=f"example: {EXAMPLE}",
-                description="How much bandwidth does a run need? Simulates the schedule of ddp, "
-                "diloco, streaming and acco on one slow link (docs/plan.md).")
-    add = p.add_argument
-    add("--params", help="parameter count, e.g. 1e9 or 1.3B")
-    add("--layers", help="number of blocks (with a preset --model: its n_layer, as lowband "
-        "train's --n-layer)")
-    add("--model", help=f"a model instead of --params/--layers: {names()}; built on the meta "
-        "device for its parameter count and real fragments")
-    add("--step-time", help="compute seconds per step, e.g. 0.1 or 100ms")
-    add("--flops-per-step", help="FLOPs of one step (with --flops, instead of --step-time)")
-    add("--flops", help="achieved FLOP/s of one replica")
-    add("--replicas", default="2", help="R: replicas joined by the slow link (default 2)")
-    add("--sync-every", default="100", help="H: inner steps between syncs (default 100)")
-    add("--fragments", default="1", help="P: streaming fragments (default 1)")
-    add("--overlap", default="0", help="tau: steps a streaming sync overlaps (default 0)")
-    add("--codec", default="fp32", help=f"outer exchange: {', '.join(CODECS)} (default fp32)")
-    add("--grad-dtype", default="bf16", help="what ddp and acco send: fp32, bf16, fp16 (bf16)")
-    add("--bandwidth", help="link bits/s: 1e9, 100mbit, 1gbit, 10gbit, 10Gbps or inf")
-    add("--latency", default="0", help="seconds per transfer, e.g. 0.05 or 50ms (default 0)")
-    add("--steps", help="simulate a whole run of this many steps (default: the steady state)")
-    add("--target-cu", default="0.9", help="compute utilization to reach (default 0.9)")
-    add("--block-size", default=str(BLOCK_SIZE), help="values per quantization scale (64)")
-    add("--exchange", default="auto", help="how a quantized average travels: all-gather, "
-        "two-phase or auto (the fewer bytes, as lowband train's --exchange; default auto)")
-    add("--density", default=str(DENSITY), help="topk codecs: the share of each chunk's values "
-        f"sent (default {DENSITY})")
-    add("--sparse-chunk", default=str(CHUNK), help=f"topk codecs: values a chunk (default {CHUNK})")
-    add("--fragment-pattern", default="strided", help="strided (block i -> fragment i mod P) or "
-        "sequential, as lowband train's (default strided)")
-    add("--bucket-mb", help="ddp buckets of this many MiB of fp32 grads (default: one per block)")
-    add("--acco-rounds", default="2", help="acco communication rounds per step (default 2)")
-    add("--json", action="store_true", help="print JSON for scripts instead of a table")
-    return p
+    if "measured" in result:
+        m = result["measured"]
+        lines += ["", f"measured ({m['run_dir']}): CU {m['measured_cu']:.3f} against "
+                  f"{m['predicted_cu']:.3f} planned; largest transfer "
+                  f"{fmt_bytes(m['sent_peak_transfer_bytes'])} against "
+                  f"{fmt_bytes(m['planned_peak_transfer_bytes'])} planned"]
+    return "\n".join(lines + [""] + notes if notes else lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     """`lowband plan ...`: 0 on success, 2 on bad input (one sentence on stderr)."""
     try:
-        a = _parser().parse_args(argv)
-        kw = {k: v for k, v in vars(a).items() if k not in ("json", "target_cu") and v is not None}
-        result = plan(a.target_cu, **kw)
+        result, as_json = run_plan(sys.argv[1:] if argv is None else argv)
     except SystemExit as e:  # --help
         return int(e.code or 0)
-    except ValueError as e:
+    except (PlanError, ConfigError) as e:
         print(f"lowband plan: {e}", file=sys.stderr)
         return 2
-    i = result["inputs"]
-    if i["sync_every"] % i["fragments"]:
-        print(f"lowband plan: note: {i['fragments']} fragments do not divide H={i['sync_every']}, "
-              "so fragment syncs are spaced unevenly (lowband train needs H divisible by P).",
-              file=sys.stderr)
     try:
-        print(json.dumps(result, indent=2) if a.json else table(result), flush=True)
+        print(json.dumps(result, indent=2) if as_json else table(result), flush=True)
     except BrokenPipeError:  # `lowband plan ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
+

@@ -1,4 +1,5 @@
-"""How many values each fragment holds: the real split of the real model, or an even one.
+"""How many values each fragment (and each of edit's units) holds: the real split of the real
+model, or an even one.
 
 lowband's streaming splits a model with params.split_fragments: whole blocks per fragment, and
 the parameters outside the blocks (embeddings, through tying the output head; the final norm)
@@ -40,6 +41,19 @@ def model_fragments(model: str, fragments: int, pattern: str, *shape: int) -> tu
     net, blocks = _meta_model(model, *shape)
     return tuple(sum(p.numel() for p in ps)
                  for ps in split_fragments(net, blocks, fragments, pattern))
+
+
+def model_units(model: str, *shape: int) -> tuple[int, ...]:
+    """Values in edit's units of the model: the parameters outside the blocks (the root's),
+    then each block's."""
+    net, blocks = _meta_model(model, *shape)
+    sizes = tuple(sum(p.numel() for p in b.parameters()) for b in blocks)
+    return (sum(p.numel() for p in net.parameters()) - sum(sizes), *sizes)
+
+
+def even_units(params: int, layers: int) -> tuple[int, ...]:
+    """edit's units when the parameters are spread evenly over the blocks: nothing at the root."""
+    return (0, *(params * (i + 1) // layers - params * i // layers for i in range(layers)))
 
 
 def even_fragments(params: int, layers: int, fragments: int, pattern: str) -> tuple[int, ...]:

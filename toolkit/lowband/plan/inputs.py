@@ -4,70 +4,35 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
 
 from lowband import units
-from lowband.algorithms import ALGORITHMS as REGISTRY
-from lowband.comm import codecs, wire
-from lowband.comm.codecs import CHUNK, CODEC_RECORDS, DENSITY, SPARSE, Chunks
+from lowband.algorithms import ALGORITHMS as REGISTRY, Algorithm
+from lowband.comm import wire
+from lowband.comm.codecs import CHUNK, CODEC_RECORDS, DENSITY
+from lowband.comm.sends import (BLOCK_SIZE, GRAD_BYTES, Run, block, exchange_phases,  # noqa: F401
+                                payload_bytes)
 from lowband.models import spec
 from lowband.models.gpt import MODELS as MODEL_SPECS
 from lowband.options import ConfigError
-from lowband.plan.fragments import even_fragments, model_fragments, model_size
+from lowband.plan.fragments import (even_fragments, even_units, model_fragments, model_size,
+                                    model_units)
 
-# the algorithms whose schedule the planner models (timeline.py), in the registry's order
-ALGORITHMS = tuple(name for name in REGISTRY.builtin if name in ("ddp", "diloco", "streaming",
-                                                                  "acco"))
-
-
-def plan_as(algorithm: str) -> str:
-    """The algorithm the planner models `algorithm` as: itself, or, for one registered from
-    outside lowband (lowband.register), the nearest modeled algorithm its class subclasses (a
-    DiLoCo with another outer rule sends what diloco sends); PlanError when there is none."""
-    if algorithm in REGISTRY.builtin or algorithm not in REGISTRY:
-        return algorithm
-    for cls in REGISTRY[algorithm].__mro__:
-        if cls.__dict__.get("name") in ALGORITHMS and REGISTRY.builtin[cls.name] is cls:
-            return cls.name
-    raise PlanError(f"lowband plan does not model --algo {algorithm}, registered from outside "
-                    f"lowband: it models {', '.join(ALGORITHMS)} and the algorithms subclassing "
-                    "them.")
+def modeled() -> list[str]:
+    """The registered algorithms the planner models: those whose class declares (or inherits)
+    outer_link (algorithms/base.py), lowband's own and those registered from outside."""
+    return [name for name, cls in REGISTRY.items()
+            if getattr(cls.outer_link, "__func__", None) is not Algorithm.outer_link.__func__]
 
 
+ALGORITHMS = tuple(REGISTRY.builtin)  # lowband's own: every one is modeled
 CODECS = tuple(CODEC_RECORDS)  # what diloco and streaming may send (lowband.comm.codecs)
-GRAD_DTYPES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}
-BLOCK_SIZE = 64  # values per scale block
+GRAD_DTYPES = GRAD_BYTES
 # preset -> (parameters, blocks), from the model registry at each preset's own context length
 MODELS = {name: (m.param_count(), m.n_layer) for name, m in MODEL_SPECS.items()}
 
 
 class PlanError(ValueError):
     """Input a user can fix; its message is one sentence naming the fix."""
-
-
-@dataclass(frozen=True)
-class Run:
-    """The validated inputs of one plan (everything but the algorithm)."""
-    params: float
-    layers: int
-    step_time: float
-    replicas: int = 2
-    sync_every: int = 100
-    fragments: int = 1
-    overlap: int = 0
-    codec: str = "fp32"
-    grad_dtype: str = "bf16"
-    bandwidth: float | None = None
-    latency: float = 0.0
-    steps: int | None = None
-    block_size: int = BLOCK_SIZE
-    density: float = DENSITY      # topk codecs: the share of each chunk's values sent
-    sparse_chunk: int = CHUNK     # topk codecs: values a chunk
-    exchange: str = "auto"        # how a quantized average travels (wire.EXCHANGES)
-    bucket_mb: float | None = None
-    acco_rounds: int = 2
-    fragment_pattern: str = "strided"
-    fragment_sizes: tuple[int, ...] = ()  # values in each of the P fragments
 
 
 _SI = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9, "t": 1e12}
@@ -114,10 +79,10 @@ SHAPE = ("n_layer", "n_head", "d_model", "vocab_size", "seq_len")  # lowband's s
 
 def make_run(params=None, layers=None, step_time=None, *, model=None, flops_per_step=None,
              flops=None, replicas=2, sync_every=100, fragments=1, overlap=0, codec="fp32",
-             grad_dtype="bf16", bandwidth=None, latency=0.0, steps=None, block_size=BLOCK_SIZE,
+             grad_dtype="fp32", bandwidth=None, latency=0.0, steps=None, block_size=BLOCK_SIZE,
              density=DENSITY, sparse_chunk=CHUNK, exchange="auto", bucket_mb=None,
              acco_rounds=2, fragment_pattern="strided", fragment_sizes=None, n_head=0, d_model=0,
-             vocab_size=0, seq_len=0) -> Run:
+             vocab_size=0, seq_len=0, shards=1, sync_seconds=0.0, acco_adaptive=True) -> Run:
     """Validate and normalize the inputs; raises PlanError (a ValueError) naming the fix.
 
     model: a preset or hf:PATH, built on the meta device for its parameter count, blocks and
@@ -148,6 +113,10 @@ def make_run(params=None, layers=None, step_time=None, *, model=None, flops_per_
     if not 0 < step_time < math.inf:
         raise PlanError(f"--step-time must be a positive number of seconds, got {step_time:g}.")
     layers, replicas = _integer(layers, "layers", 1), _integer(replicas, "replicas", 1)
+    shards = _integer(shards, "shards", 1)
+    sync_seconds = _number(sync_seconds, "sync-seconds", seconds=True)
+    if not 0 <= sync_seconds < math.inf:
+        raise PlanError(f"--sync-seconds must be zero or a positive number, got {sync_seconds:g}.")
     sync_every = _integer(sync_every, "sync-every", 1)
     fragments, overlap = _integer(fragments, "fragments", 1), _integer(overlap, "overlap", 0)
     block_size = _integer(block_size, "block-size", 1)
@@ -188,17 +157,41 @@ def make_run(params=None, layers=None, step_time=None, *, model=None, flops_per_
     bucket_mb = None if bucket_mb is None else _number(bucket_mb, "bucket-mb")
     if bucket_mb is not None and not bucket_mb > 0:
         raise PlanError(f"--bucket-mb must be positive, got {bucket_mb:g}.")
+    real = shape is not None and params == counted  # the model that ran, split as lowband does
     if fragment_sizes is None:
-        real = shape is not None and params == counted  # the model that ran, split as lowband does
         fragment_sizes = (model_fragments(model, fragments, fragment_pattern, *shape) if real
                           else even_fragments(round(params), layers, fragments, fragment_pattern))
     fragment_sizes = tuple(int(n) for n in fragment_sizes)
     if len(fragment_sizes) != fragments or sum(fragment_sizes) != round(params):
         raise PlanError(f"fragment_sizes {list(fragment_sizes)} must be {fragments} counts "
                         f"adding up to the {round(params)} parameters.")
+    unit_sizes = model_units(model, *shape) if real else even_units(round(params), layers)
     return Run(params, layers, step_time, replicas, sync_every, fragments, overlap, codec,
                grad_dtype, bandwidth, latency, steps, block_size, density, sparse_chunk, exchange,
-               bucket_mb, acco_rounds, fragment_pattern, fragment_sizes)
+               bucket_mb, acco_rounds, fragment_pattern, fragment_sizes, shards, unit_sizes,
+               sync_seconds, bool(acco_adaptive))
+
+
+def run_of(cfg, step_time=None, *, params=None, steady: bool = False, **overrides) -> Run:
+    """The Run of a validated lowband Config (read by its own option names): its model (or a
+    model of `params` parameters spread evenly over its blocks), R, S, H, P, tau, codec and
+    exchange, buckets, emulated link (none: the CU is not simulated, only the bandwidth needed),
+    and its --steps as a whole run (steady: the periodic regime instead), with the compute time
+    of a step (`step_time`, or flops_per_step and flops among the overrides). What lowband
+    sends: fp32 gradients (ddp, zero1, acco). overrides: make_run's arguments, over these."""
+    kw = dict(
+        params=params, layers=cfg.n_layer or None, step_time=step_time, model=cfg.model,
+        n_head=cfg.n_head, d_model=cfg.d_model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
+        replicas=cfg.replicas, shards=cfg.shards, sync_every=cfg.sync_every,
+        fragments=cfg.fragments or 1, overlap=cfg.overlap or 0, codec=cfg.codec or "fp32",
+        fragment_pattern=cfg.fragment_pattern, exchange=cfg.exchange, density=cfg.density,
+        sparse_chunk=cfg.sparse_chunk, block_size=cfg.codec_block, bucket_mb=cfg.bucket_mb,
+        bandwidth=cfg.link_bandwidth or None, latency=cfg.link_latency,
+        steps=None if steady else cfg.steps, sync_seconds=cfg.sync_seconds,
+        acco_adaptive=cfg.acco_micro == "adaptive")
+    if params is not None and not cfg.n_layer:  # spread over the model's own blocks
+        kw["layers"] = cfg.n_blocks()
+    return make_run(**(kw | overrides))
 
 
 def _model_layers(model: str, layers, sizes: tuple) -> tuple[int, tuple[int, ...]]:
@@ -217,31 +210,6 @@ def _model_layers(model: str, layers, sizes: tuple) -> tuple[int, tuple[int, ...
                             f"{record.sizes_from} sets them.")
         shape = (0,) * len(SHAPE)
     return model_size(model, *shape)[1], shape
-
-
-def block(run: Run) -> int | Chunks:
-    """What the run's codec takes as its block, as streaming passes it: --block-size, or for a
-    topk codec its chunk and density."""
-    return Chunks(run.sparse_chunk, run.density) if run.codec in SPARSE else run.block_size
-
-
-def payload_bytes(run: Run, values: int) -> int:
-    """The exact bytes `values` values take in the run's codec (lowband.comm.codecs)."""
-    return codecs.payload_bytes(run.codec, values, block(run))
-
-
-def exchange_phases(run: Run, values: int) -> tuple[int, ...]:
-    """Wire bytes each replica sends in each collective of one average of `values` values over
-    the run's R replicas, as lowband.comm's Comm.average sends it: fp32 one all-reduce; another
-    codec one all-gather of the encoded payloads, or two phases (an all-to-all of encoded
-    chunks, then, once it has arrived, an all-gather of the owners' re-encoded means: half the
-    bytes each). wire.exchange_plan picks the exchange, exchange_wire_bytes counts it."""
-    if run.replicas == 1:
-        return ()
-    how, _ = wire.exchange_plan(run.codec, values, run.replicas, block(run), run.exchange)
-    total = wire.exchange_wire_bytes(run.codec, payload_bytes(run, values), run.replicas,
-                                     run.exchange, block(run))
-    return (total // 2, total - total // 2) if how == "two-phase" else (total,)
 
 
 # ----------------------------------------------------------------------------- printing

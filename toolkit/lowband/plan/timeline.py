@@ -1,77 +1,28 @@
-"""The schedule of each algorithm, and the event-driven timeline that replays it on one link.
+"""The event-driven timeline that replays an algorithm's schedule on one link.
 
-Time advances in *units* of compute: a step (forward 1/3, backward 2/3), or for acco one
-round's share of a step. A unit may release transfers at offsets inside it (or, chained, when
-the transfer before it has arrived); a transfer names the unit that cannot start before it
-arrives (its gate). The link is lowband.comm.link's: transfers queue first in, first out, each
-occupies the link for its wire bits / bandwidth, and arrives one latency after that.
+Each algorithm declares its schedule (its class's outer_link, comm/sends.py: units of compute,
+the transfers each releases and the units that wait for them). The link is lowband.comm.link's:
+transfers queue first in, first out, each occupies the link for its wire bits / bandwidth, and
+arrives one latency after that.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import NamedTuple
 
-from lowband.comm.wire import wire_bytes
-from lowband.plan.inputs import ALGORITHMS, GRAD_DTYPES, PlanError, Run, exchange_phases, plan_as
-
-
-class Send(NamedTuple):
-    offset: float          # released this many seconds into its unit...
-    nbytes: float          # wire bytes this replica sends
-    gate: int              # the unit this many units later waits for its arrival
-    chained: bool = False  # ...or, if chained, when the send before it has arrived
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """What one algorithm sends, and what waits for it."""
-    unit_s: float                     # compute time of one unit (a step; for acco a round's)
-    units_per_step: int
-    period: int                       # the send pattern repeats every `period` units
-    offsets: tuple[int, ...]          # units (mod period) that send, in increasing order
-    sends: tuple[tuple[Send, ...], ...]  # what the unit at each offset sends, in this order
-
-    def every(self):
-        return (send for sends in self.sends for send in sends)
-
-
-def average(run: Run, values: int, gate: int) -> tuple[Send, ...]:
-    """The collectives of one average of `values` values in the run's codec, released at the end
-    of a step: each phase of the exchange pays its own latency, the next once it has arrived."""
-    phases = exchange_phases(run, values)
-    return tuple(Send(0.0 if i else run.step_time, w, gate, chained=i > 0)
-                 for i, w in enumerate(phases))
+from lowband.algorithms import ALGORITHMS as REGISTRY
+from lowband.comm.sends import Run, Schedule
+from lowband.plan.inputs import PlanError, modeled
 
 
 def schedule(algorithm: str, run: Run) -> Schedule:
-    """The schedule of an algorithm (docs/plan.md has the formulas)."""
-    algorithm = plan_as(algorithm)
-    T, N, R = run.step_time, run.params, run.replicas
-    grad = N * GRAD_DTYPES[run.grad_dtype]
-    if algorithm == "ddp":  # buckets leave during the backward pass; next forward waits for all
-        # one bucket per block, or buckets of bucket_mb MiB of fp32 gradients (lowband's ddp)
-        n = run.layers if run.bucket_mb is None else math.ceil(N * 4 / (run.bucket_mb * 2**20))
-        sends = tuple(Send(T / 3 + (k + 1) / n * 2 * T / 3, wire_bytes("all_reduce", grad / n, R),
-                           1) for k in range(n))
-        s = Schedule(T, 1, 1, (0,), (sends,))
-    elif algorithm == "diloco":  # the whole model after every H-th step, waited for at once
-        s = Schedule(T, 1, run.sync_every, (run.sync_every - 1,),
-                     (average(run, sum(run.fragment_sizes), 1),))
-    elif algorithm == "streaming":  # fragment p after steps floor((p+1)H/P) - 1 (mod H), tau late
-        H, P = run.sync_every, run.fragments
-        s = Schedule(T, 1, H, tuple((p + 1) * H // P - 1 for p in range(P)),
-                     tuple(average(run, n, 1 + run.overlap) for n in run.fragment_sizes))
-    elif algorithm == "acco":  # per round: reduce-scatter, then all-gather, behind one round
-        u = T / run.acco_rounds
-        rs, ag = wire_bytes("reduce_scatter", grad, R), wire_bytes("all_gather", grad / R, R)
-        s = Schedule(u, run.acco_rounds, 1, (0,), ((Send(u, rs, 2), Send(0.0, ag, 2, True)),))
-    else:
-        raise PlanError(f"unknown algorithm '{algorithm}': plan models {', '.join(ALGORITHMS)}.")
-    if R == 1:  # nothing crosses the link
-        s = Schedule(s.unit_s, s.units_per_step, s.period, (), ())
-    return s
+    """What the algorithm declares it sends (its class's outer_link; docs/plan.md has the
+    formulas); nothing on the link with one replica."""
+    s = REGISTRY[algorithm].outer_link(run) if algorithm in REGISTRY else None
+    if s is None:
+        raise PlanError(f"lowband plan does not model --algo {algorithm}: it models "
+                        f"{', '.join(modeled())} (an algorithm's class declares outer_link).")
+    return s.quiet() if run.replicas == 1 else s
 
 
 class Timeline:
@@ -86,13 +37,18 @@ class Timeline:
         self.link = 0.0   # when the link is free
         self.gates: dict[int, float] = {}  # unit -> when the transfers it waits for arrive
         self.k = 0        # index of the next sending unit
+        while self.offsets and self._unit(self.k) < s.first:
+            self.k += 1
+
+    def _unit(self, k: int) -> int:
+        q, r = divmod(k, len(self.offsets))
+        return q * self.s.period + self.offsets[r]
 
     def advance(self, until: int) -> float:
         """Run units next..until-1; return the stall before them."""
         s, stalled = self.s, 0.0
         while True:
-            q, r = divmod(self.k, len(self.offsets)) if self.offsets else (math.inf, 0)
-            send = q * s.period + (self.offsets[r] if self.offsets else 0)
+            send = self._unit(self.k) if self.offsets else math.inf
             u = min(send, min(self.gates, default=math.inf))
             if u >= until:
                 break
@@ -100,18 +56,43 @@ class Timeline:
             start = max(self.clock, self.gates.pop(u, 0.0))
             stalled += start - self.clock
             if u == send:
-                self.k += 1
-                arrive = start
-                for send in s.sends[r]:  # first in, first out
-                    release = arrive if send.chained else start + send.offset
+                arrivals: list[float] = []
+                for send in s.sends[self.k % len(self.offsets)]:  # first in, first out
+                    release = arrivals[send.after] if send.after >= 0 else start + send.offset
                     self.link = max(self.link, release) + send.nbytes * 8 / self.bandwidth
-                    arrive = self.link + self.latency
+                    arrivals.append(self.link + self.latency)
                     g = u + send.gate
-                    self.gates[g] = max(self.gates.get(g, 0.0), arrive)
+                    self.gates[g] = max(self.gates.get(g, 0.0), arrivals[-1])
+                self.k += 1
             self.clock, self.next = start + s.unit_s, u + 1
         self.clock += (until - self.next) * s.unit_s
         self.next = until
         return stalled
+
+    def run(self, until: int) -> float:
+        """advance(until) for a whole run: once a chunk of whole periods repeats the one before
+        it (the same stall, the same backlog), the repeats up to the last chunks are counted,
+        not replayed. Returns the stall."""
+        chunk = self.s.period * math.ceil(16 / self.s.period)
+        stalled, previous = 0.0, None
+        while until - self.next > 2 * chunk:
+            stall = self.advance(self.next + chunk)
+            stalled += stall
+            now = [stall] + self.state()
+            if previous is not None and _same(now, previous, 1e-9 * chunk * self.s.unit_s):
+                n = (until - self.next - chunk) // chunk
+                self._shift(n * chunk, n * (chunk * self.s.unit_s + stall))
+                stalled += n * stall
+                break
+            previous = now
+        return stalled + self.advance(until)
+
+    def _shift(self, units: int, dt: float) -> None:
+        """Move the timeline `units` units (whole periods) and dt seconds on, as replaying them
+        would once it repeats itself."""
+        self.clock, self.link, self.next = self.clock + dt, self.link + dt, self.next + units
+        self.gates = {g + units: t + dt for g, t in self.gates.items()}
+        self.k += units // self.s.period * len(self.offsets)
 
     def drain(self) -> float:
         """The wait, after the last unit, for every transfer still in flight."""
@@ -133,8 +114,11 @@ def steady_stall(s: Schedule, bandwidth: float, latency: float) -> tuple[int, fl
     for _ in range(max(4, 20_000 // chunk)):  # a link that barely keeps up fills slowly
         stall = timeline.advance(timeline.next + chunk)
         now = [stall] + timeline.state()
-        if previous is not None and len(now) == len(previous) and all(
-                abs(x - y) <= tol for x, y in zip(now, previous)):
+        if previous is not None and _same(now, previous, tol):
             break
         previous = now
     return chunk, stall
+
+
+def _same(now: list[float], before: list[float], tol: float) -> bool:
+    return len(now) == len(before) and all(abs(x - y) <= tol for x, y in zip(now, before))
