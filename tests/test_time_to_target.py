@@ -2,8 +2,12 @@
 are known. (The eval events' own fields on a real run: test_cli.py's main job; their clock
 across a resume: test_resume.py.)"""
 
+import json
 import math
+import re
 from types import SimpleNamespace
+
+import pytest
 
 from lowband.summary import one_line, summarize
 
@@ -44,3 +48,45 @@ def test_no_target_no_field_and_old_summaries_read():
     s = _summary(0.0)
     assert "target" not in s and "target" not in one_line(s)
     assert "target" not in one_line({"algorithm": "ddp"})  # a summary of an older run
+
+
+def test_a_synthetic_runs_target_agrees_with_its_events_and_the_report(tmp_path):
+    from lowband.report import write_report
+    from lowband.telemetry import read_events
+    from lowband.testing.synthetic import make_run
+
+    # validation loss 1.65 + 3 exp(-s / 60) at steps 49, 99, 149, 199: 2.98, 2.23, 1.90, 1.76
+    runs = [make_run(tmp_path / name, name=name, steps=200, target_loss=loss).root
+            for name, loss in (("fast", 2.0), ("never", 1.0))]
+    fast = json.loads((runs[0] / "summary.json").read_text())["target"]
+    assert (fast["reached"], fast["step"], fast["tokens"]) == (True, 149, 4 * 150 * 4096)
+    assert fast["elapsed_s"] == pytest.approx(15.0, abs=0.01)
+    (ev,) = [e for e in read_events(runs[0], ("eval",)) if e["step"] == 149]
+    assert {k: ev[k] for k in ("elapsed_s", "tokens", "outer_bytes")} == \
+        {k: fast[k] for k in ("elapsed_s", "tokens", "outer_bytes")}
+    never = json.loads((runs[1] / "summary.json").read_text())["target"]
+    assert not never["reached"] and never["best_step"] == 199
+    assert never["best_val_loss"] == pytest.approx(1.65 + 3 * math.exp(-199 / 60))
+    old = make_run(tmp_path / "old", name="old", steps=200).root     # no target: an older run
+    text = write_report([*runs, old], tmp_path / "r.html").read_text(encoding="utf-8")
+    row = re.search(r"<th>time to target</th>(.*?)</tr>", text).group(1)
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
+    assert cells == ["15.0 s", f"not reached (best {never['best_val_loss']:.4f})", "–"]
+
+
+def test_the_live_dashboard_offers_the_axes_and_opens_mixed_algorithms_on_time(tmp_path):
+    from lowband.dashboard import Dashboard
+    from lowband.dashboard.style import XAXES
+    from lowband.testing.synthetic import make_run
+
+    a = make_run(tmp_path / "a", name="a", steps=60)
+    b = make_run(tmp_path / "b", name="b", algo="diloco", fragments=1, steps=60)
+    d = Dashboard([a.root, b.root])
+    assert [v for _, v in d.xaxis.options] == ["step", "tokens", "time", "bytes"]
+    assert d.xaxis.value == "time" and d.loss_fig.layout.xaxis.title.text == XAXES["time"]
+    d.xaxis.value = "bytes"
+    summary = json.loads((a.root / "summary.json").read_text())
+    (line,) = [t for t in d.loss_fig.data if t.name == "a · replica 0"]
+    assert line.x[-1] == pytest.approx(summary["outer_wire_bytes"], rel=0.05)
+    assert Dashboard(a.root).xaxis.value == "step"                 # one algorithm: steps
+    assert Dashboard([a.root, b.root], xaxis="tokens").xaxis.value == "tokens"  # asked for
