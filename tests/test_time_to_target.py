@@ -90,3 +90,24 @@ def test_the_live_dashboard_offers_the_axes_and_opens_mixed_algorithms_on_time(t
     assert line.x[-1] == pytest.approx(summary["outer_wire_bytes"], rel=0.05)
     assert Dashboard(a.root).xaxis.value == "step"                 # one algorithm: steps
     assert Dashboard([a.root, b.root], xaxis="tokens").xaxis.value == "tokens"  # asked for
+
+
+def test_runs_written_before_these_fields_still_draw(tmp_path):
+    from lowband.dashboard import figures as F
+    from lowband.dashboard.model import RunModel
+    from lowband.testing.synthetic import make_run
+
+    rd = make_run(tmp_path / "old", steps=60)
+    for path in rd.events.glob("rank*.jsonl"):   # as an older trainer wrote them
+        events = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps({k: v for k, v in e.items() if k not in
+                                            ("elapsed_s", "tokens", "outer_bytes")
+                                            or e["kind"] == "step" and k == "tokens"}) + "\n"
+                                for e in events))
+    m = RunModel(rd.root).load()
+    xs = {ax: {t["name"]: t["x"] for t in F.loss_spec([m], ax)[0]} for ax in F.XAXES}
+    # seconds since the first event, tokens estimated from the steps, bytes from comm events
+    assert xs["time"]["replica 0"][-1] == pytest.approx(m.replicas[0].t[-1] - m.t0)
+    assert xs["time"]["val loss"] == [pytest.approx(t - m.t0) for t in m.val_series()[2]]
+    assert xs["tokens"]["val loss"] == [50 * 4096 * 4]             # the evaluation at step 49
+    assert 0 < xs["bytes"]["val loss"][0] < xs["bytes"]["replica 0"][-1] <= m.outer_wire_bytes
