@@ -13,9 +13,9 @@ from conftest import lowband
 from lowband.telemetry import read_events
 
 FIELDS = {
-    "step": {"step", "loss", "lr", "tokens", "step_s", "compute_s"},
+    "step": {"step", "loss", "lr", "tokens", "step_s", "compute_s", "elapsed_s"},
     "comm": {"op", "group", "tag", "payload_bytes", "wire_bytes", "codec", "start", "end"},
-    "eval": {"step", "val_loss"},
+    "eval": {"step", "val_loss", "elapsed_s", "tokens", "outer_bytes"},
     "run": {"phase", "world", "config_hash"},
 }
 SUMMARY = {"algorithm", "replicas", "shards", "steps", "tokens", "wall_s", "tokens_per_s",
@@ -24,11 +24,13 @@ SUMMARY = {"algorithm", "replicas", "shards", "steps", "tokens", "wall_s", "toke
 
 
 def test_main_job_small(tmp_path):
-    proc = lowband("train", "--model", "nano", "--steps", 12, "--eval-every", 5, cwd=tmp_path)
+    proc = lowband("train", "--model", "nano", "--steps", 12, "--eval-every", 5,
+                   "--target-loss", 100, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("run directory: runs/ddp-")
     assert "loss" in lines[1] and "tokens/s" in lines[1] and "outer link" in lines[1]
+    assert "target val loss 100 reached at step 5" in lines[1]
     run = tmp_path / lines[0].split(": ", 1)[1]
     summary = json.loads((run / "summary.json").read_text())
     assert SUMMARY <= set(summary)
@@ -50,6 +52,23 @@ def test_main_job_small(tmp_path):
     assert [e["step"] for e in events if e["kind"] == "eval" and e["rank"] == 0] == [5, 10, 12]
     last = summary["final_val_loss"]
     assert abs(last - sum(e["val_loss"] for e in events if e["kind"] == "eval" and e["step"] == 12) / 2) < 1e-9
+
+    # what each evaluation took: the same run-wide numbers on every rank, the last one the
+    # summary's totals, the clock that of the slowest rank's step events
+    evals = {(e["step"], e["rank"]): e for e in events if e["kind"] == "eval"}
+    took = {s: [(evals[s, r]["elapsed_s"], evals[s, r]["tokens"], evals[s, r]["outer_bytes"])
+                for r in (0, 1)] for s in (5, 10, 12)}
+    assert all(a == b for a, b in took.values())
+    assert took[12][0] == (summary["wall_s"], summary["tokens"], summary["outer_wire_bytes"])
+    assert [took[s][0][1] for s in (5, 10)] == [5 * 2 * 8 * 128, 10 * 2 * 8 * 128]
+    assert 0 < took[5][0][2] < took[10][0][2] < took[12][0][2]  # ddp sends every step
+    clock = {(e["step"], e["rank"]): e["elapsed_s"] for e in events if e["kind"] == "step"}
+    assert took[5][0][0] == max(clock[5, 0], clock[5, 1]) < took[10][0][0]
+    # --target-loss 100: the first evaluation reaches it
+    assert summary["target"] == {"loss": 100.0, "reached": True, "step": 5,
+                                 "val_loss": (evals[5, 0]["val_loss"] + evals[5, 1]["val_loss"]) / 2,
+                                 "elapsed_s": took[5][0][0], "tokens": took[5][0][1],
+                                 "outer_bytes": took[5][0][2]}
 
 
 def test_config_file_and_flags_override(tmp_path):
@@ -81,6 +100,10 @@ BAD = [
     (["--algo", "streaming", "--codec", "fp8"], "unknown codec 'fp8'"),
     (["--link-bandwidth", "fast"], "cannot read the bandwidth 'fast'"),
     (["--fragment-pattern", "random"], "is not one of strided, sequential"),
+    (["--target-loss", "-1"], "--target-loss must be a finite validation loss (or 0 for none), got -1.0."),
+    (["--target-loss", "nan"], "--target-loss must be a finite validation loss (or 0 for none), got nan."),
+    (["--target-loss", "inf"], "--target-loss must be a finite validation loss"),
+    (["--elastic", "--target-loss", "3"], "--target-loss is not measured for --elastic runs"),
 ]
 
 

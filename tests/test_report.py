@@ -9,6 +9,7 @@ from lowband.dashboard import figures as F
 from lowband.dashboard.model import RunModel
 from lowband.testing.synthetic import make_run
 from lowband.report import ReportError, main, write_report
+from lowband.telemetry import read_events
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +67,35 @@ def test_report_on_two_runs_overlays_and_compares(runs, tmp_path):
 
 
 def test_loss_figure_buttons_switch_the_x_axis(runs):
-    fig = F.loss_figure_static([RunModel(runs[0]).load()])
-    buttons = fig.layout.updatemenus[0].buttons
-    assert [b.label for b in buttons] == ["step", "tokens", "wall time"]
-    xs = buttons[1].args[0]["x"]
-    assert len(xs) == len(fig.data)
-    assert xs[0][-1] == 100 * 4096 * 4            # tokens of the whole run at the last step
+    m = RunModel(runs[0]).load()
+    fig = F.loss_figure_static([m])
+    menu = fig.layout.updatemenus[0]
+    assert [b.label for b in menu.buttons] == ["step", "tokens", "wall time", "outer bytes"]
+    assert menu.active == 0 and fig.data[0].x[-1] == 99   # one algorithm: it opens on steps
+    xs = {b.label: b.args[0]["x"] for b in menu.buttons}
+    assert all(len(x) == len(fig.data) for x in xs.values())
+    assert xs["tokens"][0][-1] == 100 * 4096 * 4          # tokens of the whole run at the last step
+    # the run's training seconds and outer bytes: the curves end at the summary's totals, and
+    # the validation points lie where the eval events say (the same run-wide numbers)
+    val = [t.name for t in fig.data].index("val loss")
+    assert xs["wall time"][0][-1] == pytest.approx(100 * 0.1 + 0.002, abs=1e-6)
+    assert xs["outer bytes"][0][-1] == pytest.approx(m.summary["outer_wire_bytes"])
+    evals = [e for e in read_events(runs[0], ("eval",))]
+    assert list(xs["wall time"][val]) == [e["elapsed_s"] for e in evals]
+    assert list(xs["outer bytes"][val]) == [e["outer_bytes"] for e in evals]
+    assert list(xs["tokens"][val]) == [e["tokens"] for e in evals]
+
+
+def test_a_comparison_of_algorithms_opens_on_wall_clock_time(runs, tmp_path):
+    models = [RunModel(r).load() for r in runs]           # streaming and diloco
+    fig = F.loss_figure_static(models)
+    menu = fig.layout.updatemenus[0]
+    assert menu.buttons[menu.active].label == "wall time"
+    assert fig.layout.xaxis.title.text == F.XAXES["time"]
+    assert list(fig.data[0].x) == list(menu.buttons[menu.active].args[0]["x"][0])
+    assert fig.data[0].x[-1] == pytest.approx(100 * 0.1 + 0.002, abs=1e-6)
+    html = write_report(list(runs), tmp_path / "mixed.html").read_text(encoding="utf-8")
+    assert '"active":2' in html.replace(" ", "")
 
 
 def test_report_lists_membership_changes_and_restarts(runs, tmp_path):

@@ -1,5 +1,6 @@
 """Checkpoints and resume: nothing lost, bitwise on CPU, for every algorithm."""
 
+import json
 import os
 import signal
 import subprocess
@@ -72,6 +73,10 @@ def test_resume_is_bitwise_identical(resumed, algo):
     # the events continue in the same files, each step once
     steps = [e["step"] for e in read_events(part, ("step",)) if e["rank"] == 0]
     assert steps == list(range(1, 11))
+    # the run's training clock goes on from the checkpoint's: up to the summary's wall time
+    clock = [e["elapsed_s"] for e in read_events(part, ("step", "eval")) if e["rank"] == 0]
+    assert all(a < b for a, b in zip(clock[:-1], clock[1:-1])) and clock[-2] <= clock[-1]
+    assert clock[-1] == json.loads((part / "summary.json").read_text())["wall_s"]
     assert len(list((part / "checkpoints").iterdir())) == 3  # keep the last 3
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,9 @@ class RunOptions(Options):
     # evaluation, output, reproducibility
     eval_every: int = _f(50, "evaluate on the validation split every N steps (0: only at the end)")
     eval_batches: int = _f(4, "validation micro-batches per evaluation")
+    target_loss: float = _f(0.0, "a validation loss to reach: summary.json's `target` gives the "
+                            "training time, tokens and outer-link bytes at the first evaluation "
+                            "at or below it, or the best loss when none is (0: no target)")
     seed: int = _f(0, "seed for initialisation and data order")
     run_dir: str = _f("", "run directory (default: runs/<algo>-<time>)")
     overwrite: bool = _f(False, "start afresh in a --run-dir that already holds a run, removing "
@@ -107,6 +111,12 @@ class RunOptions(Options):
         for name in ("beta1", "beta2", "min_lr_ratio"):
             if not 0 <= getattr(cfg, name) <= 1:
                 raise ConfigError(f"{flag(name)} must lie in [0, 1], got {getattr(cfg, name)}.")
+        if not (math.isfinite(cfg.target_loss) and cfg.target_loss >= 0):
+            raise ConfigError(f"--target-loss must be a finite validation loss (or 0 for none), "
+                              f"got {cfg.target_loss}.")
+        if cfg.target_loss and cfg.elastic:
+            raise ConfigError("--target-loss is not measured for --elastic runs, whose replica "
+                              "groups evaluate apart: remove one of them.")
         if not 0 < cfg.val_fraction < 1:
             raise ConfigError(f"--val-fraction must lie strictly between 0 and 1, got {cfg.val_fraction}.")
         if cfg.data != "builtin" and not Path(cfg.data).exists():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from lowband.units import fmt_si
 
 
@@ -26,7 +28,24 @@ def summarize(cfg, ranks: list[dict]) -> dict:
         "final_val_loss": mean([r["val_loss"] for r in ranks if r["shard"] == 0]),
         "run_dir": cfg.run_dir,
         **_acco(cfg, tokens, len(ranks), run),
+        **({"target": target(ranks[0].get("evals", []), cfg.target_loss)}
+           if cfg.target_loss else {}),
     }
+
+
+def target(evals: list, loss: float) -> dict:
+    """summary.json's `target` (--target-loss): what the first evaluation whose validation loss
+    (mean over replicas) is at or below `loss` took, from the run-wide records of the
+    evaluations every rank took ([step, val_loss, elapsed_s, tokens, outer_bytes], in order:
+    train.Progress.evals); when none is, the best loss evaluated."""
+    for step, val, elapsed, tokens, outer in evals:
+        if val <= loss:
+            return {"loss": loss, "reached": True, "step": step, "val_loss": val,
+                    "elapsed_s": elapsed, "tokens": tokens, "outer_bytes": outer}
+    finite = [e for e in evals if math.isfinite(e[1])]
+    best = min(finite, key=lambda e: e[1]) if finite else [None, None]
+    return {"loss": loss, "reached": False, "best_val_loss": best[1], "best_step": best[0],
+            "evaluations": len(evals)}
 
 
 def _acco(cfg, tokens: int, world: int, steps_run: float) -> dict:
@@ -57,7 +76,21 @@ def one_line(s: dict) -> str:
             + (f"{s['micro_batches_per_step']:.1f} micro-batches/step over {s.get('steps_run')} "
                "steps, " if "micro_batches_per_step" in s else "") +
             f"outer link {fmt_si(s.get('outer_wire_bytes', 0), 'B')}, "
-            f"compute utilization {100 * s.get('compute_utilization', 0):.0f}%")
+            f"compute utilization {100 * s.get('compute_utilization', 0):.0f}%"
+            + target_text(s.get("target")))
+
+
+def target_text(t) -> str:
+    """The one line's note on --target-loss ("" for a run without one, or an older run)."""
+    if not isinstance(t, dict) or "loss" not in t:
+        return ""
+    if t.get("reached"):
+        return (f"; target val loss {t['loss']:g} reached at step {t.get('step')} after "
+                f"{t.get('elapsed_s', 0):.1f} s, {fmt_si(t.get('tokens', 0))} tokens, "
+                f"{fmt_si(t.get('outer_bytes', 0), 'B')} outer")
+    best = t.get("best_val_loss")
+    return f"; target val loss {t['loss']:g} not reached" + (
+        f" (best {best:.4f})" if isinstance(best, (int, float)) else "")
 
 
 def comparison(s: dict, link_bandwidth_bps: float = 0.0) -> str:

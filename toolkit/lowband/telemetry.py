@@ -11,10 +11,10 @@ checkpoint; a new run starts only in one that holds none (RunDir.claim), so two 
 share event files.
 
 Every event carries v (schema version), t (unix seconds), rank, replica and kind. Kinds:
-  step  step, loss, lr, tokens (cumulative, this rank), step_s, compute_s
+  step  step, loss, lr, tokens (cumulative, this rank), step_s, compute_s, elapsed_s
   comm  op, group (outer/inner), tag, payload_bytes, wire_bytes, codec, start, end
   sync  step, fragment/block, pseudo_grad_norm, weight, anomaly, outer_lr
-  eval  step, val_loss
+  eval  step, val_loss; elapsed_s (training seconds), tokens and outer_bytes (run-wide so far)
   spike step, loss, z
   run   phase (start, resume or end: one start or resume a rank an attempt), world,
         config_hash, step, attempt (0, 1, ...: this rank's starts and resumes before it);

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import sys
 import time
 
@@ -34,6 +34,7 @@ from lowband.comm.link import LinkOptions
 from lowband.config import Config
 from lowband.data import Batches, load_corpus, record_tokenizer, vocab_needed
 from lowband.faults import Faults
+from lowband.ledger import Ledger
 from lowband.models import blocks_of, check_vocab, compile_blocks, for_training, lm_loss, num_params
 from lowband.models import build as build_model
 from lowband.params import flatten, is_dtensor, write_flat
@@ -126,6 +127,9 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from, attempt):
             "tokenizer": record_tokenizer(tokens, run.root)}})
 
     faults = Faults(cfg, topo.replica, cfg.seed, topo.rank)
+    ledger = Ledger(topo.shards, cfg.elastic)
+    # aedit's replicas evaluate at steps of their own: only its final evaluation is everyone's
+    lockstep = not getattr(algo, "timed", False)
     done = Progress()
     if resume_from is not None:
         checkpoint.load(resume_from[0], model, optimizer, algo, topo.replica, resume_from[1])
@@ -165,15 +169,16 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from, attempt):
         step_compute = max(step_s - comm.take_wait_s(), 0.0)
         done.advance(loss, micro_batches * cfg.batch_size * cfg.seq_len, step_compute)
         _take_heal(algo, done)
-        events.emit("step", step=step + 1, loss=loss, lr=lr_at(cfg, algo.lr_step(step)),
-                    tokens=done.tokens, step_s=step_s, compute_s=step_compute)
         t_pause = time.time()
+        elapsed = done.wall_s + t_pause - t_start - paused_s  # training seconds so far
+        events.emit("step", step=step + 1, loss=loss, lr=lr_at(cfg, algo.lr_step(step)),
+                    tokens=done.tokens, step_s=step_s, compute_s=step_compute, elapsed_s=elapsed)
         ends = algo.ends_after(step + 1)  # the final evaluation follows the loop
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and not ends:
-            done.val_loss = _eval(algo, model, batches, cfg, events, step + 1)
+            _eval(algo, model, batches, cfg, events, step + 1, done, elapsed, ledger, comm,
+                  lockstep)
         last = ends or step + 1 == cfg.stop_after
         if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or last):
-            elapsed = done.wall_s + time.time() - t_start - paused_s
             _checkpoint(run, events, model, optimizer, algo, topo, comm, cfg, done, elapsed, faults)
         paused_s += time.time() - t_pause
         if bar is not None:
@@ -183,7 +188,7 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from, attempt):
             break
     algo.finish()  # exchanges still in flight land before the final evaluation
     done.wall_s += time.time() - t_start - paused_s  # training time only
-    done.val_loss = _eval(algo, model, batches, cfg, events, done.step)
+    _eval(algo, model, batches, cfg, events, done.step, done, done.wall_s, ledger, comm, True)
     outer = algo.outer_params()
     if bar is not None:
         bar.close()
@@ -193,6 +198,7 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from, attempt):
 
     mine = {"tokens": my_tokens, "steps": done.step, "wall_s": wall_s, "compute_s": compute_s,
             "loss": last_loss, "val_loss": val_loss, "replica": topo.replica, "shard": topo.shard,
+            "evals": done.evals,
             "outer_wire": comm.totals.wire_bytes["outer"], "inner_wire": comm.totals.wire_bytes["inner"],
             "peak_outer": comm.totals.peak_outer_payload, "setup_wire": comm.totals.setup_wire_bytes}
     everyone = [None] * dist.get_world_size()
@@ -308,6 +314,9 @@ class Progress:
     wall_s: float = 0.0
     loss: float = float("nan")
     val_loss: float = float("nan")
+    # the evaluations every rank took: [step, val_loss, elapsed_s, tokens, outer_bytes], run-wide
+    # (ledger.py), for summary.json's target
+    evals: list = field(default_factory=list)
 
     def advance(self, loss: float, tokens: int, compute_s: float) -> None:
         self.step, self.loss = self.step + 1, loss
@@ -344,11 +353,16 @@ def _unwrapped(key: str) -> str:
     return key
 
 
-def _eval(algo, model, batches, cfg, events, step) -> float:
+def _eval(algo, model, batches, cfg, events, step, done, elapsed, ledger, comm, everyone):
+    """Evaluate after `step` steps, `elapsed` training seconds: the eval event says what
+    reaching its loss took (ledger.py), done.val_loss keeps the loss."""
+    outer = comm.totals.wire_bytes["outer"]  # sent before the evaluation, not during it
     with algo.eval_weights(cfg.eval_params):
-        val_loss = evaluate(model, batches, cfg)
-    events.emit("eval", step=step, val_loss=val_loss)
-    return val_loss
+        done.val_loss = evaluate(model, batches, cfg)
+    fields, record = ledger.at_eval(step, done.val_loss, elapsed, done.tokens, outer, everyone)
+    events.emit("eval", step=step, val_loss=done.val_loss, **fields)
+    if record is not None:
+        done.evals.append(record)
 
 
 def _broadcast_init(model: nn.Module, comm: Comm) -> None:

@@ -1,7 +1,8 @@
 """The loss figure: loss per replica, validation loss, loss spikes, outer-sync marks, the
 restarts of a continued run and the membership changes and failed commit votes of --elastic
-runs, against steps, tokens or wall time (loss_spec); and the report's version with x-axis
-buttons."""
+runs, against steps, tokens, wall-clock time or outer-link bytes (loss_spec; where a point lies
+on each: axes.py); and the report's version with x-axis buttons, opening on the axis that
+compares its runs (opening_xaxis)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from .model import RunModel
 from .restarts import restart_text
 from .specs import make_figure
 from .style import (ANOMALY_COLOR, BASE_LAYOUT, DASHES, FAILED_COMMIT_COLOR, MEMBERSHIP_COLOR,
-                    PALETTE, RESTART_COLOR, XAXES, Spec, empty_note, figure_title)
+                    PALETTE, RESTART_COLOR, XAXES, XAXIS_BUTTONS, Spec, empty_note, figure_title)
 
 
 def downsample(n: int, max_points: int) -> np.ndarray:
@@ -23,17 +24,12 @@ def downsample(n: int, max_points: int) -> np.ndarray:
     return np.unique(idx)
 
 
-def _x(model: RunModel, xaxis: str, step, t, replica_tokens):
-    if xaxis == "tokens":
-        return None if replica_tokens is None else model.run_tokens(replica_tokens)
-    if xaxis == "time":
-        return None if t is None else t - (model.t0 or 0.0)
-    return step
-
-
-def _tokens_at(m: RunModel, replica: int, step: int | None):
-    rs = m.replicas.get(replica)
-    return rs.tokens_at(step) if rs is not None and step is not None else None
+def opening_xaxis(models: list[RunModel]) -> str:
+    """The x axis a figure of these runs opens on: wall-clock time when they are of different
+    algorithms (a step is not the same work across them: an adaptive acco step is several
+    micro-batches, a ddp step one or two), else steps."""
+    algos = {str(m.config.get("algo") or (m.summary or {}).get("algorithm")) for m in models}
+    return "time" if len(algos) > 1 else "step"
 
 
 def _at(m: RunModel, xaxis: str, step: int | None, t: float, replica: int):
@@ -42,7 +38,7 @@ def _at(m: RunModel, xaxis: str, step: int | None, t: float, replica: int):
     rs = m.replicas.get(replica)
     if step is None and rs is not None:
         step = rs.step_at(t)
-    return step, _x(m, xaxis, step, t, _tokens_at(m, replica, step))
+    return step, m.x_of(xaxis, step, t, replica)
 
 
 def _vlines(xs: list, texts: list) -> dict:
@@ -68,32 +64,30 @@ def loss_spec(models: list[RunModel], xaxis: str = "step", max_points: int = 200
         for k, rep in enumerate(sorted(m.replicas)):
             rs = m.replicas[rep]
             idx = downsample(len(rs.steps), max_points)
-            xs = [_x(m, xaxis, rs.steps[i], rs.t[i], rs.tokens[i]) for i in idx]
+            xs = [m.x_of(xaxis, rs.steps[i], rs.t[i], rep, rs.tokens[i], rs.clock[i]) for i in idx]
             traces.append(dict(
                 type="scatter", mode="lines", name=f"{prefix}replica {rep}",
                 x=xs, y=[rs.loss[i] for i in idx], legendgroup=group,
                 line=dict(color=run_color if multi else PALETTE[k % len(PALETTE)],
                           dash=DASHES[k % len(DASHES)] if multi else "solid", width=1.5)))
-        vsteps, vals, vts, vtoks = m.val_series()
         traces.append(dict(
             type="scatter", mode="lines+markers", name=f"{prefix}val loss",
-            x=(vtoks if xaxis == "tokens" else
-               [t - (m.t0 or 0.0) for t in vts] if xaxis == "time" else vsteps),
-            y=vals, legendgroup=group,
+            x=m.val_x(xaxis), y=m.val_series()[1], legendgroup=group,
             line=dict(color=run_color if multi else "#222", width=2),
             marker=dict(size=6, symbol="circle")))
         spikes = m.detected_spikes()[-max_marks:]
         z = m.spike_params[0]
         traces.append(dict(
             type="scatter", mode="markers", name=f"{prefix}loss spike (z>{z:g})",
-            x=[_x(m, xaxis, s.step, s.t, s.tokens) for s in spikes], y=[s.loss for s in spikes],
+            x=[m.x_of(xaxis, s.step, s.t, s.replica, s.tokens) for s in spikes],
+            y=[s.loss for s in spikes],
             text=[f"replica {s.replica} step {s.step}: z={s.z:.1f}" for s in spikes],
             legendgroup=group,
             marker=dict(symbol="x", size=11, color=ANOMALY_COLOR, line=dict(width=1))))
         ev = m.spike_events[-max_marks:]
         traces.append(dict(
             type="scatter", mode="markers", name=f"{prefix}spike events",
-            x=[_x(m, xaxis, s.step, s.t, _tokens_at(m, s.replica, s.step)) for s in ev],
+            x=[m.x_of(xaxis, s.step, s.t, s.replica) for s in ev],
             y=[s.loss for s in ev], legendgroup=group,
             text=[f"trainer spike, replica {s.replica} step {s.step}: z={s.z:.1f}" for s in ev],
             marker=dict(symbol="star", size=11, color="#ff7f0e", line=dict(width=1)),
@@ -212,17 +206,20 @@ def _marked_lines(xs: list, hover: list, legend, line: dict, mark: dict) -> list
 
 
 def loss_figure_static(models: list[RunModel], max_points: int = 2000):
-    """The loss figure with buttons that switch the x axis (step, tokens, wall time) in the
-    browser: every axis's x data is embedded, nothing needs a kernel."""
+    """The loss figure with buttons that switch the x axis (step, tokens, wall time, outer
+    bytes) in the browser: every axis's x data is embedded, nothing needs a kernel. It opens on
+    opening_xaxis(models)."""
     import plotly.graph_objects as go
     specs = {ax: loss_spec(models, ax, max_points) for ax in XAXES}
-    fig = make_figure(specs["step"])
-    buttons = [dict(label=ax if ax != "time" else "wall time", method="update",
+    first = opening_xaxis(models)
+    fig = make_figure(specs[first])
+    buttons = [dict(label=XAXIS_BUTTONS[ax], method="update",
                     args=[{"x": [t["x"] for t in specs[ax][0]]},
                           {"xaxis.title.text": XAXES[ax], "xaxis.autorange": True}])
                for ax in XAXES]
     fig.update_layout(updatemenus=[go.layout.Updatemenu(
-        type="buttons", direction="right", buttons=buttons, showactive=True, active=0,
+        type="buttons", direction="right", buttons=buttons, showactive=True,
+        active=list(XAXES).index(first),
         x=1.0, xanchor="right", y=1.12, yanchor="bottom", pad=dict(r=0, t=0))],
         margin=dict(t=70))
     return fig

@@ -75,10 +75,12 @@ class ReplicaSeries:
         self.steps: list[int] = []
         self.tokens: list[float] = []     # that replica's tokens (sum over its ranks)
         self.t: list[float] = []          # when the last of its ranks finished the step
+        # the run's training seconds then (step events' elapsed_s; None for older runs)
+        self.clock: list[float | None] = []
         self.loss: list[float] = []
         self.spikes: list[Spike] = []
         self.detector = detector
-        self.pending: dict[int, list] = {}   # step -> [loss_sum, n, t_max, tokens_sum]
+        self.pending: dict[int, list] = {}   # step -> [loss_sum, n, t_max, tokens_sum, clock]
         self.ranks: set[int] = set()
 
     def tokens_at(self, step: int) -> float | None:
@@ -90,15 +92,31 @@ class ReplicaSeries:
         i = bisect_right(self.t, t) - 1
         return self.steps[i] if i >= 0 else (self.steps[0] if self.steps else None)
 
-    def add(self, rank: int, step: int, loss: float, t: float, tokens: float) -> None:
+    def clock_at(self, t: float) -> float | None:
+        """The run's training seconds at unix time t (for marks known by time): between two
+        steps the clock stands still first (the evaluation or checkpoint after a step), then
+        runs up to the next step's; None when the steps carry no clock."""
+        i = bisect_right(self.t, t) - 1
+        if not self.t or self.clock[max(i, 0)] is None:
+            return None
+        if i < 0:
+            return max(self.clock[0] - (self.t[0] - t), 0.0)
+        if i + 1 == len(self.t) or self.clock[i + 1] is None:
+            return self.clock[i] + (t - self.t[i])
+        return max(self.clock[i], self.clock[i + 1] - (self.t[i + 1] - t))
+
+    def add(self, rank: int, step: int, loss: float, t: float, tokens: float,
+            clock: float | None = None) -> None:
         self.ranks.add(rank)
         if self.steps and step <= self.steps[-1]:
             return   # a rank reporting a step already closed (it lagged past the others): drop
-        p = self.pending.setdefault(step, [0.0, 0, t, 0.0])
+        p = self.pending.setdefault(step, [0.0, 0, t, 0.0, clock])
         p[0] += loss
         p[1] += 1
         p[2] = max(p[2], t)
         p[3] += tokens
+        if clock is not None:
+            p[4] = clock if p[4] is None else max(p[4], clock)
 
     def settle(self, expected: int, flush: bool = False, max_pending: int = 64) -> None:
         """Close pending steps in order: up to the last one all `expected` ranks reported, and
@@ -118,12 +136,13 @@ class ReplicaSeries:
         for k in keys:
             if k > upto:
                 break
-            loss_sum, n, t, tok = self.pending.pop(k)
+            loss_sum, n, t, tok, clock = self.pending.pop(k)
             loss = loss_sum / n
             tokens = tok * max(expected, n) / n
             self.steps.append(k)
             self.loss.append(loss)
             self.t.append(t)
+            self.clock.append(clock)
             self.tokens.append(tokens)
             z, spike = self.detector.update(loss)
             if spike:

@@ -10,12 +10,14 @@ This module holds RunModel itself: reading the run directory, folding events in,
 headline numbers. Its parts live beside it: records.py (the records it keeps and the event field
 readers), losses.py (per-replica loss curves, spike detection), syncs.py (outer-sync marks),
 membership.py (replica groups joining and leaving an --elastic run's quorum), commits.py (its
-failed commit votes), restarts.py (attempts that continued the run) and bandwidth.py
-(outer-link traffic binned over time). Their public names import from here too.
+failed commit votes), restarts.py (attempts that continued the run), bandwidth.py
+(outer-link traffic binned over time) and axes.py (where a point lies on the loss figure's x
+axes). Their public names import from here too.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
@@ -23,6 +25,7 @@ from pathlib import Path
 
 from lowband.telemetry import KINDS, EventTail, RunDir
 
+from .axes import LossAxes
 from .bandwidth import OuterTraffic, bin_transfers, nice_width, parse_bits, parse_seconds
 from .commits import FailedCommits
 from .losses import ReplicaSeries, SpikeDetector, detect_spikes
@@ -60,7 +63,7 @@ def is_run_dir(path) -> bool:
     return p.is_dir() and ((p / "config.json").is_file() or (p / "events").is_dir())
 
 
-class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits, Restarts):
+class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits, Restarts, LossAxes):
     """Everything the dashboard draws about one run, updated incrementally by poll().
 
     source: a run directory (str or Path) or a launch handle with a `.run_dir` attribute (read
@@ -88,7 +91,8 @@ class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits, Restar
         self.t_last: float | None = None
         self.ranks: dict[int, RankState] = {}
         self.replicas: dict[int, ReplicaSeries] = {}
-        self._val: dict[int, list] = {}          # step -> [sum, n, t, replica]
+        # step -> [sum, n, t, replica, {elapsed_s, tokens, outer_bytes}: what reaching it took]
+        self._val: dict[int, list] = {}
         self.spike_events: list[Spike] = []
         self.syncs: list[SyncMark] = []
         self._anomalies: set = set()
@@ -222,7 +226,7 @@ class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits, Restar
         self.max_step_s = max(self.max_step_s, step_s)
         self.steps.append(StepSpan(rank, replica, t - step_s, t, step, compute_s))
         if loss is not None:
-            self._replica(replica).add(rank, step, loss, t, tokens)
+            self._replica(replica).add(rank, step, loss, t, tokens, _num(e.get("elapsed_s")))
 
     def _on_comm(self, e, t, rank, replica):
         start, end = _num(e.get("start"), t), _num(e.get("end"), t)
@@ -259,10 +263,13 @@ class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits, Restar
         if step is None or val is None:
             return
         self._see_time(t)
-        v = self._val.setdefault(step, [0.0, 0, t, replica])
+        v = self._val.setdefault(step, [0.0, 0, t, replica, {}])
         v[0] += val
         v[1] += 1
         v[2] = max(v[2], t)
+        for key in ("elapsed_s", "tokens", "outer_bytes"):  # the same on every rank
+            if _num(e.get(key)) is not None:
+                v[4][key] = _num(e.get(key))
 
     def _on_spike(self, e, t, rank, replica):
         step, loss = _int(e.get("step")), _num(e.get("loss"))
@@ -310,16 +317,17 @@ class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits, Restar
         return replica_tokens * self.n_replicas
 
     def val_series(self) -> tuple[list[int], list[float], list[float], list[float]]:
-        """(steps, val_loss, t, run tokens): the mean over ranks that evaluated at each step."""
+        """(steps, val_loss, t, run tokens): the mean over ranks that evaluated at each step;
+        the tokens the eval events say, else estimated (run_tokens)."""
         steps, vals, ts, toks = [], [], [], []
         for step in sorted(self._val):
-            s, n, t, replica = self._val[step]
+            s, n, t, replica, took = self._val[step]
             rs = self.replicas.get(replica)
             tok = rs.tokens_at(step) if rs else None
             steps.append(step)
             vals.append(s / n)
             ts.append(t)
-            toks.append(self.run_tokens(tok) if tok is not None else float("nan"))
+            toks.append(took.get("tokens", self.run_tokens(tok) if tok is not None else math.nan))
         return steps, vals, ts, toks
 
     def detected_spikes(self) -> list[Spike]:

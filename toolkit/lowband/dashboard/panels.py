@@ -9,7 +9,9 @@ import ipywidgets as W
 
 from .bandwidth_figure import bandwidth_spec
 from .loss_figure import loss_spec
+from .loss_figure import opening_xaxis
 from .specs import make_figure, update_figure
+from .style import XAXIS_BUTTONS
 from .tables import summary_html
 from .timeline_figure import timeline_spec
 
@@ -18,13 +20,16 @@ class Panels:
     """Dashboard's widgets and drawing (a mixin: reads models, interval, max_points, max_spans,
     _lock, _ended, live; calls refresh, _statuses, _job_status and _done)."""
 
-    def _build(self, xaxis: str, window_s: float, buttons: list) -> None:
-        """Make the widgets; `buttons` go beside the refresh button (Start, Stop)."""
+    def _build(self, xaxis: str | None, window_s: float, buttons: list) -> None:
+        """Make the widgets; `buttons` go beside the refresh button (Start, Stop). xaxis None:
+        the loss figure's x axis is chosen once every run's config is read (opening_xaxis)."""
+        self._pick_xaxis = xaxis is None
         self._rendered: tuple | None = None     # what the figures show: see _draw
         self._setting_range = False
         self._set_range = None
         self.renders = 0
         self.last_error: str | None = None
+        xaxis = xaxis or "step"
         self.loss_fig = make_figure(loss_spec([], xaxis), widget=True)
         self.loss_fig.layout.height = 380
         self.bandwidth_fig = make_figure(bandwidth_spec([]), widget=True)
@@ -32,9 +37,9 @@ class Panels:
         self.timeline_fig = make_figure(timeline_spec(self.models[0]), widget=True)
         self.timeline_fig.layout.on_change(self._on_timeline_zoom, "xaxis.range")
 
-        self.xaxis = W.ToggleButtons(options=[("step", "step"), ("tokens", "tokens"),
-                                              ("wall time", "time")], value=xaxis,
-                                     description="loss vs", style={"button_width": "80px"})
+        self.xaxis = W.ToggleButtons(options=[(label, ax) for ax, label in XAXIS_BUTTONS.items()],
+                                     value=xaxis,
+                                     description="loss vs", style={"button_width": "90px"})
         self.window = W.BoundedFloatText(value=window_s, min=0.5, max=1e7, step=5,
                                          description="window (s)",
                                          layout=W.Layout(width="170px"))
@@ -98,6 +103,9 @@ class Panels:
             with self.timeline_run.hold_trait_notifications():
                 self.timeline_run.options = options
                 self.timeline_run.value = value
+        if self._pick_xaxis and all(m.config for m in models):  # once: the user's choice stays
+            self._pick_xaxis = False
+            self.xaxis.value = opening_xaxis(models)      # a change draws, by its observer
         key = (tuple(m.version for m in models), self.xaxis.value, self.window.value,
                self.follow.value, self.timeline_run.value)
         if key == self._rendered and not force:

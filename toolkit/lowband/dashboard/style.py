@@ -23,7 +23,10 @@ ANOMALY_COLOR = "#d62728"
 MEMBERSHIP_COLOR = "#7b3294"      # replica groups joining or leaving an --elastic run's quorum
 FAILED_COMMIT_COLOR = "#e6550d"   # an --elastic outer sync whose commit vote failed (not applied)
 RESTART_COLOR = "#00897b"         # an attempt that continued the run after a crash or a requeue
-XAXES = {"step": "step", "tokens": "tokens (whole run)", "time": "wall time (s)"}
+# the loss figure's x axes: their titles, and the labels of the buttons that pick them
+XAXES = {"step": "step", "tokens": "tokens (whole run)", "time": "wall-clock time (s of training)",
+         "bytes": "outer-link bytes (whole run)"}
+XAXIS_BUTTONS = {"step": "step", "tokens": "tokens", "time": "wall time", "bytes": "outer bytes"}
 MAX_TAGS = 10
 
 BASE_LAYOUT = dict(template="plotly_white", margin=dict(l=60, r=20, t=40, b=45),

@@ -41,10 +41,15 @@ SUMMARY_ROWS = [
 # summary.json's `elastic` (--elastic runs), shown as rows of their own when a run has it
 ELASTIC_ROWS = [("elastic.groups_finished", "replica groups finished"),
                 ("elastic.restarts", "replica group restarts")]
+# summary.json's `target` (--target-loss), rows of their own when a run has it; older runs
+# and runs without a target show "–"
+TARGET_ROWS = [("target.loss", "target val loss"), ("target.elapsed_s", "time to target"),
+               ("target.tokens", "tokens to target"),
+               ("target.outer_bytes", "outer bytes to target"), ("target.step", "step at target")]
 # rows where a comparison with the first run is worth a ratio
 RATIO_ROWS = {"wall_s", "tokens_per_s", "outer_wire_bytes", "inner_wire_bytes",
               "peak_outer_payload_bytes", "bytes_per_token", "peak_outer_bytes_per_s",
-              "mean_outer_bytes_per_s"}
+              "mean_outer_bytes_per_s", "target.elapsed_s", "target.tokens", "target.outer_bytes"}
 
 
 def summary_html(stats: list[dict], extra: list[str] | None = None) -> str:
@@ -126,16 +131,18 @@ def summary_table(records: list[dict]) -> str:
     head = "".join(f"<th>{html.escape(n)}</th>" for n in names)
     keys = [k for k, _ in SUMMARY_ROWS]
     extra = sorted({k for r in records for k in r} - set(keys)
-                   - {"name", "loss", "val_loss", "step", "elastic"})
-    elastic = ELASTIC_ROWS if any(isinstance(r.get("elastic"), dict) for r in records) else []
+                   - {"name", "loss", "val_loss", "step", *NESTED})
+    nested = [row for name, (rows, _) in NESTED.items()
+              if any(isinstance(r.get(name), dict) for r in records) for row in rows]
     rows = []
-    for key, label in SUMMARY_ROWS + elastic + [(k, k) for k in extra]:
+    for key, label in SUMMARY_ROWS + nested + [(k, k) for k in extra]:
         cells = []
-        base = records[0].get(key)
+        base = _value(records[0], key)
         for i, r in enumerate(records):
-            v = r.get(key)
-            text = html.escape(fmt_value(key, v) if key not in dict(ELASTIC_ROWS)
-                               else elastic_text(key, r.get("elastic")))
+            v = _value(r, key)
+            name = key.split(".", 1)[0] if "." in key else None
+            text = html.escape(NESTED[name][1](key, r.get(name)) if name in NESTED
+                               else fmt_value(key, v))
             if (i and key in RATIO_ROWS and isinstance(v, (int, float))
                     and isinstance(base, (int, float)) and base and math.isfinite(v)):
                 text += f' <span class="ratio">×{v / base:.3g}</span>'
@@ -143,6 +150,27 @@ def summary_table(records: list[dict]) -> str:
         rows.append(f"<tr><th>{html.escape(label)}</th>{''.join(cells)}</tr>")
     return (f'<table class="grid"><thead><tr><th></th>{head}</tr></thead>'
             f"<tbody>{''.join(rows)}</tbody></table>")
+
+
+def _value(record: dict, key: str):
+    """A record's value of a summary row: `target.tokens` is its target's tokens."""
+    if "." not in key:
+        return record.get(key)
+    inner = record.get(key.split(".", 1)[0])
+    return inner.get(key.split(".", 1)[1]) if isinstance(inner, dict) else None
+
+
+def target_text(key: str, target) -> str:
+    """A cell of summary.json's `target`: the loss, and where it was reached what reaching it
+    took; where not, "not reached (best 3.4100)" in the time row."""
+    if not isinstance(target, dict):
+        return "–"
+    field = key.split(".", 1)[1]
+    if field == "loss" or target.get("reached"):
+        return fmt_value(field, target.get(field))
+    best = target.get("best_val_loss")
+    return ("not reached" + (f" (best {best:.4f})" if isinstance(best, (int, float)) else "")
+            if field == "elapsed_s" else "–")
 
 
 def elastic_text(key: str, elastic) -> str:
@@ -250,3 +278,7 @@ def config_table(models: list[RunModel]) -> str:
         rows.append(f'<tr><td colspan="{len(models) + 1}">no config.json</td></tr>')
     return (f'<table class="grid"><thead><tr><th></th>{head}</tr></thead>'
             f"<tbody>{''.join(rows)}</tbody></table>")
+
+
+# summary.json's nested fields shown as rows of their own: their rows and how a cell reads
+NESTED = {"elastic": (ELASTIC_ROWS, elastic_text), "target": (TARGET_ROWS, target_text)}

@@ -42,13 +42,13 @@ class Dashboard(Panels, Polling):
     """
 
     def __init__(self, run, *, interval: float = 0.25, window_s: float = 30.0,
-                 xaxis: str = "step", spike_z: float = 5.0, spike_alpha: float = 0.05,
+                 xaxis: str | None = None, spike_z: float = 5.0, spike_alpha: float = 0.05,
                  spike_warmup: int = 20, max_points: int = 2000, max_spans: int = 3000,
                  autostart: bool = True):
         sources = list(run) if isinstance(run, (list, tuple)) else [run]
         if not sources:
             raise ValueError("Dashboard needs a run directory, a launch handle or a list of them.")
-        if xaxis not in XAXES:
+        if xaxis is not None and xaxis not in XAXES:
             raise ValueError(f"xaxis must be one of {', '.join(XAXES)}, not {xaxis!r}.")
         is_handle = [not isinstance(s, (str, os.PathLike)) for s in sources]
         self.handles = [s for s, h in zip(sources, is_handle) if h]

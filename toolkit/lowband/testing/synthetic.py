@@ -6,6 +6,7 @@ training anything. For tests, docs and trying the dashboard or a report in secon
     make_run("runs/elastic", elastic={"kill": 1, "at": 60, "back": 100})   # group 1 lost, back
     make_run("runs/vote", elastic={"kill": 1, "at": 60, "back": 100, "uncommitted": 60})
     make_run("runs/requeued", restart={"at": 100, "crash": 130, "slurm_restart": 1})
+    make_run("runs/target", target_loss=2.0)    # summary.json's `target`, as --target-loss
     run = SyntheticRun("runs/live"); run.emit_steps(0, 50)   # ... later: run.emit_steps(50, 80)
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import math
 import random
 
+from lowband.summary import target
 from lowband.telemetry import EventWriter, RunDir, write_json_atomic
 
 
@@ -26,12 +28,13 @@ class SyntheticRun:
                  link_bandwidth: float = 2e7, model_bytes: float = 8e6, eval_every: int = 50,
                  spike: dict | None = None, anomaly_at: tuple | None = None,
                  name: str | None = None, algo: str = "streaming", t_start: float = 1.7e9,
-                 noise: float = 0.02, seed: int = 0, elastic: dict | None = None):
+                 noise: float = 0.02, seed: int = 0, elastic: dict | None = None,
+                 target_loss: float = 0.0):
         """elastic: an --elastic run (membership events) whose group `kill` dies after step
         `at` and is back, healed from a live peer, at step `back` (both moved on to the next
         sync); heal_bytes, heal_s as the healed group reports them; uncommitted: a step whose
         sync (the next one from there) fails its commit vote: the live ranks write a `skip`
-        event (what=commit) instead of its `sync` event."""
+        event (what=commit) instead of its `sync` event. target_loss: as --target-loss."""
         self.rd = RunDir(root).create()
         self.R, self.S, self.steps, self.P, self.H = replicas, shards, steps, fragments, sync_every
         self.step_s, self.bw, self.model_bytes = step_s, link_bandwidth, model_bytes
@@ -43,7 +46,7 @@ class SyntheticRun:
         self.config = {"name": name or self.rd.root.name, "algo": algo, "replicas": replicas,
                        "shards": shards, "steps": steps, "fragments": fragments,
                        "sync_every": sync_every, "link_bandwidth": f"{link_bandwidth / 1e6:g}Mbit",
-                       "codec": "fp4"}
+                       "codec": "fp4", "target_loss": target_loss}
         self.world = replicas * shards
         self.elastic = None
         if elastic is not None:
@@ -62,6 +65,8 @@ class SyntheticRun:
         self.peak_payload = 0.0
         self.last_loss: list[float] = []
         self.last_val = None
+        self.evals: list[list] = []   # [step, val_loss, elapsed_s, tokens, outer_bytes]
+        self.saved: dict = {}         # the totals at each checkpoint, for resume()
         for w in self.writers.values():
             w.emit("run", t=t_start, phase="start", world=self.world, config_hash="synthetic",
                    step=0, attempt=0)
@@ -128,7 +133,7 @@ class SyntheticRun:
                 self.compute += compute
                 w.emit("step", t=t, step=s, loss=loss, lr=3e-4,
                        tokens=(s + 1) * self.tokens_per_step, step_s=self.step_s,
-                       compute_s=compute, future_field="ignored")
+                       compute_s=compute, elapsed_s=self.clock(r, s), future_field="ignored")
                 inner = self.model_bytes / 8
                 self.inner_wire += inner
                 w.emit("comm", t=t, op="reduce_scatter", group="inner", tag="bucket0",
@@ -158,8 +163,22 @@ class SyntheticRun:
             self.last_loss = losses
             if self.eval_every and (s + 1) % self.eval_every == 0:
                 self.last_val = self.base_loss(s) + 0.05
+                self.evals.append([s, self.last_val, self.clock(self.world - 1, s),
+                                   self.run_tokens(s), self.outer_wire])
                 self.writers[0].emit("eval", t=self.step_end(0, s) + 0.01, step=s,
-                                     val_loss=self.last_val)
+                                     val_loss=self.last_val,
+                                     **dict(zip(("elapsed_s", "tokens", "outer_bytes"),
+                                                self.evals[-1][2:])))
+
+    def clock(self, rank: int, step: int) -> float:
+        """A rank's training seconds at the end of step `step` (the time lost to restarts
+        left out)."""
+        return self.step_end(rank, step) - self.t_start - self.t_shift
+
+    def run_tokens(self, step: int) -> int:
+        """Tokens of every rank up to step `step` (those of a lost group's steps left out)."""
+        gone = sum(self.down(self.elastic["kill"], u) for u in range(step + 1)) if self.elastic else 0
+        return (self.world * (step + 1) - self.S * gone) * self.tokens_per_step
 
     def checkpoint(self, step: int) -> dict[int, int]:
         """A checkpoint after step `step` on every rank: its event, and the size of each rank's
@@ -168,6 +187,7 @@ class SyntheticRun:
         for r, w in self.writers.items():
             w.emit("checkpoint", t=self.step_end(r, step), step=step, path=f"step-{step}")
             kept[r] = self.rd.event_file(r).stat().st_size
+        self.saved[step] = (self.outer_wire, self.inner_wire, self.compute, list(self.evals))
         return kept
 
     def resume(self, step: int, kept: dict[int, int], crashed_at: int, gap_s: float = 5.0,
@@ -177,6 +197,7 @@ class SyntheticRun:
         ...) goes on from there."""
         self.t_shift += self.step_end(0, crashed_at) - self.step_end(0, step) + gap_s
         self.attempt += 1
+        self.outer_wire, self.inner_wire, self.compute, self.evals = self.saved[step]
         extra = {} if slurm_restart is None else {"slurm_restart": slurm_restart}
         for r, w in self.writers.items():
             w.emit("run", t=self.step_end(r, step), phase="resume", world=self.world,
@@ -199,8 +220,7 @@ class SyntheticRun:
         for w in self.writers.values():
             w.emit("run", t=t_end, phase="end", world=self.world, config_hash="synthetic")
             w.close()
-        gone = self.elastic["back"] - self.elastic["at"] if self.elastic else 0
-        tokens = (self.world * self.steps - self.S * gone) * self.tokens_per_step
+        tokens = self.run_tokens(self.steps - 1)
         wall = t_end - self.t_start
         summary = {"algorithm": self.config["algo"], "replicas": self.R, "shards": self.S,
                    "steps": self.steps, "tokens": tokens, "wall_s": wall,
@@ -213,6 +233,8 @@ class SyntheticRun:
         if self.elastic:
             summary["elastic"] = {"groups_finished": list(range(self.R)),
                                   "restarts": {str(self.elastic["kill"]): 1}}
+        if self.config["target_loss"]:
+            summary["target"] = target(self.evals, self.config["target_loss"])
         write_json_atomic(self.rd.summary, summary)
         return summary
 
