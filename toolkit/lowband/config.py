@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +52,14 @@ class RunOptions(Options):
     batch_size: int = _f(8, "sequences per micro-batch on each rank")
     grad_accum: int = _f(1, "micro-batches accumulated per step on each rank")
     # inner optimizer
-    steps: int = _f(200, "training steps")
+    steps: int = _f(200, "training steps (with --time-budget: the most steps)")
+    time_budget: float = _f(None, "seconds of training (evaluations and checkpoints not "
+                            "counted) after which the run ends with its final evaluation and "
+                            "checkpoint, every rank at the same step, rank 0's clock deciding; "
+                            "the learning rate then warms up, holds, and decays over the last "
+                            "fifth of the budget (or of --steps, which stays an upper bound: "
+                            "raise it to let time decide); a resume keeps the time spent; "
+                            "unset: no limit", kind=float)
     lr: float = _f(3e-3, "peak learning rate of the inner AdamW")
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak (cosine decay)")
     warmup_steps: int = _f(10, "linear learning-rate warm-up steps")
@@ -107,6 +115,12 @@ class RunOptions(Options):
         for name in ("beta1", "beta2", "min_lr_ratio"):
             if not 0 <= getattr(cfg, name) <= 1:
                 raise ConfigError(f"{flag(name)} must lie in [0, 1], got {getattr(cfg, name)}.")
+        if cfg.time_budget is not None and not (math.isfinite(cfg.time_budget) and cfg.time_budget > 0):
+            raise ConfigError(f"--time-budget must be a positive, finite number of seconds, got "
+                              f"{cfg.time_budget}: leave it out for a run bounded by --steps alone.")
+        if cfg.time_budget is not None and cfg.elastic:
+            raise ConfigError("--time-budget needs one clock for the whole job, which --elastic's "
+                              "replica groups (each its own job) do not share yet: remove one of them.")
         if not 0 < cfg.val_fraction < 1:
             raise ConfigError(f"--val-fraction must lie strictly between 0 and 1, got {cfg.val_fraction}.")
         if cfg.data != "builtin" and not Path(cfg.data).exists():
