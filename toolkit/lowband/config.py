@@ -202,6 +202,7 @@ class Config(*reversed(GROUPS)):
     @classmethod
     def from_dict(cls, values: dict, source: str = "config") -> "Config":
         ALGORITHMS.load()  # a registered algorithm's options are keys too
+        values = _renamed(values)
         known = {f.name for f in dataclasses.fields(cls)}
         for key in values:
             if key.replace("-", "_") not in known:
@@ -251,6 +252,17 @@ class Config(*reversed(GROUPS)):
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file '{path}' is not valid TOML ({e}): fix its syntax.") from None
         return cls.from_dict(values, source=path)
+
+
+def _renamed(values: dict) -> dict:
+    """An older config's keys under their names now: aedit's max_seconds (0: no limit) is the
+    run option --time-budget."""
+    values = dict(values)
+    for old in ("max_seconds", "max-seconds"):
+        seconds = values.pop(old, None)
+        if seconds:
+            values.setdefault("time_budget", seconds)
+    return values
 
 
 def _set_away_from_default(cfg: Config, group: type[Options]) -> list[str]:
