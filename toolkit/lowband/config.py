@@ -58,8 +58,10 @@ class RunOptions(Options):
                             "checkpoint, every rank at the same step, rank 0's clock deciding; "
                             "the learning rate then warms up, holds, and decays over the last "
                             "fifth of the budget (or of --steps, which stays an upper bound: "
-                            "raise it to let time decide); a resume keeps the time spent; "
-                            "unset: no limit", kind=float)
+                            "raise it to let time decide); a resume keeps the time spent. The "
+                            "stop step and the learning rate then follow the clock, so two runs "
+                            "differ (without it nothing depends on time). Unset: no limit",
+                            kind=float)
     lr: float = _f(3e-3, "peak learning rate of the inner AdamW")
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak (cosine decay)")
     warmup_steps: int = _f(10, "linear learning-rate warm-up steps")
