@@ -8,7 +8,7 @@ with a corrupted one.
     validation loss against ddp (measured; see RESULTS.md). ddp, diloco and edit train
     --steps N (the same tokens); aedit runs twice:
     "aedit" with --steps N (its replicas together do 2N inner steps: the same tokens, so its
-    loss compares at equal tokens) and "aedit@ddp-time" with --max-seconds set to ddp's wall
+    loss compares at equal tokens) and "aedit@ddp-time" with --time-budget set to ddp's wall
     time (the same wall-clock budget: how far it gets in the time ddp needs). Prints tokens/s
     and final validation loss of each. Goals: aedit >= 2x ddp's tokens/s; aedit's validation
     loss within 3% of ddp's at equal tokens.
@@ -127,7 +127,7 @@ def part_a(a, out: Path) -> dict:
         report_a(name, r)
     budget = res["ddp"]["wall_s"]
     r = train(out / "a-aedit-time", [*link, *algos["aedit"], "--steps", 50 * a.steps,
-                                      "--max-seconds", f"{budget:.1f}"], a.timeout)
+                                      "--time-budget", f"{budget:.1f}"], a.timeout)
     res["aedit@ddp-time"] = r
     report_a("aedit@ddp-time", r)
     return res

@@ -475,7 +475,7 @@ def _roundtrip(rank, world) -> dict:
     from lowband import topology
     from lowband.algorithms import ALGORITHMS
     from lowband.comm import Comm
-    from lowband.train import build_model, lr_at, make_optimizer_factory
+    from lowband.train import build_model, make_optimizer_factory
 
     topo = topology.init(world, 1)
     results = {}

@@ -448,7 +448,7 @@ def test_edit_with_several_shards_a_replica_still_uses_fsdp(own_model_runs):
 def test_aedit_straggler_syncs_by_time(train_run):
     # the warm-up's two synchronous steps take the first steps' one-off costs out of the windows
     run = train_run("--algo", "aedit", "--model", "nano", "--replicas", 2, "--steps", 100000,
-                    "--sync-seconds", 1.5, "--max-seconds", 6, "--warmup-sync-steps", 2,
+                    "--sync-seconds", 1.5, "--time-budget", 6, "--warmup-sync-steps", 2,
                     "--straggler", "1:4", "--batch-size", 4, "--seq-len", 64, "--eval-every", 0)
     syncs = [e for e in sync_events(run) if e["block"] == "root"]
     assert len(syncs) >= 3
@@ -579,7 +579,7 @@ def test_state_dict_round_trip(tmp_path, penalty):
     ({"algo": "ddp", "codec": "int8"}, "--codec applies only to --algo"),
     ({"algo": "edit", "warmup_sync_steps": 200}, "--warmup-sync-steps 200 must be at least 0 and below"),
     ({"algo": "aedit", "sync_seconds": 0.0}, "--sync-seconds must be positive"),
-    ({"algo": "ddp", "max_seconds": 10.0}, "--max-seconds applies only to --algo aedit"),
+    ({"algo": "ddp", "aedit_min_new_steps": 10}, "--aedit-min-new-steps applies only to --algo aedit"),
     ({"algo": "diloco", "edit_clip": 1.0}, "--edit-clip applies only to --algo edit or aedit"),
     ({"algo": "edit", "edit_ewma_rate": 0.0}, "--edit-ewma-rate must lie in (0, 1]"),
 ])

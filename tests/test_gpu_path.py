@@ -143,6 +143,7 @@ def test_fused_step_skips_itself_on_the_device_when_a_gradient_is_not_finite():
             return x, x.roll(-1, 1)
 
     algo = Algorithm()
+    algo.config = cfg  # (setup's: the learning rate's schedule reads it)
     standard_step(algo, model, opt, Batches(), cfg, 0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     moments = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]

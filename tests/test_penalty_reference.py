@@ -226,18 +226,18 @@ def test_c_unequal_cumulative_steps_mixed_in(weighted):
 # (d) A-EDiT's minimum of new steps
 # ---------------------------------------------------------------------------------------------
 
-def atorch_skips(new, minimum, total, budget, elapsed, max_seconds):
+def atorch_skips(new, minimum, total, budget, elapsed, time_budget):
     """min_total_global_steps: fewer new steps than the minimum call the sync off; lowband never
-    calls off the sync that ends the run (the budget or --max-seconds reached)."""
-    last = total + new >= budget or (max_seconds > 0 and elapsed >= max_seconds)
+    calls off the sync that ends the run (the budget or --time-budget reached)."""
+    last = total + new >= budget or (time_budget is not None and elapsed >= time_budget)
     return new < minimum and not last
 
 
 @pytest.mark.parametrize("minimum", [0, 20, 100])
-@pytest.mark.parametrize("max_seconds", [0.0, 60.0])
-def test_d_min_new_steps_decision(minimum, max_seconds):
+@pytest.mark.parametrize("time_budget", [None, 60.0])
+def test_d_min_new_steps_decision(minimum, time_budget):
     cfg = Config(algo="aedit", replicas=2, steps=120, aedit_min_new_steps=minimum,
-                 max_seconds=max_seconds, edit_penalty="reference").validate()
+                 time_budget=time_budget, edit_penalty="reference").validate()
     algo = AEDiT.__new__(AEDiT)  # the decision alone: no model, no processes
     algo.config, algo.topo = cfg, SimpleNamespace(replicas=2)
     for total in (20, 150, 230):
@@ -245,7 +245,7 @@ def test_d_min_new_steps_decision(minimum, max_seconds):
         for a, b in ((0, 0), (3, 4), (10, 9), (45, 55), (60, 40), (5, 5)):
             for elapsed in (1.0, 61.0):
                 extras = [[float(a), elapsed - 0.5, 0.0], [float(b), elapsed, 0.0]]
-                want = atorch_skips(a + b, minimum, total, 240, elapsed, max_seconds)
+                want = atorch_skips(a + b, minimum, total, 240, elapsed, time_budget)
                 assert algo._too_few_new_steps(extras) == want, (total, a, b, elapsed)
     algo.total = 230
     assert not algo._too_few_new_steps([[5.0, 1.0], [5.0, 1.0]])  # reaches the budget: the last

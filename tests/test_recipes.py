@@ -34,7 +34,7 @@ def few_steps(cfg: Config) -> list:
     steps = max(3, getattr(cfg, "warmup_sync_steps", 0) + 2)
     flags = ["--steps", steps, "--eval-every", 0, "--eval-batches", 1]
     if cfg.algo == "aedit":
-        flags += ["--sync-seconds", 0.5, "--max-seconds", 30]
+        flags += ["--sync-seconds", 0.5, "--time-budget", 30]
     return flags
 
 

@@ -52,7 +52,16 @@ class RunOptions(Options):
     batch_size: int = _f(8, "sequences per micro-batch on each rank")
     grad_accum: int = _f(1, "micro-batches accumulated per step on each rank")
     # inner optimizer
-    steps: int = _f(200, "training steps")
+    steps: int = _f(200, "training steps (with --time-budget: the most steps)")
+    time_budget: float = _f(None, "seconds of training (evaluations and checkpoints not "
+                            "counted) after which the run ends with its final evaluation and "
+                            "checkpoint, every rank at the same step, rank 0's clock deciding; "
+                            "the learning rate then warms up, holds, and decays over the last "
+                            "fifth of the budget (or of --steps, which stays an upper bound: "
+                            "raise it to let time decide); a resume keeps the time spent. The "
+                            "stop step and the learning rate then follow the clock, so two runs "
+                            "differ (without it nothing depends on time). Unset: no limit",
+                            kind=float)
     lr: float = _f(3e-3, "peak learning rate of the inner AdamW")
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak (cosine decay)")
     warmup_steps: int = _f(10, "linear learning-rate warm-up steps")
@@ -117,6 +126,12 @@ class RunOptions(Options):
         if cfg.target_loss and cfg.elastic:
             raise ConfigError("--target-loss is not measured for --elastic runs, whose replica "
                               "groups evaluate apart: remove one of them.")
+        if cfg.time_budget is not None and not (math.isfinite(cfg.time_budget) and cfg.time_budget > 0):
+            raise ConfigError(f"--time-budget must be a positive, finite number of seconds, got "
+                              f"{cfg.time_budget}: leave it out for a run bounded by --steps alone.")
+        if cfg.time_budget is not None and cfg.elastic:
+            raise ConfigError("--time-budget needs one clock for the whole job, which --elastic's "
+                              "replica groups (each its own job) do not share yet: remove one of them.")
         if not 0 < cfg.val_fraction < 1:
             raise ConfigError(f"--val-fraction must lie strictly between 0 and 1, got {cfg.val_fraction}.")
         if cfg.data != "builtin" and not Path(cfg.data).exists():
@@ -198,6 +213,7 @@ class Config(*reversed(GROUPS)):
     @classmethod
     def from_dict(cls, values: dict, source: str = "config") -> "Config":
         ALGORITHMS.load()  # a registered algorithm's options are keys too
+        values = _renamed(values)
         known = {f.name for f in dataclasses.fields(cls)}
         for key in values:
             if key.replace("-", "_") not in known:
@@ -247,6 +263,17 @@ class Config(*reversed(GROUPS)):
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file '{path}' is not valid TOML ({e}): fix its syntax.") from None
         return cls.from_dict(values, source=path)
+
+
+def _renamed(values: dict) -> dict:
+    """An older config's keys under their names now: aedit's max_seconds (0: no limit) is the
+    run option --time-budget."""
+    values = dict(values)
+    for old in ("max_seconds", "max-seconds"):
+        seconds = values.pop(old, None)
+        if seconds:
+            values.setdefault("time_budget", seconds)
+    return values
 
 
 def _set_away_from_default(cfg: Config, group: type[Options]) -> list[str]:

@@ -73,7 +73,7 @@ aedit_atorch = Recipe(
     "its 600 s windows hold; 100 here would be 40% of the 240-step budget and leave about two "
     "syncs, while a 2 s window held 23 to 50 steps of the two replicas on a 2-core CPU)",
     {"algo": "aedit", "model": "micro", "replicas": 2, "steps": 120, "sync_seconds": 2.0,
-     "max_seconds": 120.0, "warmup_sync_steps": 10, "edit_penalty": "reference",
+     "time_budget": 120.0, "warmup_sync_steps": 10, "edit_penalty": "reference",
      "edit_temperature": 1.0, "edit_ewma_rate": 0.02, "edit_anomaly_warmup": 10,
      "edit_step_weights": False, "aedit_min_new_steps": 10})
 acco_authors = Recipe(

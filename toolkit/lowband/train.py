@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from lowband import checkpoint
 from lowband.checkpoint import lifecycle
+from lowband.clock import RunClock
 from lowband import topology as topo_mod
 from lowband.algorithms import ALGORITHMS
 from lowband.algorithms.ddp import outer_wire_bytes as ddp_outer_wire_bytes
@@ -38,7 +39,6 @@ from lowband.ledger import Ledger
 from lowband.models import blocks_of, check_vocab, compile_blocks, for_training, lm_loss, num_params
 from lowband.models import build as build_model
 from lowband.params import flatten, is_dtensor, write_flat
-from lowband.schedule import lr_at
 from lowband.summary import add_ddp_bytes, summarize
 from lowband.telemetry import EventWriter, write_json_atomic
 
@@ -145,16 +145,19 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from, attempt):
     dist.barrier()  # every rank starts the clock together: set-up skew is not link time
     algo.join(done.step)  # --elastic: the first quorum; a group behind heals to a peer's step
     _take_heal(algo, done)
-    bar = _progress(cfg, topo.rank, int(algo.progress_steps(done.step - 1)) if done.step else 0)
-    t_start, paused_s = time.time(), 0.0  # paused: evaluations and checkpoints
-    while True:
+    # training seconds (a resume's spent before it); --time-budget: rank 0's clock decides for
+    # every rank (clock.py), but aedit keeps it at its syncs
+    clock = algo.clock = RunClock(None if algo.timed else cfg.time_budget, done.wall_s, device)
+    bar = _progress(cfg, topo.rank, _bar_at(cfg, algo, clock, done.step - 1) if done.step else 0)
+    time_up = clock.ends_after(done.step)  # a resumed run whose budget was spent ends at once
+    while not time_up:
         t0 = time.perf_counter()
         if algo.should_stop(done.step):  # after --steps by default; aedit decides (and syncs)
             break                        # here, elastic ddp takes its quorum
         _take_heal(algo, done)
         step = done.step
         if algo.owns_step:  # e.g. acco: micro-batches accumulate while its round is in flight
-            loss, micro_batches = algo.train_step(step, batches, lr_at(cfg, step))
+            loss, micro_batches = algo.train_step(step, batches, algo.lr(step))
         else:
             loss, micro_batches = standard_step(algo, model, optimizer, batches, cfg, step, events)
         if algo.skips > cfg.max_skips:
@@ -169,25 +172,26 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from, attempt):
         step_compute = max(step_s - comm.take_wait_s(), 0.0)
         done.advance(loss, micro_batches * cfg.batch_size * cfg.seq_len, step_compute)
         _take_heal(algo, done)
-        t_pause = time.time()
-        elapsed = done.wall_s + t_pause - t_start - paused_s  # training seconds so far
-        events.emit("step", step=step + 1, loss=loss, lr=lr_at(cfg, algo.lr_step(step)),
-                    tokens=done.tokens, step_s=step_s, compute_s=step_compute, elapsed_s=elapsed)
-        ends = algo.ends_after(step + 1)  # the final evaluation follows the loop
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and not ends:
-            _eval(algo, model, batches, cfg, events, step + 1, done, elapsed, ledger, comm,
-                  lockstep)
-        last = ends or step + 1 == cfg.stop_after
-        if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or last):
-            _checkpoint(run, events, model, optimizer, algo, topo, comm, cfg, done, elapsed, faults)
-        paused_s += time.time() - t_pause
+        elapsed = clock.seconds()  # training seconds so far
+        events.emit("step", step=step + 1, loss=loss, lr=algo.lr(step), tokens=done.tokens,
+                    step_s=step_s, compute_s=step_compute, elapsed_s=elapsed)
+        time_up = clock.ends_after(step + 1)  # (after the event: it moves the lr's fraction)
+        ends = algo.ends_after(step + 1) or time_up  # the final evaluation follows the loop
+        with clock.paused():
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and not ends:
+                _eval(algo, model, batches, cfg, events, step + 1, done, elapsed, ledger, comm,
+                      lockstep)
+            last = ends or step + 1 == cfg.stop_after
+            if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or last):
+                _checkpoint(run, events, model, optimizer, algo, topo, comm, cfg, done,
+                            clock.seconds(), faults)
         if bar is not None:
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{done.tokens * topo.world / max(done.wall_s + time.time() - t_start - paused_s, 1e-9):.0f}")
-            bar.update(max(min(int(algo.progress_steps(step)), cfg.steps) - bar.n, 0))
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{done.tokens * topo.world / max(clock.seconds(), 1e-9):.0f}")
+            bar.update(max(min(_bar_at(cfg, algo, clock, step), bar.total) - bar.n, 0))
         if step + 1 == cfg.stop_after:
             break
     algo.finish()  # exchanges still in flight land before the final evaluation
-    done.wall_s += time.time() - t_start - paused_s  # training time only
+    done.wall_s = clock.seconds()  # training time only (a resume's included)
     _eval(algo, model, batches, cfg, events, done.step, done, done.wall_s, ledger, comm, True)
     outer = algo.outer_params()
     if bar is not None:
@@ -261,7 +265,7 @@ def standard_step(algo, model, optimizer, batches: Batches, cfg: Config, step: i
                   events: EventWriter | None = None) -> tuple[float, int]:
     """One inner step with the algorithm's hooks (algorithms/base.py lists them in order).
     Returns this rank's loss (mean over its micro-batches) and the micro-batches it used."""
-    lr = lr_at(cfg, step)
+    lr = algo.lr(step)
     for g in optimizer.param_groups:
         g["lr"] = lr
     device = next(model.parameters()).device
@@ -376,9 +380,17 @@ def _broadcast_init(model: nn.Module, comm: Comm) -> None:
 
 
 def _progress(cfg: Config, rank: int, initial: int = 0):
+    """Rank 0's bar: steps of --steps, or with --time-budget seconds of it."""
     if rank != 0 or not cfg.progress:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=cfg.steps, initial=initial, desc=f"{cfg.algo} R={cfg.replicas} S={cfg.shards}",
-                file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
+    total, unit = (math.ceil(cfg.time_budget), "s") if cfg.time_budget else (cfg.steps, "it")
+    return tqdm(total=total, initial=initial, desc=f"{cfg.algo} R={cfg.replicas} S={cfg.shards}",
+                unit=unit, file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
+
+
+def _bar_at(cfg: Config, algo, clock: RunClock, step: int) -> int:
+    """Where the bar stands once step `step` (0-based) is taken: the steps (acco and aedit
+    count their budgets) or the training seconds."""
+    return int(clock.seconds()) if cfg.time_budget else int(algo.progress_steps(step))

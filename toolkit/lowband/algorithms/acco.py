@@ -71,6 +71,10 @@ The learning rate of step t (both rounds) is the schedule at the budget's progre
 lr_at(micro-batches landed before step t / (--grad-accum x world)), so the warm-up and the
 cosine span the budget as they span ddp's --steps; the `step` events report that lr, and
 the progress bar counts the budget's micro-batches in ddp's steps.
+With --time-budget the budget above is the most micro-batches a run may take (as --steps is
+every algorithm's most steps): the trainer's clock ends the run after the step at which the
+time is spent (clock.py), the real round then in flight lands in finish(), and the learning
+rate follows the later of the budget's progress and the time's (schedule.lr_at).
 
 Clipping: none in the rounds, as in the authors' code; --acco-clip clips each round's (the
 estimate's too) global gradient norm at --grad-clip, as zero1 does.
@@ -107,7 +111,6 @@ from lowband.comm.sends import Schedule, chained
 from lowband.comm.wire import wire_bytes
 from lowband.models import lm_loss
 from lowband.options import ConfigError, Options, option
-from lowband.schedule import lr_at
 
 
 def parse_micro(text: str, world: int) -> list[tuple[int, int]] | None:
@@ -293,7 +296,7 @@ class ACCO(ZeRO1):
             self.layout.write(theta)
             self._note_skip(skipped, step - 1)
             budget.real_landed(counts)
-        lr = lr_at(self.config, self.lr_step(step))
+        lr = self.lr(step)
         self._launch(lr, commit=False, count=n1)  # E(t) from G1(t)
         caps, last = budget.second()
         loss2, n2 = self._accumulate(batches, caps[me], self.adaptive)  # G2(t) at θ(t), onto G1(t)

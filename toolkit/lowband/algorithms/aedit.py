@@ -1,7 +1,7 @@
 """aedit (A-EDiT): edit (edit.py) with syncs triggered by wall-clock time instead of a step count.
 
 Windows. After the warm-up every replica trains as fast as it can. A window starts when a sync
-was agreed and lasts --sync-seconds (less where --max-seconds ends sooner). Before each step the
+was agreed and lasts --sync-seconds (less where --time-budget ends sooner). Before each step the
 replica's rank with shard index 0 decides whether the replica enters the next sync now, and
 tells its inner group (a broadcast of two numbers over the fast link, so the S ranks agree on
 the same step). It enters when the window ends nearer this step boundary than the next one
@@ -19,8 +19,10 @@ replicas' steps in the last window (`split`; evenly for the first window). A rep
 done its quota enters the next sync at once. So the replicas' steps never add up to more than
 the budget, and the sync at which they reach it (every quota done) is the last: it is applied
 at once and the trainer's loop stops (`should_stop`). A window that ends by time first is an
-ordinary sync, after which what is left is split again. With --max-seconds the run also ends at
-the first sync at which that much time has passed.
+ordinary sync, after which what is left is split again. With --time-budget the run also ends at
+the first sync at which that much training time has passed on some replica (the trainer's clock,
+clock.py: evaluations not counted; the replicas share no step boundary, so aedit, not the
+trainer, keeps the budget, at its syncs).
 
 --aedit-min-new-steps N (atorch's min_total_global_steps; 0, off, by default): a sync at which
 the replicas together did fewer than N steps since the last applied one is called off after
@@ -33,8 +35,8 @@ since the start, for atorch's step shares.
 
 The learning rate follows the schedule at the run's global progress: (total at the last sync)/R
 plus this replica's steps since, scaled by its share of the last window's steps; with
---max-seconds, at least the elapsed fraction of the budget times --steps, so a time-bound run
-decays in time. (The trainer's `step` events still show the schedule at the replica's own step.)
+--time-budget also at the budget's elapsed fraction on this replica (its shard 0's clock), so a
+time-bound run decays in time (schedule.lr_at).
 """
 
 from __future__ import annotations
@@ -57,8 +59,6 @@ from lowband.schedule import lr_at
 class AEditOptions(Options):
     title = "aedit timing"
     sync_seconds: float = option(5.0, "seconds of training between two syncs")
-    max_seconds: float = option(0.0, "wall-clock budget; the run ends at the sync where it is "
-                                "spent or where all replicas' steps reach --steps x R (0: no limit)")
     edit_step_weights: bool = option(True, "also weigh replicas by their share of the steps "
                                      "since the last sync")
     edit_step_weight_ratio: float = option(0.5, "--edit-penalty reference: a weight is (1 - r) w "
@@ -72,7 +72,7 @@ class AEditOptions(Options):
     @classmethod
     def check(cls, cfg) -> None:
         require(cfg, ("sync_seconds",), positive, "positive")
-        require(cfg, ("max_seconds", "aedit_min_new_steps"), non_negative, "zero or positive")
+        require(cfg, ("aedit_min_new_steps",), non_negative, "zero or positive")
         require(cfg, ("edit_step_weight_ratio",), unit_interval, "between 0 and 1")
         if cfg.edit_step_weight_ratio != 0.5 and cfg.edit_penalty != "reference":
             raise ConfigError("--edit-step-weight-ratio mixes atorch's step weights, which only "
@@ -121,7 +121,8 @@ class AEDiT(EDiT):
         self.quota = 0             # this replica's share of the budget left at the last sync
         self.step_s = 0.0          # this replica's step time (EWMA), for the nearest boundary
         self.last_boundary = None
-        self.elapsed = 0.0         # seconds since the replica's first step, as its shard 0 saw it
+        self.elapsed = 0.0         # the replica's training seconds, as its shard 0 saw them
+        self.fraction = None       # --time-budget: the part of it spent, as before_forward read it
         self.total = 0             # inner steps of all replicas, as of the last sync
         self.share = 1 / topology.replicas  # this replica's share of the last window's steps
         self.position = 0.0        # the learning-rate schedule's step of the current step
@@ -143,14 +144,14 @@ class AEDiT(EDiT):
             gap = now - self.last_boundary
             self.step_s = gap if self.step_s == 0 else 0.7 * self.step_s + 0.3 * gap
         self.last_boundary = now
-        self.elapsed = now - self.t0
+        self.elapsed = self._elapsed(now)
         if step < c.warmup_sync_steps:
             return False
         if self.window_start is None:  # the warm-up is over: the first window starts
             self._anchor(step)
             if not self.rejoining:  # (a group that healed has the run's total from its peer)
                 self.total = c.warmup_sync_steps * R
-            self._open_window([1] * R, now - self.t0, now, self.topo.replica)
+            self._open_window([1] * R, self._elapsed(now), now, self.topo.replica)
         # the step boundary nearest the window's end: a slow replica may enter up to half a step
         # early, so a fast one waits about half as long for it
         due = (now - self.window_start + 0.5 * self.step_s >= self.window_len
@@ -167,7 +168,7 @@ class AEDiT(EDiT):
         self.rejoining = False
         self._reshard()
         while True:
-            extra = [float(self.window_steps), now - self.t0]
+            extra = [float(self.window_steps), self._elapsed(now)]
             if self.penalty.mode == "reference":
                 extra.append(float(step))  # steps since the start: atorch's step shares
             extras = self._prepare(step, extra, skip=self._too_few_new_steps)
@@ -175,7 +176,7 @@ class AEDiT(EDiT):
                 break
             self.skipped += 1  # called off: the window restarts, the steps go on counting
             now = time.monotonic()
-            self._restart_window(now - self.t0, now)
+            self._restart_window(self._elapsed(now), now)
             if self.window_steps < self.quota:
                 return False  # (a replica whose quota is done waits in the next sync at once)
         steps = [int(e[0]) for e in extras]
@@ -203,7 +204,7 @@ class AEDiT(EDiT):
     def _ends(self, total: int, elapsed: float) -> bool:
         """Whether a sync with `total` steps done and `elapsed` seconds passed is the run's last."""
         c = self.config
-        return total >= c.steps * self.topo.replicas or bool(c.max_seconds and elapsed >= c.max_seconds)
+        return total >= c.steps * self.topo.replicas or bool(c.time_budget and elapsed >= c.time_budget)
 
     def _too_few_new_steps(self, extras: list[list[float]]) -> bool:
         """atorch's min_total_global_steps: all replicas together did fewer than
@@ -220,11 +221,11 @@ class AEDiT(EDiT):
         self.window_steps = 0
 
     def _restart_window(self, elapsed: float, now: float) -> None:
-        """The window's clock from `now`: --sync-seconds, or what is left of --max-seconds."""
+        """The window's clock from `now`: --sync-seconds, or what is left of --time-budget."""
         c = self.config
         length = c.sync_seconds
-        if c.max_seconds:
-            length = min(length, c.max_seconds - elapsed)
+        if c.time_budget:
+            length = min(length, c.time_budget - elapsed)
         self.window_len, self.window_start = max(length, 0.0), now
 
     # --elastic: a joining group takes the run's progress too (state_dict's), and enters the
@@ -236,15 +237,22 @@ class AEDiT(EDiT):
     def _progress(self, step: int) -> float:
         """The run's global progress in steps of --steps, `step` steps of this replica's done:
         the step number during the warm-up syncs, then all replicas' steps (this one's window
-        scaled by its share), or the time budget's part when that is further."""
+        scaled by its share)."""
         c = self.config
         if step < c.warmup_sync_steps:
             return step
         R = self.topo.replicas
-        progress = self.total / R + self.window_steps / (R * self.share if self.share > 0 else 1)
-        if c.max_seconds:  # a time budget: the schedule spans it
-            progress = max(progress, self.elapsed / c.max_seconds * c.steps)
-        return progress
+        return self.total / R + self.window_steps / (R * self.share if self.share > 0 else 1)
+
+    def _elapsed(self, now: float) -> float:
+        """This rank's training seconds: the trainer's clock (clock.py), or outside the trainer
+        the seconds since the replica's first step."""
+        return self.clock.seconds() if self.clock is not None else now - self.t0
+
+    def lr(self, step: int) -> float:
+        """The schedule at the run's global progress and the budget's elapsed fraction, as
+        before_forward read them."""
+        return lr_at(self.config, self.position, self.fraction)
 
     def lr_step(self, step: int) -> float:
         return self.position  # as before_forward read it (the window's count moves after)
@@ -254,10 +262,14 @@ class AEDiT(EDiT):
 
     def before_forward(self, step):
         super().before_forward(step)
-        self.position = self._progress(step)
-        if step >= self.config.warmup_sync_steps:  # the schedule at the run's global progress
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr_at(self.config, self.position)
+        c = self.config
+        self.position = self._progress(step)  # the step number during the warm-up syncs
+        # --time-budget: the part spent, as the replica's shard 0 told its inner group (after the
+        # warm-up syncs; during them the schedule follows the step, as on every rank alike)
+        timed = c.time_budget and step >= c.warmup_sync_steps
+        self.fraction = self.elapsed / c.time_budget if timed else None
+        for g in self.optimizer.param_groups:  # the schedule at the run's global progress
+            g["lr"] = self.lr(step)
 
     def after_step(self, step):
         super().after_step(step)

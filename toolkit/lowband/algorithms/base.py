@@ -21,6 +21,7 @@ from typing import ClassVar
 
 from lowband.comm import Comm
 from lowband.params import local_piece, local_state, sharded_state
+from lowband.schedule import lr_at
 from lowband.topology import Topology
 
 # How an algorithm uses the slow outer link, read by the dashboard, the report and the planner:
@@ -65,6 +66,12 @@ class Algorithm:
     # --elastic: the inner step this replica group was healed to (a live peer's) at a quorum;
     # the trainer continues from there and clears it
     healed_step: int | None = None
+    # the trainer's clock.RunClock: training seconds, and with --time-budget the budget's
+    # elapsed fraction every rank agrees on (None outside the trainer)
+    clock = None
+    # syncs by wall-clock time (aedit): replicas run different step counts, so the algorithm
+    # keeps --time-budget itself, at its syncs, and its own schedule position
+    timed: ClassVar[bool] = False
 
     def setup(self, model: nn.Module, blocks: nn.ModuleList,
               make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
@@ -107,6 +114,12 @@ class Algorithm:
         """Where step `step` (0-based) read the learning-rate schedule (schedule.lr_at): at its
         number; acco and aedit at their budgets' progress. The `step` events report this lr."""
         return step
+
+    def lr(self, step: int) -> float:
+        """The learning rate of step `step` (0-based): the schedule at lr_step(step) and, with
+        --time-budget, at the budget's elapsed fraction that every rank agreed on."""
+        return lr_at(self.config, self.lr_step(step),
+                     None if self.clock is None else self.clock.fraction(step))
 
     def progress_steps(self, step: int) -> float:
         """How far the run is once step `step` (0-based) is taken, in steps of --steps (the
