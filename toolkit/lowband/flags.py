@@ -30,6 +30,8 @@ def train_parser(prog: str = "lowband train", description: str = TRAIN,
     if resume:
         p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest "
                        "checkpoint with its own config (only --steps and --progress may change)")
+    p.add_argument("--max-seconds", type=float, help=argparse.SUPPRESS)  # renamed: one sentence
+    per_algorithm = {name for a in ALGORITHMS.values() for name in a.defaults}
     for group in GROUPS:
         title = f"{group.title} options"
         if group not in COMMON_GROUPS:
@@ -39,7 +41,8 @@ def train_parser(prog: str = "lowband train", description: str = TRAIN,
             if f.name not in group.names():
                 continue
             flag = "--" + f.name.replace("_", "-")
-            default = "per algorithm" if f.default is None else repr(f.default)
+            default = ("per algorithm" if f.name in per_algorithm else "none") if f.default is None \
+                else repr(f.default)
             help_ = f"{f.metadata['help']} (default: {default})"
             if isinstance(f.default, bool):
                 section.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
@@ -67,6 +70,9 @@ def config_of_args(args: dict, *, here: bool = True, file_here: bool | None = No
     """parse_train's config from the parsed arguments (a dict of train_parser's, emptied).
     file_here: the --config file must be here (default: as `here`; `lowband plan` reads it
     here and leaves the paths it names unchecked)."""
+    if "max_seconds" in args:
+        raise ConfigError("--max-seconds is now --time-budget, one option for every algorithm: "
+                          "give --time-budget SECONDS.")
     path, resume, recipe = args.pop("config", None), args.pop("resume", None), args.pop("recipe", None)
     if resume:
         other = sorted(set(args) - RESUME_MAY_CHANGE) + (["config"] if path else []) + \
