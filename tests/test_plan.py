@@ -401,7 +401,8 @@ def test_plan_config_takes_the_configs_own_names_only():
 def test_example_json_shape(capsys):
     assert main(EXAMPLE) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"algorithm", "target_cu", "algorithms"}
+    assert set(out) == {"algorithm", "target_cu", "algorithms", "recommended"}
+    assert out["recommended"] is None  # no link to recommend for
     assert out["target_cu"] == 0.9 and out["algorithm"] == "streaming"
     rows = out["algorithms"]
     assert list(rows) == ["streaming"] + [a for a in ALGORITHMS if a != "streaming"]
@@ -425,7 +426,7 @@ def test_json_with_bandwidth_and_table(capsys):
     assert main([a for a in EXAMPLE if a != "--json"] + ["--link-bandwidth", "1gbit",
                                                         "--compare", "ddp,acco"]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in table[3:]] == ["streaming", "ddp", "acco"]
+    assert [line.split()[0] for line in table[3:6]] == ["streaming", "ddp", "acco"]
     assert "every 96 steps P=8 tau=1 fp4-e3m0" in table[3] and "needs for CU 0.9" in table[2]
 
 

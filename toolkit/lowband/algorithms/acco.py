@@ -182,6 +182,7 @@ class ACCO(ZeRO1):
     options = (ShardOptions, AccoOptions)
     summary = ("ACCO: zero1 whose communication hides behind accumulation, estimate and real "
                "rounds")
+    loss_fit = None  # its estimate rounds change the updates: no figure here
 
     @classmethod
     def outer_link(cls, run):

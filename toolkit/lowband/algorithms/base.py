@@ -45,6 +45,9 @@ class Algorithm:
     options: ClassVar[tuple] = ()
     defaults: ClassVar[dict] = {}
     summary: ClassVar[str] = ""
+    # which published loss figures apply at equal tokens, for the planner's time to a target
+    # (plan/loss.py): "ddp" (ddp's own updates), "diloco" (the DiLoCo family), None (none)
+    loss_fit: ClassVar[str | None] = None
 
     @classmethod
     def check(cls, cfg) -> None:

@@ -78,6 +78,7 @@ class DDP(Algorithm):
     kind = EVERY_STEP
     elastic = True
     summary = "data-parallel baseline: gradients all-reduced over every rank every step"
+    loss_fit = "ddp"
 
     @classmethod
     def outer_link(cls, run):

@@ -110,6 +110,7 @@ class Streaming(Algorithm):
     defaults = {"fragments": 4, "overlap": 1, "alpha": 0.5, "codec": "fp4-e3m0"}
     summary = ("Streaming DiLoCo: fragments synced in turn, overlapped with training, "
                "quantized exchange")
+    loss_fit = "diloco"
 
     @classmethod
     def outer_link(cls, run):

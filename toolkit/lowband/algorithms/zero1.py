@@ -139,6 +139,7 @@ class ZeRO1(Algorithm):
     kind = EVERY_STEP
     options = (ShardOptions,)
     summary = "ZeRO-1: optimizer states sharded over every rank, gradients reduce-scattered"
+    loss_fit = "ddp"  # the same mean gradient, sharded
     owns_step = True
 
     @classmethod

@@ -12,6 +12,7 @@ from lowband.algorithms import ALGORITHMS as REGISTRY
 from lowband.options import ConfigError
 from lowband.plan.inputs import (ALGORITHMS, GRAD_DTYPES, PlanError, Run, _number, fmt_bandwidth,
                                  fmt_count, make_run, modeled, payload_bytes, run_of)
+from lowband.plan.target import recommend, timing, to_ddp_loss
 from lowband.plan.timeline import Timeline, schedule, steady_stall
 
 if TYPE_CHECKING:
@@ -183,22 +184,33 @@ def plan_configs(cfg, algorithms=None, target_cu: float = 0.9, *, step_time=None
                  steady: bool = False, **overrides) -> dict:
     """What `lowband plan --json` prints for a config: per algorithm (cfg's own first, then
     `algorithms`: default every one the planner models) the Run it makes (`inputs`, see
-    variants) and its plan on the config's link, or an `error`. Without an emulated link
-    (--link-bandwidth empty) only the bandwidth each needs."""
+    variants), its plan on the config's link and its time to train the run's tokens and to reach
+    the loss ddp's run ends at (target.py), or an `error`; `recommended`: the H and codec for the
+    link (target.recommend). Without an emulated link (--link-bandwidth empty) only the
+    bandwidth each needs."""
     cfg, target = config_of(cfg), _target(target_cu)
-    names = [cfg.algo, *(modeled() if algorithms is None else algorithms)]
+    names = list(dict.fromkeys([cfg.algo, *(modeled() if algorithms is None else algorithms)]))
     out = {"algorithm": cfg.algo, "target_cu": target, "algorithms": {}}
-    for name, c in variants(cfg, names).items():
-        if isinstance(c, str):
-            out["algorithms"][name] = {"error": c}
-            continue
+    rows = {}
+    for name, c in variants(cfg, [*names, "ddp"]).items():  # ddp: the time to its loss
         try:
+            if isinstance(c, str):
+                raise PlanError(c)
             run = run_of(c, step_time, params=params, steady=steady, **overrides)
             row = plan(target, algorithms=(name,), run=run)
         except PlanError as e:
-            out["algorithms"][name] = {"error": str(e)}
+            rows[name] = {"error": str(e)}
             continue
-        out["algorithms"][name] = {"inputs": row["inputs"], **row["algorithms"][name]}
+        rows[name] = {"inputs": row["inputs"], **row["algorithms"][name]}
+        rows[name] |= timing(c, run, rows[name])
+    for name in names:
+        if "error" not in rows[name] and "error" not in rows["ddp"]:
+            rows[name] |= to_ddp_loss(rows[name], rows["ddp"])
+        out["algorithms"][name] = rows[name]
+    if "error" not in rows[cfg.algo]:
+        out["recommended"] = recommend(
+            cfg, lambda c: run_of(c, step_time, params=params, steady=steady, **overrides),
+            lambda run: _simulate(cfg.algo, run, run.bandwidth).cu, target)
     return out
 
 

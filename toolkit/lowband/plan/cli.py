@@ -14,6 +14,7 @@ from lowband.algorithms import ALGORITHMS as REGISTRY
 from lowband.flags import config_of_args, train_parser
 from lowband.options import ConfigError
 from lowband.plan.api import plan_configs
+from lowband.plan import probe
 from lowband.plan.check import check_run, measured
 from lowband.plan.inputs import PlanError, fmt_bandwidth, fmt_bytes, fmt_count, fmt_seconds, modeled
 from lowband.plan.timeline import schedule
@@ -38,8 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     p.epilog = f"examples: {EXAMPLE}"
     g = p.add_argument_group("plan options (the machine and the question, not lowband train's)")
     add = g.add_argument
-    add("--step-time", help="compute seconds of one step on one rank, e.g. 0.1 or 100ms (with "
-        "--config of a finished run: measured from its events)")
+    add("--step-time", help="compute seconds of one step on one rank, e.g. 0.1 or 100ms, or "
+        "'probe': measured here, a few steps of the config's model on its device (with --config "
+        "of a finished run: measured from its events)")
     add("--flops-per-step", help="FLOPs of one step (with --flops, instead of --step-time)")
     add("--flops", help="achieved FLOP/s of one rank")
     add("--params", help="a model of this many parameters (1e9, 1.3B) spread evenly over the "
@@ -77,6 +79,8 @@ def run_plan(argv: list[str]) -> tuple[dict, bool]:
         result_measured = check_run(finished)
     if own["flops_per_step"] is not None:
         extra |= {"flops_per_step": own["flops_per_step"], "flops": own["flops"]}
+    if own["step_time"] == "probe":  # a few steps of the model here (plan/probe.py)
+        own["step_time"] = probe.step_time(cfg)
     compare = own["compare"] or "all"
     names = (modeled() if compare == "all" else [] if compare == "none"
              else [n.strip() for n in compare.split(",") if n.strip()])
@@ -102,6 +106,32 @@ def _setup(name: str, inputs: dict) -> str:
     return " ".join([f"every {every} steps" if every > 1 else "every step", *parts])
 
 
+def _soon(r: dict) -> str:
+    """'0.094x (11.3 s)': the time to the loss ddp's run ends at, against ddp's."""
+    if r.get("vs_ddp") is None:
+        return "no figure" if r.get("loss_penalty") is None and r.get("cu") is not None else "-"
+    seconds = r.get("time_to_ddp_loss_s")
+    return f"{r['vs_ddp']:.3g}x" + ("" if seconds is None else f" ({fmt_seconds(seconds)})")
+
+
+def _fit_notes(fits: dict, recommended, algorithm: str, target: float) -> list[str]:
+    """The figures the time to ddp's loss rests on, and the recommendation for the link."""
+    lines = [""] + [f"to ddp's loss: ddp's tokens, times the tokens a higher loss at equal tokens "
+                    f"costs, at each one's tokens/s; the loss from {fit}"
+                    f"{'; ' + outside if outside else ''} (docs/plan.md)"
+                    for fit, outside in fits.items()]
+    if recommended and recommended.get("sync_every"):
+        r = recommended
+        lines.append(f"recommended for {algorithm} on this link: --sync-every {r['sync_every']} "
+                     f"--codec {r['codec']} (CU {r['cu']:.3f} >= {target:g}; loss "
+                     f"{r['loss_penalty']:+.2%} against ddp's at equal tokens, the least that "
+                     "reaches it)")
+    elif recommended:
+        lines.append(f"no setting of {algorithm} reaches CU {target:g} on this link (tried "
+                     f"{recommended['tried']})")
+    return lines if len(lines) > 1 else []
+
+
 def table(result: dict) -> str:
     """The human table of a run_plan() result: one row per algorithm, the config's first."""
     own, target = result["algorithms"][result["algorithm"]], result["target_cu"]
@@ -113,19 +143,25 @@ def table(result: dict) -> str:
              f"{fmt_seconds(i['step_time'])}, R={i['replicas']} S={i['shards']}; link {link}, "
              f"latency {fmt_seconds(i['latency'])}; {run}", ""]
     rows = [("algorithm", "syncs", "CU", "stall/step", "wire/step", "largest transfer",
-             f"needs for CU {target:g}")]
-    notes = []
+             f"needs for CU {target:g}", "tokens/s", "to ddp's loss")]
+    notes, fits = [], {}
     for name, r in result["algorithms"].items():
         label = name + (" (this config)" if name == result["algorithm"] else "")
         if "error" in r:
             notes.append(f"{name}: {r['error']}")
-            rows.append((label, "-", "-", "-", "-", "-", "-"))
+            rows.append((label, *["-"] * (len(rows[0]) - 1)))
             continue
         rows.append((label, _setup(name, r["inputs"]), "-" if r["cu"] is None else f"{r['cu']:.3f}",
                      fmt_seconds(r["stall_per_step"]), fmt_bytes(r["wire_bytes_per_step"]),
-                     fmt_bytes(r["peak_transfer_bytes"]), fmt_bandwidth(r["required_bandwidth"])))
+                     fmt_bytes(r["peak_transfer_bytes"]), fmt_bandwidth(r["required_bandwidth"]),
+                     "-" if r["tokens_per_s"] is None else f"{fmt_count(r['tokens_per_s'])}",
+                     _soon(r)))
+        fit = r.get("loss_penalty")
+        if fit and fit["loss"] and fit["fit"] not in fits:
+            fits[fit["fit"]] = fit["outside"]
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines += _fit_notes(fits, result.get("recommended"), result["algorithm"], target)
     if "measured" in result:
         m = result["measured"]
         lines += ["", f"measured ({m['run_dir']}): CU {m['measured_cu']:.3f} against "
