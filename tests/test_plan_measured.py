@@ -6,7 +6,7 @@ import json
 import re
 from collections import Counter
 
-from lowband.plan import check_run, exchange_phases, plan_config, run_of
+from lowband.plan import check_run, exchange_phases, plan_config, predict_to_target, run_of
 from lowband.plan.api import config_of
 from lowband.report import write_report
 from lowband.telemetry import read_events
@@ -18,6 +18,11 @@ def test_a_run_is_checked_against_its_plan_and_drawn_on_it(train_run, tmp_path):
                     name="streaming")
     result = check_run(run.root)
     assert 0 < result["predicted_cu"] <= 1 and 0 < result["measured_cu"] <= 1, result
+    # its predicted time to a loss reached after N tokens: N x its figure's factor / tokens/s
+    summary = run.read_json(run.summary)
+    to = predict_to_target(run.root, summary["tokens"])
+    assert to["tokens_factor"] > 1 and "Charles" in to["fit"]
+    assert to["seconds"] == summary["tokens"] * to["tokens_factor"] / to["tokens_per_s"] > 0
 
     # the report draws the plan's curves with the run as a measured point
     page = write_report([run.root], tmp_path / "report.html").read_text()

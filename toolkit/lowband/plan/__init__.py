@@ -20,7 +20,7 @@ finished run), cli.py (main: lowband train's options).
 
 from lowband.plan.api import (SimResult, figure, plan, plan_config, plan_configs,
                               required_bandwidth, simulate)
-from lowband.plan.check import check_run, measured_figure
+from lowband.plan.check import check_run, measured_figure, predict_to_target
 from lowband.plan.cli import main, run_plan, table
 from lowband.plan.inputs import (ALGORITHMS, BLOCK_SIZE, CODECS, GRAD_DTYPES, MODELS,
                                  PlanError, Run, exchange_phases, make_run, modeled,
@@ -29,4 +29,4 @@ from lowband.plan.inputs import (ALGORITHMS, BLOCK_SIZE, CODECS, GRAD_DTYPES, MO
 __all__ = ["ALGORITHMS", "BLOCK_SIZE", "CODECS", "GRAD_DTYPES", "MODELS", "PlanError", "Run",
            "SimResult", "check_run", "exchange_phases", "figure", "main", "make_run",
            "measured_figure", "modeled", "parse_bandwidth", "payload_bytes", "plan", "plan_config",
-           "plan_configs", "required_bandwidth", "run_of", "run_plan", "simulate", "table"]
+           "plan_configs", "predict_to_target", "required_bandwidth", "run_of", "run_plan", "simulate", "table"]

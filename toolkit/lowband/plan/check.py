@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from lowband.plan.api import _simulate, config_of, curves, plan_config
+from lowband.plan.api import _simulate, config_of, curves, plan_config, plan_configs
 from lowband.plan.inputs import PlanError, fmt_bandwidth, run_of
 from lowband.telemetry import RunDir, read_events
 
@@ -48,6 +48,21 @@ def check_run(run_dir, warmup_steps: int = 3) -> dict:
             "measured_cu": summary["compute_utilization"], "predicted_cu": predicted["cu"],
             "sent_peak_transfer_bytes": max(sent, default=0),
             "planned_peak_transfer_bytes": predicted["peak_transfer_bytes"]}
+
+
+def predict_to_target(run_dir, tokens: float, warmup_steps: int = 3) -> dict:
+    """The plan's time for a finished run's setup to reach the loss another run (ddp's) reached
+    after `tokens` tokens: those tokens times the tokens its loss at equal tokens costs
+    (plan/loss.py), at its planned tokens/s (its measured compute a step, its planned CU).
+    seconds is None where no published figure applies to its algorithm."""
+    cfg, _, took = measured(run_dir, warmup_steps)
+    row = plan_configs(cfg, algorithms=[], **took)["algorithms"][cfg["algo"]]
+    fit = row.get("loss_penalty")
+    seconds = None if fit is None or not row.get("tokens_per_s") else \
+        tokens * fit["tokens_factor"] / row["tokens_per_s"]
+    return {"seconds": seconds, "tokens_per_s": row.get("tokens_per_s"),
+            "tokens_factor": None if fit is None else fit["tokens_factor"],
+            "fit": None if fit is None else fit["fit"]}
 
 
 def measured_figure(run_dirs, warmup_steps: int = 3):
