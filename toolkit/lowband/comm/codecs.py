@@ -2,8 +2,9 @@
 codecs (top-k with 2-bit or 4-bit values). Each is one record in CODEC_RECORDS, of its family:
 `Raw` (a dtype copy: fp32, bf16), `Blocks` (block-scaled codes on a quantized.Grid: int8, fp4-*;
 the math in comm/quantized.py, the CUDA kernels in codecs_triton.py) or `TopK` (a chunk's largest
-values, comm/sparse.py). The record owns the codec's bytes, encode, decode and whether it takes
-the two-phase exchange; payload_bytes, encode and decode below look it up by name and call it.
+values, comm/sparse.py). The record owns the codec's bytes, encode, decode, documented error and
+whether it takes the two-phase exchange; payload_bytes, encode and decode below look it up by
+name and call it.
 
 `encode(x)` turns a flat fp32 tensor into ONE uint8 tensor, the exact bytes that travel;
 `decode(payload, n)` turns it back into n fp32 values. Decoding (and any sum over replicas)
@@ -49,6 +50,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from lowband.comm import quantized, sparse
 from lowband.comm.quantized import Grid
@@ -64,8 +66,8 @@ class NonFiniteError(ValueError):
 @dataclass(frozen=True)
 class Codec:
     """One codec's facts and behaviour, read by the collectives, the config, the CLI's help and
-    the planner. A family (Raw, Blocks, TopK) gives `_encode` and `_decode`; a new family is a
-    subclass with those (and `payload_bytes` if the dense count below does not hold).
+    the planner. A family (Raw, Blocks, TopK) gives `_encode`, `_decode` and `max_error`; a new
+    family is a subclass with those (and `payload_bytes` if the dense count below does not hold).
 
     two_phase: Comm.average may take the two-phase exchange (comm/wire.py) in this codec: a
     chunk of whole blocks encodes and decodes on its own, and the fp32 sum of the decoded
@@ -111,6 +113,12 @@ class Codec:
                              f"got {payload.numel()}")
         return self._decode(payload, n, block, density, compiled)
 
+    def max_error(self, x: torch.Tensor, block: "int | Chunks" = 64,
+                  density: float = DENSITY) -> torch.Tensor:
+        """The documented worst-case error on each value of the flat fp32 x (float64), which
+        decode(encode(x)) keeps within (tests/test_codec_records.py)."""
+        raise NotImplementedError(self._no_family())
+
     def _encode(self, x, block, density, compiled) -> tuple[torch.Tensor, torch.Tensor]:
         """(payload, whether all of x is finite) for the flat fp32 x."""
         raise NotImplementedError(self._no_family())
@@ -124,7 +132,8 @@ class Codec:
 
 @dataclass(frozen=True)
 class Raw(Codec):
-    """The values as `dtype`, one copy each way (compiled or not)."""
+    """The values as `dtype`, one copy each way (compiled or not). Error: half a unit in the
+    dtype's last place (none for fp32)."""
     _: KW_ONLY
     dtype: torch.dtype
 
@@ -133,6 +142,10 @@ class Raw(Codec):
 
     def _decode(self, payload, n, block, density, compiled):
         return payload.view(self.dtype).to(torch.float32, copy=True)
+
+    def max_error(self, x, block=64, density=DENSITY):
+        f = torch.finfo(self.dtype)
+        return (x.abs().double() + f.tiny) * (f.eps / 2)
 
 
 @dataclass(frozen=True)
@@ -149,6 +162,9 @@ class Blocks(Codec):
     def _decode(self, payload, n, block, density, compiled):
         return quantized.decode(payload, n, self.name, self.grid, block, compiled)
 
+    def max_error(self, x, block=64, density=DENSITY):
+        return quantized.max_error(x, self.grid, block)
+
 
 _SUM_NOT_SPARSE = ("the ranks keep different values of a chunk, so their sum is not top-k sparse "
                    "and re-encoding it would drop what the others sent")
@@ -158,7 +174,9 @@ _SUM_NOT_SPARSE = ("the ranks keep different values of a chunk, so their sum is 
 class TopK(Codec):
     """A chunk's largest values, each coded by `quantize`/`dequantize` (comm/sparse.py's value
     codes, with `grid`) in round(8 value_bytes) bits beside its index; `scales` bf16 scales a
-    chunk. `block`: the chunk (an int, with `density`) or a Chunks(size, density)."""
+    chunk. `block`: the chunk (an int, with `density`) or a Chunks(size, density). Error: a value
+    decodes to zero or, with its own sign, to at most its chunk's largest magnitude (the exact
+    values: tests/test_sparse_codecs.py)."""
     sparse: bool = True
     two_phase: bool = False
     no_two_phase: str = _SUM_NOT_SPARSE
@@ -189,6 +207,11 @@ class TopK(Codec):
     def _decode(self, payload, n, block, density, compiled):
         dequantize = functools.partial(self.dequantize, self.grid)
         return sparse.decode(payload, n, *self._layout(block, density), dequantize)
+
+    def max_error(self, x, block=64, density=DENSITY):
+        chunk, n = self._layout(block, density)[0], x.numel()
+        absmax = F.pad(x.abs(), (0, (-n) % chunk)).view(-1, chunk).amax(1)
+        return absmax.double().repeat_interleave(chunk)[:n] * (1 + 2.0 ** -7) + 2.0 ** -149
 
 
 E2M1 = Grid(6.0, (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0))  # OCP MX FP4's magnitudes

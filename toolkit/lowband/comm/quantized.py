@@ -172,3 +172,18 @@ def decode(payload: torch.Tensor, n: int, name: str, grid: Grid, block: int,
     bf16 = payload[: 2 * math.ceil(n / block)].view(torch.bfloat16)
     return _run(_decode_blocks, name, grid, block, bool(compiled), payload, bf16)[:n]
 
+
+def max_error(x: torch.Tensor, grid: Grid, block: int) -> torch.Tensor:
+    """The worst-case error on each value of the flat fp32 x (float64): s times half the gap
+    between the two codes around |x| / s (int8: s/2), s its block's scale, plus what lies above
+    top x s where the scale is capped, plus fp32 rounding (of |x| / s, and subnormal products)."""
+    n = x.numel()
+    absmax = F.pad(x.abs(), (0, (-n) % block)).view(-1, block).amax(1)
+    s = scale(absmax, grid)[1].double().repeat_interleave(block)[:n]
+    a = x.abs().double()
+    half = torch.full_like(a, 0.5)
+    if grid.levels:
+        levels = torch.tensor(grid.levels, dtype=torch.float64)
+        i = torch.bucketize((a / s).clamp(max=grid.top), levels).clamp(1, len(levels) - 1)
+        half = (levels[i] - levels[i - 1]) / 2
+    return s * half + (a - grid.top * s).clamp(min=0) + 2.0 ** -23 * a + 2.0 ** -149
