@@ -74,10 +74,11 @@ def edge_values(codec: str, block: int, seed: int = 0) -> torch.Tensor:
     blocks of +0.0, of -0.0, of subnormals, of huge values, of huge and tiny ones together; then
     a short block of odd length (n is odd)."""
     g = torch.Generator().manual_seed(seed)
-    top = C._TOP[codec]
-    bounds = C._mids(codec) or (0.5, 1.5, 2.5, 63.5, 126.5)  # int8: ties of the rounding
+    grid = C.CODEC_RECORDS[codec].grid
+    top = grid.top
+    bounds = grid.mids or (0.5, 1.5, 2.5, 63.5, 126.5)  # int8: ties of the rounding
     scales = (1.0, 0.1875, 1.9921875 * 2.0 ** 20, 2.0 ** -118, 1.5 * 2.0 ** -119, 2.0 ** -126,
-              1.25 * 2.0 ** -130, 2.0 ** -133, 1.0078125 * 2.0 ** 100, C._CAP[codec])
+              1.25 * 2.0 ** -130, 2.0 ** -133, 1.0078125 * 2.0 ** 100, grid.cap)
     inf = torch.tensor(math.inf)
 
     def blocks(s: float, length: int) -> list[torch.Tensor]:
@@ -128,7 +129,8 @@ def _variants(device, x, codec, block, size, cpu_ref, eager, compiled, repeats, 
     """Rows of the fp4 encode variants (codecs_triton.FP4_VARIANTS), timed on CUDA."""
     from lowband.comm import codecs_triton as T
 
-    args = (block, C._TOP[codec], C._CAP[codec], C._mids(codec))
+    grid = C.CODEC_RECORDS[codec].grid
+    args = (block, grid.top, grid.cap, grid.mids)
     rows = []
     for name, tiles in T.FP4_VARIANTS.items():
         wall = time.perf_counter()
@@ -221,7 +223,7 @@ def codec_throughput(device, numel: int, codecs=("int8", "fp4-e3m0", "fp4-e2m1")
                     codec, block, device, lambda v, c=c: encode(v, codec, block, compiled=c)),
                 wall_s=time.perf_counter() - wall))
             del payload, y
-        if variants and device.type == "cuda" and codec in C._LEVELS:
+        if variants and device.type == "cuda" and C.CODEC_RECORDS[codec].grid.levels:  # fp4
             from lowband.comm import codecs_triton as T
 
             if T.usable(block):

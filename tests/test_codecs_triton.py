@@ -39,7 +39,8 @@ def values(n, seed):
 # every fp4 variant, and the new kernel's with one block a program where a block is long (many
 # programs: the last one's lone odd value); int8 with 4 blocks a program
 for codec in ("int8", "fp4-e3m0", "fp4-e2m1"):
-    top, cap, mids = C._TOP[codec], C._CAP[codec], C._mids(codec)
+    grid = C.CODEC_RECORDS[codec].grid
+    top, cap, mids = grid.top, grid.cap, grid.mids
     for block in (64, 32, 2):
         tiles = dict(T.FP4_VARIANTS) if mids else {"rows4": {"ROWS": 4}}
         for name in ("pairs", "strided", "pairs-div") if mids and block > 2 else ():
@@ -63,7 +64,7 @@ for codec in ("int8", "fp4-e3m0", "fp4-e2m1"):
                                                                  (got != want).nonzero()[:4])
             table = None
             if mids:
-                lv = C._LEVELS[codec]
+                lv = grid.levels
                 table = torch.tensor(lv + tuple(-v for v in lv)).to(DEV)
             y = T.decode(want.to(DEV), n, block, table, tiles={"SPAN": 128}).cpu()
             ref = C.decode(want, n, codec, block, compiled=False)
@@ -108,9 +109,10 @@ def test_products_decide_as_the_division_for_every_bf16_scale():
     every = torch.arange(1, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
     up = torch.tensor(math.inf)
     for codec in ("fp4-e3m0", "fp4-e2m1"):
-        s = every[every <= C._CAP[codec]]
+        grid = C.CODEC_RECORDS[codec].grid
+        s = every[every <= grid.cap]
         last = torch.zeros_like(s)
-        for m in C._mids(codec):
+        for m in grid.mids:
             p = torch.tensor(m, dtype=torch.float32) * s
             assert torch.equal(p.double(), m * s.double()) and bool((p > last).all())
             assert bool((torch.nextafter(p, up) / s > m).all()) and not bool((p / s > m).any())

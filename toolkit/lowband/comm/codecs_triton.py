@@ -1,9 +1,9 @@
 """The quantized codecs as Triton kernels on CUDA: one pass over the values each way.
 
-codecs.py defines the codecs and runs them eagerly (and through torch.compile); on a GPU this
-file does the same arithmetic in one kernel for encode and one for decode, so each value is
-read once and the payload written once (torch.compile's graph made 7 kernels of the encode,
-reading the input four times). Bitwise the eager codec on the same device and on the CPU:
+quantized.py defines the block-scaled codes and runs them eagerly (and through torch.compile);
+on a GPU this file does the same arithmetic in one kernel for encode and one for decode, so each
+value is read once and the payload written once (torch.compile's graph made 7 kernels of the
+encode, reading the input four times). Bitwise the eager codec on the same device and on the CPU:
 divisions are correctly rounded (`div_rn`), rounding is half-to-even, the bf16 scale is
 rounded to nearest even on its bits, and decoding multiplies the same fp32 code value by the
 same fp32 scale (checked on a GPU by benchmarks/gpu_codecs.py, and on the CPU through Triton's
@@ -25,7 +25,7 @@ strided 32-bit loads.
 
 Used for blocks of a power-of-two size of at least 2 (pairs of 4-bit codes then never cross a
 block); other sizes take the torch.compile path. Constants (the largest code, the scale cap,
-the fp4 midpoints and levels) come from codecs.py as arguments.
+the fp4 midpoints and levels) come from the codec's quantized.Grid as arguments.
 """
 
 from __future__ import annotations

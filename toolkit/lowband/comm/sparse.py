@@ -1,5 +1,5 @@
-"""The layout of the topk codecs (codecs.py says how each codes a value): which values of each
-chunk travel, and the bytes they travel in.
+"""The topk codecs (codecs.py's `TopK` records): which values of each chunk travel, the bytes
+they travel in, and their value codes (codecs.py says how each codes a value).
 
 x is cut into chunks of `chunk` values (the last may be short). A chunk of L values keeps
 k = max(1, floor(density L + 1/2)) of them: the largest in magnitude, a tie going to the lower
@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from lowband.comm import quantized
+from lowband.comm.quantized import Grid
 
 DENSITY = 0.02  # the share of each chunk's values sent, unless told
 CHUNK = 4096  # values a chunk, unless told
@@ -107,3 +110,35 @@ def unpack(stream: torch.Tensor, count: int, width: int) -> torch.Tensor:
     bits = bits.reshape(-1)[: count * width].view(count, width).to(torch.int32)
     shifts = torch.arange(width, device=stream.device, dtype=torch.int32)
     return (bits << shifts).sum(1).to(torch.int32)
+
+
+# The value codes: quantize(grid, values, valid) -> (bf16 scales, one row a chunk; int32 codes)
+# of top()'s values, and dequantize(grid, codes, scales) -> values, as encode() and decode()
+# take them with the record's grid bound.
+
+def quantize_2bit(grid: Grid, values: torch.Tensor, valid: torch.Tensor):
+    """topk-2bit: bit 0 marks the upper half of a chunk's kept values by magnitude, bit 1 the
+    sign; the chunk's scales (hi, lo) are the halves' mean magnitudes (at most grid.cap)."""
+    half = (valid.sum(1, keepdim=True) + 1) // 2
+    upper = torch.arange(values.shape[1], device=values.device) < half
+    lower = valid & ~upper
+    mag = values.abs().double()  # a sum of fp32 maxima would overflow fp32
+    hi = (mag * upper).sum(1) / upper.sum(1).clamp(min=1)
+    lo = (mag * lower).sum(1) / lower.sum(1).clamp(min=1)
+    scales = torch.clamp(torch.stack([hi, lo], 1), max=grid.cap).bfloat16()
+    return scales, upper.to(torch.int32) | (values < 0).to(torch.int32) << 1
+
+
+def dequantize_2bit(grid: Grid, code: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    mag = torch.where(code & 1 == 1, scale[:, 0], scale[:, 1])
+    return torch.where(code & 2 == 2, -mag, mag)
+
+
+def quantize_levels(grid: Grid, values: torch.Tensor, valid: torch.Tensor):
+    """topk-fp4: the grid's 4-bit codes, the chunk's scale its absmax (its first value's) / top."""
+    scale, s = quantized.scale(values[:, 0].abs(), grid)
+    return scale[:, None], quantized.nibbles(values, s, grid).to(torch.int32)
+
+
+def dequantize_levels(grid: Grid, code: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return quantized.table(grid, code.device)[code] * scale[:, 0]
