@@ -71,43 +71,11 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def launch_local(cfg: Config, argv: list[str], main_job: bool = False, resume: bool = False) -> int:
-    from lowband.data import load_corpus, vocab_needed
-    from lowband.launch.local import LocalJob, describe_exit, last_line
-    from lowband.models import check_vocab
-    from lowband.telemetry import RunDir, new_run_dir
+    from lowband.launch.here import train_here
 
-    for note in cfg.ignored():
-        print(f"lowband: note: {note}", file=sys.stderr)
-    # the corpus is read (and cached) once, before the workers and before the run directory is
-    # touched: a model too small for its vocabulary loses nothing
-    check_vocab(cfg, vocab_needed(load_corpus(cfg.data, cfg.tokenizer, cfg.progress)))
-    if cfg.run_dir:  # refused before any worker starts if it holds another run (see RunDir.claim)
-        from lowband.checkpoint.lifecycle import relaunched
-
-        keep = resume or relaunched(cfg)  # --auto-resume into the same run: its workers continue it
-        run = RunDir(cfg.run_dir).create() if keep else RunDir(cfg.run_dir).claim(cfg.overwrite)
-    else:
-        run = new_run_dir(cfg.algo)
-    if cfg.elastic:  # the Lighthouse and R groups, each a job of its own (launch/supervise.py)
-        from lowband.launch.supervise import run_elastic
-
-        code, rank = run_elastic(cfg, argv, run), 0
-    else:
-        code, rank = LocalJob(argv, cfg.world, run).wait()
-    if code == 130:
-        print("lowband: interrupted; the workers were stopped.", file=sys.stderr)
-        return 130
+    code, run = train_here(cfg, argv, resume)
     if code != 0:
-        log = run.logs / f"rank{rank}.log"
-        if rank != 0:
-            detail = last_line(log)
-            if detail:
-                print(detail, file=sys.stderr)
-        if code not in (2, 3):  # 2, 3: the worker's own sentence says what happened
-            where = f"; its log: {log}" if rank != 0 else ""
-            print(f"lowband: error: worker rank {rank} {describe_exit(code)}, so the other "
-                  f"workers were stopped{where}.", file=sys.stderr)
-        return code if code > 0 else 1
+        return code
     summary = run.read_json(run.summary) or {}
     print(f"run directory: {run.root}")
     print(one_line(summary))

@@ -21,9 +21,9 @@ traceback when a node cannot reach it or not every node joins within the timeout
 
 The package, by part: component.py (the TorchX component), job.py (launch()), handle.py (LaunchHandle,
 attach(), the process-wide TorchX runner), cli.py (`lowband launch`), node.py (the node
-agent) and env.py (what a launched script reads of its layout); without TorchX, local.py starts a
-plain `lowband train`'s R x S workers on this machine and supervise.py runs `lowband train
---elastic` on one machine (lighthouse.py: a launched elastic job's Lighthouse role). Every public
+agent) and env.py (what a launched script reads of its layout); without TorchX, here.py runs a
+plain `lowband train` on this machine (for `lowband compare` too): local.py starts its R x S
+workers and supervise.py runs `lowband train --elastic` on one machine (lighthouse.py: a launched elastic job's Lighthouse role). Every public
 name imports from here; the submodules import each other, never this file.
 """
 

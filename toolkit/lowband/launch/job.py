@@ -62,7 +62,7 @@ def _arg(value) -> str:
     return os.fspath(value) if isinstance(value, os.PathLike) else str(value)
 
 
-def _flag_args(options: dict) -> list[str]:
+def flag_args(options: dict) -> list[str]:
     """Keywords as flags: steps=20 -> --steps 20, progress=False -> --no-progress (None: none)."""
     out = []
     for key, value in options.items():
@@ -131,8 +131,8 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
     _refuse_objects({**options, "algo": algo, "config": config}, [*flags, *script_args])
     if script is not None:
         flags, algo, config, run_dir, layout = _script_job(
-            script, [*script_args, *flags, *_flag_args({"algo": algo, "config": config}),
-                     *_flag_args(options)], replicas, shards, run_dir, local)
+            script, [*script_args, *flags, *flag_args({"algo": algo, "config": config}),
+                     *flag_args(options)], replicas, shards, run_dir, local)
         script = layout.pop("script")
     else:
         if script_args:
@@ -188,7 +188,7 @@ def _default_run_dir(label: str) -> str:
 def _train_job(flags, options, algo, replicas, shards, run_dir, config, local):
     """`lowband train`: its flags checked here; (flags, algo, config, run_dir, layout)."""
     # the component passes these itself: take them out of the pass-through flags
-    flags, given = _pop_flags([*map(_arg, flags), *_flag_args(options)],
+    flags, given = _pop_flags([*map(_arg, flags), *flag_args(options)],
                               ("algo", "replicas", "shards", "run-dir", "config"))
     algo = algo if algo is not None else given.get("algo")
     config = os.fspath(config) if config is not None else given.get("config")
