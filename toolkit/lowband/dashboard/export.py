@@ -7,6 +7,9 @@ by side, the restarts of runs continued after a crash or a requeue, and the memb
 and failed commit votes of --elastic runs. Runs that have not finished are reported as they
 stand.
 
+A `lowband compare` adds its table first (#compare: comparison.py) and opens the loss figure on
+wall-clock time.
+
 For tests in a browser, the page has stable hooks: figure divs #lowband-loss,
 #lowband-bandwidth and #lowband-timeline-<i>, sections #summary, #config (#restarts for runs
 that restarted, #membership for --elastic runs, with #failed-commits where a commit vote
@@ -24,6 +27,7 @@ import os
 from pathlib import Path
 
 from .bandwidth_figure import bandwidth_spec
+from .comparison import compare_section
 from .loss_figure import loss_figure_static
 from .model import RunModel, is_run_dir
 from .specs import make_figure
@@ -92,7 +96,7 @@ table.grid tr.diff td{background:#fff4d6}
 
 
 def render_report(run_dirs, *, title: str | None = None, window_s: float | None = None,
-                  max_points: int = 2000, max_spans: int = 5000) -> str:
+                  max_points: int = 2000, max_spans: int = 5000, compare: dict | None = None) -> str:
     """The report's HTML as a string (see write_report)."""
     from plotly.offline import get_plotlyjs
 
@@ -100,14 +104,15 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
     names = [m.name for m in models]
     title = title or "lowband report · " + ", ".join(names)
     records = [run_record(m) for m in models]
-    loss = loss_figure_static(models, max_points=max_points)
+    loss = loss_figure_static(models, max_points=max_points, xaxis="time" if compare else None)
     bandwidth = make_figure(bandwidth_spec(models))
     lines = ("one line per rank (each rank sends over its own link)" if len(models) == 1
              else "each run's mean per link")
     elastic = any(m.membership() or m.failed_commits() for m in models)
     failed = any(m.failed_commits() for m in models)
     restarts = restarts_table(models)
-    parts = [
+    parts = [compare_section(compare)] if compare else []
+    parts += [
         f'<section id="summary"><h2>Summary</h2><div class="scroll">{summary_table(records)}'
         f"</div></section>",
         f'<section id="loss-section"><h2>Loss</h2><p class="meta">Mean over each replica\'s '
@@ -162,7 +167,7 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
          **({"failed_commits": [c._asdict() for c in m.failed_commits()]}
             if m.failed_commits() else {}),
          **({"restarts": [r._asdict() for r in m.restarts()]} if m.restarts() else {})}
-        for m, rec in zip(models, records)]}
+        for m, rec in zip(models, records)], **({"compare": compare} if compare else {})}
     data_json = json.dumps(_clean(data), allow_nan=False).replace("</", "<\\/")
     generated = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     return (
@@ -245,11 +250,12 @@ def _clean(o):
 
 
 def write_report(run_dirs, path, *, title: str | None = None, window_s: float | None = None,
-                 max_points: int = 2000, max_spans: int = 5000) -> Path:
+                 max_points: int = 2000, max_spans: int = 5000, compare: dict | None = None) -> Path:
     """Write one self-contained offline HTML report of the runs in run_dirs (a run directory,
     a launch handle, or a list of them) to path. Several runs are overlaid and compared side by
     side. window_s: show the last window_s seconds of each timeline at first (default: all).
-    Raises ReportError for input a user can fix."""
+    compare: a `lowband compare` result, whose table opens the report. Raises ReportError for
+    input a user can fix."""
     path = Path(path)
     if path.is_dir():
         raise ReportError(f"cannot write {path}: it is a directory; give a file name like "
@@ -257,7 +263,7 @@ def write_report(run_dirs, path, *, title: str | None = None, window_s: float | 
     if not path.parent.is_dir():
         raise ReportError(f"cannot write {path}: the directory {path.parent} does not exist.")
     text = render_report(run_dirs, title=title, window_s=window_s, max_points=max_points,
-                         max_spans=max_spans)
+                         max_spans=max_spans, compare=compare)
     tmp = path.with_name(path.name + ".tmp")
     try:
         tmp.write_text(text, encoding="utf-8")

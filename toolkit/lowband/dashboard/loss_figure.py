@@ -205,13 +205,13 @@ def _marked_lines(xs: list, hover: list, legend, line: dict, mark: dict) -> list
     ]
 
 
-def loss_figure_static(models: list[RunModel], max_points: int = 2000):
+def loss_figure_static(models: list[RunModel], max_points: int = 2000, xaxis: str | None = None):
     """The loss figure with buttons that switch the x axis (step, tokens, wall time, outer
     bytes) in the browser: every axis's x data is embedded, nothing needs a kernel. It opens on
-    opening_xaxis(models)."""
+    `xaxis`, by default opening_xaxis(models)."""
     import plotly.graph_objects as go
     specs = {ax: loss_spec(models, ax, max_points) for ax in XAXES}
-    first = opening_xaxis(models)
+    first = xaxis or opening_xaxis(models)
     fig = make_figure(specs[first])
     buttons = [dict(label=XAXIS_BUTTONS[ax], method="update",
                     args=[{"x": [t["x"] for t in specs[ax][0]]},
