@@ -4,12 +4,14 @@ from lowband.algorithms import register  # an algorithm from outside (algorithms
 from lowband.config import Config, ConfigError
 
 __version__ = "0.1.0"
-__all__ = ["Config", "ConfigError", "__version__", "launch", "register"]
+__all__ = ["Config", "ConfigError", "__version__", "compare", "launch", "register"]
 
 
 def __getattr__(name):  # lowband.launch(...) without importing TorchX at `import lowband`
-    if name == "launch":  # the module lowband.launch, callable as its launch() function
-        import importlib
+    import importlib
 
+    if name == "launch":  # the module lowband.launch, callable as its launch() function
         return importlib.import_module("lowband.launch")
+    if name == "compare":  # the module lowband.compare, callable as its compare() function
+        return importlib.import_module("lowband.compare")
     raise AttributeError(f"module 'lowband' has no attribute '{name}'")

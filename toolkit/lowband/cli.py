@@ -1,4 +1,4 @@
-"""`lowband train | plan | report | launch | recipes | prepare | export`.
+"""`lowband train | plan | report | launch | recipes | prepare | export | compare`.
 
 `lowband train` run plainly starts R x S local worker processes itself; under torchrun or TorchX
 (RANK and WORLD_SIZE in the environment) it is one worker and takes the world from there.
@@ -117,6 +117,7 @@ COMMANDS["report"] = _subcommand("lowband.report")
 COMMANDS["launch"] = _subcommand("lowband.launch")
 COMMANDS["prepare"] = _subcommand("lowband.data.cli")
 COMMANDS["export"] = _subcommand("lowband.export")
+COMMANDS["compare"] = _subcommand("lowband.compare")
 
 
 def cmd_recipes(argv: list[str]) -> int:

@@ -1,0 +1,94 @@
+"""A comparison's table: per run, what reaching the target took, its validation loss at equal
+time, its compute utilization measured and planned, and its tokens/s.
+
+Everything is read from the finished runs' directories, so the target can be chosen after
+they ran (the reference's final validation loss is known only then): each run's evaluations
+are rebuilt from its `eval` events as the trainer keeps them for summary.json's `target`
+([step, val_loss (mean over replicas), elapsed_s, tokens, outer_bytes], only those every rank
+took), and lowband.summary.target reads them as it reads them there.
+"""
+
+from __future__ import annotations
+
+import math
+
+from lowband.dashboard.comparison import COLUMNS, cell
+from lowband.summary import target
+from lowband.telemetry import RunDir, read_events
+
+
+def evaluations(run_dir) -> list[list]:
+    """A run's evaluations every rank took, in step order: [step, val_loss, elapsed_s, tokens,
+    outer_bytes], val_loss the mean over replicas (each replica's first rank, in rank order, as
+    ledger.py averages it)."""
+    run = RunDir(run_dir)
+    shards = (run.read_json(run.config) or {}).get("shards", 1) or 1
+    by_step: dict[int, dict[int, dict]] = {}
+    for e in read_events(run, ("eval",)):
+        if "tokens" in e and "outer_bytes" in e:  # an evaluation every rank took
+            by_step.setdefault(e["step"], {})[e["rank"]] = e
+    out = []
+    for step in sorted(by_step):
+        ranks = by_step[step]
+        first = ranks[min(ranks)]
+        vals = [ranks[r]["val_loss"] for r in sorted(ranks) if r % shards == 0]
+        out.append([step, sum(vals) / len(vals) if vals else math.nan, first["elapsed_s"],
+                    first["tokens"], first["outer_bytes"]])
+    return out
+
+
+def loss_at(evals: list[list], t: float) -> float | None:
+    """The validation loss at t seconds of training, linear between the evaluations around it;
+    None before the first evaluation (or for a run without any)."""
+    points = [(e[2], e[1]) for e in evals if math.isfinite(e[1])]
+    if not points or t < points[0][0]:
+        return None
+    for (t0, v0), (t1, v1) in zip(points, points[1:]):
+        if t0 <= t <= t1:
+            return v0 if t1 == t0 else v0 + (v1 - v0) * (t - t0) / (t1 - t0)
+    return points[-1][1]  # at (or, by rounding, just past) its last evaluation
+
+
+def planned(run_dir) -> tuple[float | None, float | None]:
+    """(measured, planned) compute utilization: lowband.plan.check_run of the finished run
+    (its config and measured compute time per step); (None, None) where the plan cannot read it."""
+    from lowband.plan import PlanError, check_run
+
+    try:
+        c = check_run(run_dir)
+    except (PlanError, KeyError, ValueError):
+        return None, None
+    return c["measured_cu"], c["predicted_cu"]
+
+
+def rows(runs: list[tuple[str, str, dict]], loss: float) -> tuple[list[dict], float | None]:
+    """The table's rows for [(label, run directory, what the run was given)] with the target
+    `loss`, and the equal time: the shortest run's training seconds (its last evaluation)."""
+    evals = {label: evaluations(d) for label, d, _ in runs}
+    ends = [e[-1][2] for e in evals.values() if e]
+    equal_s = min(ends) if ends else None
+    out = []
+    for label, d, given in runs:
+        run = RunDir(d)
+        s = run.read_json(run.summary) or {}
+        measured, plan = planned(d)
+        out.append({
+            "name": label, "algorithm": s.get("algorithm"), "run_dir": str(d), "given": given,
+            "target": target(evals[label], loss),
+            "val_loss_at_equal_time": None if equal_s is None else loss_at(evals[label], equal_s),
+            "final_val_loss": s.get("final_val_loss"), "wall_s": s.get("wall_s"),
+            "steps_run": s.get("steps_run"), "tokens": s.get("tokens"),
+            "tokens_per_s": s.get("tokens_per_s"), "outer_wire_bytes": s.get("outer_wire_bytes"),
+            "compute_utilization": s.get("compute_utilization") if measured is None else measured,
+            "planned_compute_utilization": plan})
+    return out, equal_s
+
+
+def text(result: dict) -> str:
+    """The table as the terminal shows it, a line per run."""
+    head = [label for _, label in COLUMNS]
+    body = [[cell(key, row, result) for key, _ in COLUMNS] for row in result["runs"]]
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
+                                   for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    return "\n".join([line(head), *map(line, body)])
