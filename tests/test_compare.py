@@ -111,6 +111,7 @@ def _refused(lowband_here, tmp_path, *args, says):
     (["--configs", "missing.toml"], "config file 'missing.toml' does not exist"),
     ([], "give the runs to compare"),
     (["--algos", "ddp", "--", "--algo", "streaming"], "--algo is not a flag for every compared"),
+    (["--recipes", "ddp", "--", "--recipe", "main"], "--recipes ddp is a whole configuration"),
     (["--algos", "ddp", "--equal", "tokens", "--", "--time-budget", "5"],
      "--equal tokens ends every run by its tokens"),
     (["--algos", "ddp", "--", "--target-loss", "-1"], "--target-loss must be"),

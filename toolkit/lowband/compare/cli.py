@@ -9,8 +9,9 @@ from lowband.config import ArgParser, ConfigError
 
 DESCRIPTION = (
     "Run recipes, configs and algorithms one after another on the same `lowband train` flags "
-    "(after --; every `lowband train --help` option but --recipe, --config, --algo, --run-dir "
-    "and --resume), each with the machine to itself, at an equal wall-clock budget (default: "
+    "(after --; every `lowband train --help` option but --algo, --run-dir and --resume; a "
+    "--recipe or --config there is what the --algos runs start from), each with the machine to "
+    "itself, at an equal wall-clock budget (default: "
     "the first ddp run's training time for its --steps, or --time-budget SECONDS for every run) "
     "or at equal tokens. Prints and writes (DIR/compare.json, DIR/report.html) per run the "
     "training time, tokens and outer-link bytes it took to reach the target validation loss "

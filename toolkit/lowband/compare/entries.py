@@ -3,16 +3,20 @@
 comparison directory keeps so that it is continued only by the same runs.
 
 An entry is `lowband train --recipe NAME FLAGS`, `lowband train --config PATH FLAGS` or
-`lowband train --algo NAME FLAGS`. An algorithm entry leaves out the shared flags of option
+`lowband train --algo NAME FLAGS` (the flags may hold a --recipe or --config for the algorithm
+entries to start from: `--algos ddp,streaming -- --recipe main`). An algorithm entry leaves out the shared flags of option
 groups that its algorithm does not read (as `lowband plan`'s rows do): `--fragments 4` is
 streaming's, not ddp's. A recipe or config entry takes every shared flag, and is refused with
-one sentence naming the entry where an option does not apply to it.
+one sentence naming the entry where an option does not apply to it. From Python an entry may
+bring options of its own, on top of the shared ones: algos={"ddp": {}, "streaming":
+{"fragments": 2}}.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,9 +26,7 @@ from lowband.flags import config_of_args, train_parser
 
 KINDS = {"recipe": "--recipes", "config": "--configs", "algo": "--algos"}
 # train flags a comparison sets itself, and what to give instead
-OWN = {"recipe": "give the recipes to compare with --recipes NAME,NAME",
-       "config": "give the configs to compare with --configs PATH,PATH",
-       "algo": "give the algorithms to compare with --algos NAME,NAME",
+OWN = {"algo": "give the algorithms to compare with --algos NAME,NAME",
        "resume": "continue a comparison with --dir DIR and the same runs",
        "run_dir": "each run's directory is DIR/NAME: give the comparison's own with --dir",
        "overwrite": "a comparison continues where it stopped: give a new --dir to start afresh"}
@@ -39,18 +41,22 @@ class Entry:
     label: str = ""               # its run's name: its directory in the comparison
     config: Config | None = None  # validated, before the comparison's budget
     dropped: list[str] = field(default_factory=list)  # shared flags its algorithm does not read
+    own: dict = field(default_factory=dict)  # its own options (Python: a mapping's values)
 
     @property
     def given(self) -> str:
         return f"{KINDS[self.kind]} {self.name}"
 
 
-def names(value) -> list[str]:
-    """A list of names from "a,b" or ["a", "b"] (or a path: one name)."""
+def named(kind: str, value) -> list[Entry]:
+    """The entries of one kind from "a,b", ["a", "b"] or a path (one name), or from a mapping
+    of names to their own options ({"streaming": {"fragments": 2}})."""
     if value is None:
         return []
+    if isinstance(value, Mapping):
+        return [Entry(kind, str(n), own=dict(o or {})) for n, o in value.items()]
     items = [value] if isinstance(value, (str, Path)) else list(value)
-    return [n.strip() for v in items for n in str(v).split(",") if n.strip()]
+    return [Entry(kind, n.strip()) for v in items for n in str(v).split(",") if n.strip()]
 
 
 def shared_args(flags: list[str]) -> dict:
@@ -67,8 +73,9 @@ def resolve(recipes=(), configs=(), algos=(), args: dict | None = None) -> list[
     """Every entry's validated Config (recipes, then configs, then algorithms, each in the order
     given), with a label unique in the comparison. ConfigError, one sentence, on the first that
     cannot run."""
-    entries = [Entry("recipe", n) for n in names(recipes)] + \
-        [Entry("config", n) for n in names(configs)] + [Entry("algo", n) for n in names(algos)]
+    from lowband.launch.job import flag_args
+
+    entries = named("recipe", recipes) + named("config", configs) + named("algo", algos)
     if not entries:
         raise ConfigError("give the runs to compare: --algos NAME,NAME, --recipes NAME,NAME or "
                           "--configs PATH,PATH (`lowband compare --help`).")
@@ -76,6 +83,11 @@ def resolve(recipes=(), configs=(), algos=(), args: dict | None = None) -> list[
     taken: set[str] = set()
     for e in entries:
         mine = dict(args or {})
+        whole = [k for k in ("recipe", "config") if k in mine]
+        if whole and e.kind != "algo":  # a shared --recipe or --config: the --algos runs' base
+            raise ConfigError(f"{e.given} is a whole configuration, and --{whole[0]} among the "
+                              "shared flags gives one to the --algos runs only: remove one of "
+                              "them.")
         if e.kind == "algo":
             if e.name not in ALGORITHMS:
                 Config(algo=e.name).validate()  # its one sentence: the algorithms there are
@@ -84,6 +96,7 @@ def resolve(recipes=(), configs=(), algos=(), args: dict | None = None) -> list[
                        and not g.shared_knob for n in g.names()}
             e.dropped = sorted(k for k in mine if k in foreign)
             mine = {k: v for k, v in mine.items() if k not in foreign}
+        mine.update(shared_args(flag_args(e.own)) if e.own else {})
         mine[e.kind] = e.name
         try:
             e.config, _ = config_of_args(mine)

@@ -47,7 +47,8 @@ def compare(recipes=(), configs=(), algos=(), *, flags=(), equal: str = "time",
     """Run the entries one after another on the same flags and budget, and return the table
     (compare.json's: `runs`, a row per entry, and what they were compared on).
 
-    recipes, configs, algos: names ("ddp,streaming" or a list); flags: `lowband train` flags for
+    recipes, configs, algos: names ("ddp,streaming" or a list), or a mapping of names to options
+    of their own ({"ddp": {}, "streaming": {"fragments": 2}}); flags: `lowband train` flags for
     every run (["--model", "nano"]), options: the same as keywords (model="nano"); equal: "time"
     or "tokens"; target_loss: the validation loss to reach (default: the reference's final one);
     directory: the comparison directory (default compare/<time>; an unfinished one continues);
