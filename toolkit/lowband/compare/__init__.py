@@ -1,7 +1,7 @@
 """`lowband compare`: which run reaches a loss soonest, measured side by side.
 
     lowband compare --algos ddp,diloco,streaming -- --model mini --link-bandwidth 100Mbit
-    lowband.compare(algos="ddp,streaming", model="nano", steps=40)   # the table, as a dict
+    lowband.compare(algos="ddp,streaming", model="micro", steps=40)  # the table, as a dict
 
 Runs recipes, configs and algorithms one after another on the same `lowband train` flags, each
 with the machine to itself and started as `lowband train` starts it, at an equal wall-clock

@@ -91,7 +91,7 @@ def compare(recipes=(), configs=(), algos=(), *, flags=(), equal: str = "time",
             continue
         say(f"lowband compare: [{i}/{len(order)}] {e.label}: {_given_text(given[e.label], e, ref)}"
             f" -> {run.root}")
-        code = _train(e, run, given[e.label], equal)
+        code = _train(e, run, given[e.label])
         if code:
             again = f"call it again with --dir {root} to continue"
             if code == 130:
@@ -167,7 +167,7 @@ def _given_text(given: dict, e: E.Entry, ref: E.Entry) -> str:
         else "")
 
 
-def _train(e: E.Entry, run: RunDir, given: dict, equal: str) -> int:
+def _train(e: E.Entry, run: RunDir, given: dict) -> int:
     """Start the entry's run as `lowband train` starts it, or continue it from its newest
     intact checkpoint: its exit status."""
     from lowband.checkpoint import newest_intact

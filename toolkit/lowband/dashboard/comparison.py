@@ -36,8 +36,8 @@ def cell(key: str, row: dict, result: dict) -> str:
 def note(result: dict) -> str:
     """What the table's runs were given and measured against, in a sentence or two."""
     equal = result.get("equal")
-    given = (f"each run had the same {fmt_value('wall_s', result.get('budget_s'))} of training"
-             if equal == "time" else "each run trained on the reference's tokens")
+    given = (f"Each run had the same {fmt_value('wall_s', result.get('budget_s'))} of training"
+             if equal == "time" else "Each run trained on the reference's tokens")
     at = result.get("equal_time_s")
     return (f"{given}; target validation loss {fmt_value('loss', result.get('target_loss'))} "
             f"({result.get('target_from')}); validation loss at equal time: at "
