@@ -50,6 +50,7 @@ def test_the_table_and_the_report(compared):
     short = min(summary, key=lambda n: summary[n]["wall_s"])
     assert {r["name"]: r for r in result["runs"]}[short]["val_loss_at_equal_time"] == \
         pytest.approx(summary[short]["final_val_loss"])
+    assert ddp["planned_time_to_target_s"] > 0 and ddp["planned_fit"]  # the plan's beside it
     for row in result["runs"]:  # measured and planned compute utilization, tokens/s
         assert 0 < row["compute_utilization"] <= 1 and 0 < row["planned_compute_utilization"] <= 1
         assert row["tokens_per_s"] == summary[row["name"]]["tokens_per_s"]

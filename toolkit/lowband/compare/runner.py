@@ -188,7 +188,8 @@ def _result(runs: list[E.Entry], ref: E.Entry, root: Path, equal: str, given: di
     """compare.json's table and what it was measured against."""
     reference = _summary(root, ref)
     loss = target_loss if target_loss is not None else reference.get("final_val_loss")
-    rows, equal_s = T.rows([(e.label, str(root / e.label), given[e.label]) for e in runs], loss)
+    rows, equal_s = T.rows([(e.label, str(root / e.label), given[e.label]) for e in runs], loss,
+                           ref.label)
     return {"dir": str(root), "equal": equal, "reference": ref.label, "target_loss": loss,
             "target_from": "--target-loss" if target_loss is not None else
             f"{ref.label}'s final validation loss",

@@ -49,29 +49,41 @@ def loss_at(evals: list[list], t: float) -> float | None:
     return points[-1][1]  # at (or, by rounding, just past) its last evaluation
 
 
-def planned(run_dir) -> tuple[float | None, float | None]:
-    """(measured, planned) compute utilization: lowband.plan.check_run of the finished run
-    (its config and measured compute time per step); (None, None) where the plan cannot read it."""
-    from lowband.plan import PlanError, check_run
+def planned(run_dir, tokens: float | None) -> dict:
+    """What lowband.plan says of the finished run (its config and measured compute time a
+    step): compute utilization measured and planned (check_run), and, given the tokens ddp
+    took to the target, the planned seconds to it (predict_to_target: those tokens times what
+    the published loss figures say the run's setup needs more, at its planned tokens/s). None
+    where the plan cannot read the run or no figure applies."""
+    from lowband.plan import PlanError, check_run, predict_to_target
 
     try:
         c = check_run(run_dir)
+        p = predict_to_target(run_dir, tokens) if tokens else {}
     except (PlanError, KeyError, ValueError):
-        return None, None
-    return c["measured_cu"], c["predicted_cu"]
+        return {"measured": None, "cu": None, "seconds": None, "fit": None}
+    return {"measured": c["measured_cu"], "cu": c["predicted_cu"], "seconds": p.get("seconds"),
+            "fit": p.get("fit")}
 
 
-def rows(runs: list[tuple[str, str, dict]], loss: float) -> tuple[list[dict], float | None]:
+def rows(runs: list[tuple[str, str, dict]], loss: float, reference: str
+         ) -> tuple[list[dict], float | None]:
     """The table's rows for [(label, run directory, what the run was given)] with the target
-    `loss`, and the equal time: the shortest run's training seconds (its last evaluation)."""
+    `loss`, and the equal time: the shortest run's training seconds (its last evaluation).
+    Where the reference is a ddp run that reached the target, each row has the plan's time to
+    it too."""
     evals = {label: evaluations(d) for label, d, _ in runs}
     ends = [e[-1][2] for e in evals.values() if e]
     equal_s = min(ends) if ends else None
+    ref = dict((label, d) for label, d, _ in runs)[reference]
+    ref_target = target(evals[reference], loss)
+    ddp_tokens = ref_target.get("tokens") if ref_target["reached"] and \
+        (RunDir(ref).read_json(RunDir(ref).config) or {}).get("algo") == "ddp" else None
     out = []
     for label, d, given in runs:
         run = RunDir(d)
         s = run.read_json(run.summary) or {}
-        measured, plan = planned(d)
+        plan = planned(d, ddp_tokens)
         out.append({
             "name": label, "algorithm": s.get("algorithm"), "run_dir": str(d), "given": given,
             "target": target(evals[label], loss),
@@ -79,8 +91,9 @@ def rows(runs: list[tuple[str, str, dict]], loss: float) -> tuple[list[dict], fl
             "final_val_loss": s.get("final_val_loss"), "wall_s": s.get("wall_s"),
             "steps_run": s.get("steps_run"), "tokens": s.get("tokens"),
             "tokens_per_s": s.get("tokens_per_s"), "outer_wire_bytes": s.get("outer_wire_bytes"),
-            "compute_utilization": s.get("compute_utilization") if measured is None else measured,
-            "planned_compute_utilization": plan})
+            "compute_utilization": s.get("compute_utilization") if plan["measured"] is None
+            else plan["measured"], "planned_compute_utilization": plan["cu"],
+            "planned_time_to_target_s": plan["seconds"], "planned_fit": plan["fit"]})
     return out, equal_s
 
 

@@ -2,8 +2,8 @@
 and the terminal's table from the same cells.
 
 A comparison's result is a dict (compare.json's): `runs` (rows with `name`, `algorithm`,
-`target` as summary.json's, `val_loss_at_equal_time`, `compute_utilization`,
-`planned_compute_utilization`, `tokens_per_s`, `final_val_loss`, `wall_s`), `target_loss`,
+`target` as summary.json's, `planned_time_to_target_s`, `val_loss_at_equal_time`,
+`compute_utilization`, `planned_compute_utilization`, `tokens_per_s`, `final_val_loss`, `wall_s`), `target_loss`,
 `target_from`, `equal` (time or tokens), `equal_time_s` and `reference` (a run's name).
 """
 
@@ -15,6 +15,7 @@ from .style import fmt_value
 from .tables import target_text
 
 COLUMNS = [("name", "run"), ("algorithm", "algorithm"), ("target.elapsed_s", "time to target"),
+           ("planned_time_to_target_s", "planned"),
            ("target.tokens", "tokens to target"), ("target.outer_bytes", "outer bytes to target"),
            ("val_loss_at_equal_time", "val loss at equal time"),
            ("compute_utilization", "CU measured"), ("planned_compute_utilization", "CU planned"),
@@ -42,8 +43,10 @@ def note(result: dict) -> str:
     return (f"{given}; target validation loss {fmt_value('loss', result.get('target_loss'))} "
             f"({result.get('target_from')}); validation loss at equal time: at "
             f"{fmt_value('wall_s', at)} of training, the shortest run's end, linear between "
-            "evaluations; CU: compute utilization, measured and as lowband plan predicts for "
-            "the run's config and measured compute time.")
+            "evaluations; planned: the time to target lowband plan predicts for the run's config "
+            "and measured compute time (ddp's tokens to target, times what the published loss "
+            "figures say its setup needs more, at its planned tokens/s; – where no figure "
+            "applies); CU: compute utilization, measured and as lowband plan predicts it.")
 
 
 def compare_section(result: dict) -> str:
