@@ -49,14 +49,17 @@ class Entry:
 
 
 def named(kind: str, value) -> list[Entry]:
-    """The entries of one kind from "a,b", ["a", "b"] or a path (one name), or from a mapping
-    of names to their own options ({"streaming": {"fragments": 2}})."""
+    """The entries of one kind from "a,b", ["a", "b"] or a path (one name), from a mapping of
+    names to their own options ({"streaming": {"fragments": 2}}), or from (name, options) pairs
+    (one name twice: [("acco", {}), ("acco", {"acco_micro": "1:1"})])."""
     if value is None:
         return []
     if isinstance(value, Mapping):
-        return [Entry(kind, str(n), own=dict(o or {})) for n, o in value.items()]
+        value = list(value.items())
     items = [value] if isinstance(value, (str, Path)) else list(value)
-    return [Entry(kind, n.strip()) for v in items for n in str(v).split(",") if n.strip()]
+    return [Entry(kind, str(v[0]), own=dict(v[1] or {})) if isinstance(v, tuple) else Entry(kind, n.strip())
+            for v in items for n in ([v[0]] if isinstance(v, tuple) else str(v).split(","))
+            if str(n).strip()]
 
 
 def shared_args(flags: list[str]) -> dict:
