@@ -149,6 +149,14 @@ def reference_replicas(R: int, S: int, n_layer: int, seq: int, batch: int, lr: f
     return init, models, data, opts
 
 
+def outer_lr_of(run: RunDir) -> float:
+    """The outer learning rate a run used, as its config.json records it (unset, --outer-lr
+    follows R and H): the references compute with the run's own value, not a copy of a default."""
+    import json
+
+    return json.loads(run.config.read_text())["outer_lr"]
+
+
 @pytest.fixture(scope="session")
 def tok(tmp_path_factory):
     """(tokenizer.json path, the tokenizers.Tokenizer, a 300 kB text) of a 512-token BPE trained

@@ -112,7 +112,8 @@ def test_an_entry_point_registers_it_and_a_broken_one_is_one_sentence(tmp_path):
     env = {**_env(), "PYTHONPATH": f"{tmp_path}:{OUTSIDE.parent}:{ROOT / 'toolkit'}"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["0.5", "0.7", "streaming"]
+    # the outer lr DiLoCo's options resolve for the default R and H (it inherits them)
+    assert proc.stdout.split() == ["0.5", str(Config(algo="diloco").validate().outer_lr), "streaming"]
     assert proc.stderr.strip() == (
         "lowband: skipped entry point 'broken = no_such_module:Thing' of group lowband.algorithms "
         "(ModuleNotFoundError: No module named 'no_such_module'): fix it or remove it.")

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import reference_replicas
+from conftest import outer_lr_of, reference_replicas
 from lowband.checkpoint import complete, read_rank_state
 from lowband.telemetry import read_events
 
-BATCH, SEQ, LR, WARMUP, CLIP, SEED, OUTER_LR, MU = 2, 32, 1e-3, 2, 0.5, 5, 0.7, 0.9
+BATCH, SEQ, LR, WARMUP, CLIP, SEED, MU = 2, 32, 1e-3, 2, 0.5, 5, 0.9
 # the run's settings that the reference copies (with --steps, --replicas, --shards, --n-layer)
 FLAGS = ("--model", "nano", "--batch-size", BATCH, "--seq-len", SEQ, "--lr", LR, "--warmup-steps",
          WARMUP, "--grad-clip", CLIP, "--seed", SEED, "--eval-every", 0)
@@ -48,7 +48,7 @@ def fragment_of(name, n_layer, P, pattern):
     return i % P if pattern == "strided" else i * P // n_layer
 
 
-def reference(R, S, steps, H, P, tau, alpha, pattern, n_layer):
+def reference(R, S, steps, H, P, tau, alpha, pattern, n_layer, outer_lr):
     init, models, data, opts = reference_replicas(R, S, n_layer, SEQ, BATCH, LR, SEED)
     names = [n for n, _ in init.named_parameters()]
     frag = {n: fragment_of(n, n_layer, P, pattern) for n in names}
@@ -62,7 +62,7 @@ def reference(R, S, steps, H, P, tau, alpha, pattern, n_layer):
             if frag[n] != p:
                 continue
             mom[n] = MU * mom[n] + delta[n]
-            outer[n] = outer[n] - OUTER_LR * (delta[n] + MU * mom[n])
+            outer[n] = outer[n] - outer_lr * (delta[n] + MU * mom[n])
             for m in models:
                 local = dict(m.named_parameters())[n]
                 with torch.no_grad():
@@ -103,7 +103,8 @@ def test_matches_float64_reference(train_run, case):
                     "--shards", S, "--steps", steps, "--sync-every", H, "--fragments", P,
                     "--overlap", tau, "--alpha", alpha, "--fragment-pattern", pattern,
                     "--codec", "fp32", "--bucket-mb", 0.05)
-    want_outer, want_local = reference(R, S, steps, H, P, tau, alpha, pattern, n_layer)
+    want_outer, want_local = reference(R, S, steps, H, P, tau, alpha, pattern, n_layer,
+                                       outer_lr_of(run))
     got_outer = torch.load(run.root / "outer.pt", weights_only=True)
     got_local = torch.load(run.root / "model.pt", weights_only=True)
     # fp32 against float64: AdamW and the outer momentum amplify fp32 rounding to ~1e-5 on

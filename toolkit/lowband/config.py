@@ -181,6 +181,7 @@ class Config(*reversed(GROUPS)):
             if not group.shared_knob:
                 _refuse_foreign(self, group)
         for group in COMMON_GROUPS + algorithm.options:
+            group.resolve(self, algorithm)
             group.check(self)
         algorithm.check(self)
         return self

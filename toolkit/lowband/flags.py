@@ -41,8 +41,9 @@ def train_parser(prog: str = "lowband train", description: str = TRAIN,
             if f.name not in group.names():
                 continue
             flag = "--" + f.name.replace("_", "-")
-            default = ("per algorithm" if f.name in per_algorithm else "none") if f.default is None \
-                else repr(f.default)
+            default = f.metadata.get("shown") or (
+                ("per algorithm" if f.name in per_algorithm else "none") if f.default is None
+                else repr(f.default))
             help_ = f"{f.metadata['help']} (default: {default})"
             if isinstance(f.default, bool):
                 section.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)

@@ -28,10 +28,11 @@ class ArgParser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see `{self.prog} --help`).")
 
 
-def option(default, help: str, choices=None, kind=None):
-    """A field; `kind` is its type where the default is None (resolved per algorithm)."""
+def option(default, help: str, choices=None, kind=None, shown=None):
+    """A field; `kind` is its type where the default is None (resolved per algorithm, or by its
+    group's `resolve`); `shown`: what --help says its default is, where None says too little."""
     return field(default=default, metadata={"help": help, "choices": choices,
-                                            "type": kind or type(default)})
+                                            "type": kind or type(default), "shown": shown})
 
 
 def flag(name: str) -> str:
@@ -50,6 +51,14 @@ class Options:
         """The fields this group declares itself (not those of groups it inherits)."""
         own = cls.__dict__.get("__annotations__", {})
         return [f.name for f in dataclasses.fields(cls) if f.name in own]
+
+    @classmethod
+    def resolve(cls, cfg, algorithm) -> None:
+        """Fill a field still None whose default depends on other options (OuterOptions:
+        --outer-lr by --replicas and --sync-every); `algorithm` is the run's algorithm class.
+        Called by Config.validate after the algorithm's `defaults` and the checks of the groups
+        before this one, just before this group's check, so the value a run used is the one
+        its config.json records."""
 
     @classmethod
     def check(cls, cfg) -> None:

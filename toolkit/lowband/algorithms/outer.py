@@ -2,10 +2,15 @@
 parameters and steps them with Nesterov SGD (streaming's --outer-rule sparseloco: plain SGD, sgd_step):
 diloco, streaming, edit and aedit. The state lives where
 --outer-state-device says (the model's device by default; `cpu` keeps it in pinned host memory
-when the model is on a GPU); the arithmetic always runs on the model's device."""
+when the model is on a GPU); the arithmetic always runs on the model's device.
+
+--outer-lr, unless set, follows the replicas R and H (default_outer_lr): the best outer learning
+rates Charles et al. 2025 (Scaling Laws for DiLoCo, arXiv 2503.09799) read at H = 30 for R = 1,
+2, 4, 8, rising with H by a guessed gentle slope; docs/fidelity.md says what rests on what."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,13 +23,23 @@ class OuterOptions(Options):
     title = "outer loop"
     shared_knob = True
     sync_every: int = option(20, "H: inner steps between two syncs of the same fragment or block")
-    outer_lr: float = option(0.7, "outer SGD learning rate")
+    outer_lr: float = option(None, "outer SGD learning rate", kind=float,
+                             shown="by --replicas and --sync-every as the DiLoCo scaling laws "
+                             "found: 0.4/0.6/0.6/0.8 for R=1/2/4/8 at H=30, +0.05 a doubling "
+                             "of H, within [0.2, 1]; see docs/fidelity.md")
     outer_momentum: float = option(0.9, "outer SGD Nesterov momentum")
     outer_state_device: str = option("same", "where the outer parameters and momentum live: same "
                                      "(the model's device) or cpu (pinned host memory: frees GPU "
                                      "memory, costs a PCIe round trip a sync)", ("same", "cpu"))
     eval_params: str = option("local", "evaluate the local (replica) or the outer parameters",
                               ("local", "outer"))
+
+    @classmethod
+    def resolve(cls, cfg, algorithm) -> None:
+        """--outer-lr left unset: default_outer_lr of the run's replicas and H (an algorithm
+        syncing by time, aedit, has no H in steps: the H = 30 value)."""
+        if cfg.outer_lr is None and cfg.sync_every > 0:  # else check() names --sync-every
+            cfg.outer_lr = default_outer_lr(cfg.replicas, None if algorithm.timed else cfg.sync_every)
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -34,6 +49,30 @@ class OuterOptions(Options):
             raise ConfigError(f"--outer-lr must be positive, got {cfg.outer_lr}.")
         if not 0 <= cfg.outer_momentum < 1:
             raise ConfigError(f"--outer-momentum must lie in [0, 1), got {cfg.outer_momentum}.")
+
+
+# The best outer learning rate at H = 30 for R = 1, 2, 4, 8 replicas (M in the paper), read from
+# the heat-map of Charles et al. 2025, arXiv 2503.09799 (outer lr swept over 0.2..1.0 in steps
+# of 0.2, so each value is +-0.2; it did not depend on the model size there).
+OUTER_LR_AT_H30 = (0.4, 0.6, 0.6, 0.8)
+# The paper found the best outer lr rising with H, without a rate to quote: this slope is a
+# guess, kept gentle (one step of its 0.2 grid over H = 30 -> 480).
+OUTER_LR_PER_DOUBLING_OF_H = 0.05
+OUTER_LR_BOUNDS = (0.2, 1.0)  # the paper's swept range: nothing beyond it is evidence
+
+
+def default_outer_lr(replicas: int, sync_every: int | None) -> float:
+    """The outer learning rate for R replicas syncing every H steps (None: H unknown, the H = 30
+    value): OUTER_LR_AT_H30 interpolated linearly in log2 R (R outside 1..8: the nearest end),
+    plus OUTER_LR_PER_DOUBLING_OF_H per doubling of H from 30 (less below 30), clamped to
+    OUTER_LR_BOUNDS, rounded to 3 decimals (the value a run's config.json records)."""
+    x = min(max(math.log2(max(replicas, 1)), 0.0), len(OUTER_LR_AT_H30) - 1.0)
+    i = min(int(x), len(OUTER_LR_AT_H30) - 2)
+    lo, hi = OUTER_LR_AT_H30[i], OUTER_LR_AT_H30[i + 1]
+    lr = lo + (hi - lo) * (x - i)
+    if sync_every is not None:
+        lr += OUTER_LR_PER_DOUBLING_OF_H * math.log2(sync_every / 30)
+    return round(min(max(lr, OUTER_LR_BOUNDS[0]), OUTER_LR_BOUNDS[1]), 3)
 
 
 def outer_home(config, device: torch.device) -> torch.device:
