@@ -51,6 +51,8 @@ def test_the_table_and_the_report(compared):
     assert {r["name"]: r for r in result["runs"]}[short]["val_loss_at_equal_time"] == \
         pytest.approx(summary[short]["final_val_loss"])
     assert ddp["planned_time_to_target_s"] > 0 and ddp["planned_fit"]  # the plan's beside it
+    assert ddp["planned_error"] == pytest.approx(
+        ddp["planned_time_to_target_s"] / ddp["target"]["elapsed_s"] - 1)  # and its miss
     for row in result["runs"]:  # measured and planned compute utilization, tokens/s
         assert 0 < row["compute_utilization"] <= 1 and 0 < row["planned_compute_utilization"] <= 1
         assert row["tokens_per_s"] == summary[row["name"]]["tokens_per_s"]

@@ -84,16 +84,20 @@ def rows(runs: list[tuple[str, str, dict]], loss: float, reference: str
         run = RunDir(d)
         s = run.read_json(run.summary) or {}
         plan = planned(d, ddp_tokens)
+        reached = target(evals[label], loss)
+        measured = reached.get("elapsed_s") if reached["reached"] else None
         out.append({
             "name": label, "algorithm": s.get("algorithm"), "run_dir": str(d), "given": given,
-            "target": target(evals[label], loss),
+            "target": reached,
             "val_loss_at_equal_time": None if equal_s is None else loss_at(evals[label], equal_s),
             "final_val_loss": s.get("final_val_loss"), "wall_s": s.get("wall_s"),
             "steps_run": s.get("steps_run"), "tokens": s.get("tokens"),
             "tokens_per_s": s.get("tokens_per_s"), "outer_wire_bytes": s.get("outer_wire_bytes"),
             "compute_utilization": s.get("compute_utilization") if plan["measured"] is None
             else plan["measured"], "planned_compute_utilization": plan["cu"],
-            "planned_time_to_target_s": plan["seconds"], "planned_fit": plan["fit"]})
+            "planned_time_to_target_s": plan["seconds"], "planned_fit": plan["fit"],
+            "planned_error": plan["seconds"] / measured - 1 if plan["seconds"] and measured
+            else None})
     return out, equal_s
 
 

@@ -15,7 +15,7 @@ from .style import fmt_value
 from .tables import target_text
 
 COLUMNS = [("name", "run"), ("algorithm", "algorithm"), ("target.elapsed_s", "time to target"),
-           ("planned_time_to_target_s", "planned"),
+           ("planned_time_to_target_s", "planned"), ("planned_error", "planned error"),
            ("target.tokens", "tokens to target"), ("target.outer_bytes", "outer bytes to target"),
            ("val_loss_at_equal_time", "val loss at equal time"),
            ("compute_utilization", "CU measured"), ("planned_compute_utilization", "CU planned"),
@@ -27,6 +27,8 @@ def cell(key: str, row: dict, result: dict) -> str:
     """One cell as text: "not reached (best 3.4100)" where the target was not reached."""
     if key.startswith("target."):
         return target_text(key, row.get("target"))
+    if key == "planned_error":  # the plan's miss: planned / measured - 1
+        return "–" if row.get(key) is None else f"{row[key]:+.0%}"
     if key == "name":
         return row["name"] + (" (reference)" if row["name"] == result.get("reference") else "")
     as_ = {"planned_compute_utilization": "compute_utilization",
@@ -46,7 +48,7 @@ def note(result: dict) -> str:
             "evaluations; planned: the time to target lowband plan predicts for the run's config "
             "and measured compute time (ddp's tokens to target, times what the published loss "
             "figures say its setup needs more, at its planned tokens/s; – where no figure "
-            "applies); CU: compute utilization, measured and as lowband plan predicts it.")
+            "applies), and its error against the measured time; CU: compute utilization, measured and as lowband plan predicts it.")
 
 
 def compare_section(result: dict) -> str:
