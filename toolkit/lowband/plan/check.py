@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from lowband.plan.api import _simulate, config_of, curves, plan_config, plan_configs
+from lowband.plan.api import _simulate, config_of, curves, plan, plan_config
 from lowband.plan.inputs import PlanError, fmt_bandwidth, run_of
+from lowband.plan.target import timing
 from lowband.telemetry import RunDir, read_events
 
 
@@ -56,7 +57,10 @@ def predict_to_target(run_dir, tokens: float, warmup_steps: int = 3) -> dict:
     (plan/loss.py), at its planned tokens/s (its measured compute a step, its planned CU).
     seconds is None where no published figure applies to its algorithm."""
     cfg, _, took = measured(run_dir, warmup_steps)
-    row = plan_configs(cfg, algorithms=[], **took)["algorithms"][cfg["algo"]]
+    c = config_of(cfg)
+    run = run_of(c, **took)  # its own row only: no ddp variant, no recommendation
+    row = plan(algorithms=(c.algo,), run=run)["algorithms"][c.algo]
+    row |= timing(c, run, row)
     fit = row.get("loss_penalty")
     seconds = None if fit is None or not row.get("tokens_per_s") else \
         tokens * fit["tokens_factor"] / row["tokens_per_s"]
