@@ -120,6 +120,7 @@ def _refused(lowband_here, tmp_path, *args, says):
     (["--algos", "ddp", "--", "--target-loss", "-1"], "--target-loss must be"),
     (["--algos", "ddp", "--", "--target-loss", "nan"], "--target-loss must be"),
     (["--algos", "ddp", "--", "--target-loss", "0"], "--target-loss must be a positive"),
+    (["--algos", "ddp", "--test-hosts"], "--test-hosts shapes the hosts' link to the runs'"),
 ])
 def test_bad_input_is_one_sentence_and_writes_nothing(lowband_here, tmp_path, args, says):
     _refused(lowband_here, tmp_path, "--dir", "cmp", *args, says=says)

@@ -19,8 +19,8 @@ DESCRIPTION = (
     "utilization measured and planned, and its tokens/s. Calling again with the same --dir "
     "continues a comparison that stopped.")
 USAGE = ("lowband compare [--recipes NAMES] [--configs PATHS] [--algos NAMES] "
-         "[--equal {time,tokens}] [--dir DIR] [--no-report] [--] [TRAIN FLAGS: --target-loss L, "
-         "--time-budget SECONDS, --model ..., --link-bandwidth ...]")
+         "[--equal {time,tokens}] [--dir DIR] [--no-report] [--test-hosts] [--] "
+         "[TRAIN FLAGS: --target-loss L, --time-budget SECONDS, --model ..., --link-bandwidth ...]")
 EPILOG = ("example: lowband compare --algos ddp,diloco,streaming -- --model mini "
           "--link-bandwidth 100Mbit --steps 200")
 
@@ -41,6 +41,10 @@ def parser() -> ArgParser:
                    "run, compare.json and report.html (default: compare/<time>); the same DIR "
                    "with the same runs and flags continues it")
     p.add_argument("--no-report", action="store_true", help="write no report.html")
+    p.add_argument("--test-hosts", action="store_true", help="run over a real shaped link "
+                   "instead of the emulated one: one test host (network namespace) a replica, "
+                   "each host's link shaped by tc to --link-bandwidth (no latency added); needs "
+                   "root, `ip` and `tc`")
     return p
 
 
@@ -55,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args, extra = parser().parse_known_args(argv[:cut])
         compare(args.recipes, args.configs, args.algos, flags=[*extra, *argv[cut + 1:]],
-                equal=args.equal, directory=args.dir, report=not args.no_report)
+                equal=args.equal, directory=args.dir, report=not args.no_report,
+                test_hosts=args.test_hosts)
     except ConfigError as e:
         print(f"lowband compare: error: {e}", file=sys.stderr)
         return 2

@@ -12,6 +12,12 @@ budget. At equal tokens every run trains on the reference's tokens (its --steps 
 tokens a step). A run whose directory holds summary.json is done and skipped, so calling again
 with the same directory continues where it stopped: an unfinished run resumes from its newest
 intact checkpoint, or starts over when it has none.
+
+With test_hosts (root), the runs go over a real shaped link instead of the emulated one: R test
+hosts (lowband.testing.testbed: network namespaces on veths, each host's egress shaped by tbf to
+the flags' --link-bandwidth), replica i's ranks on host i, the emulated link off. This kernel
+has no netem, so that link adds no latency: --link-latency is not applied there (compare.json's
+`link` says so), and the plan's columns take the hosts' bandwidth.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ class CompareStopped(RuntimeError):
 
 def compare(recipes=(), configs=(), algos=(), *, flags=(), equal: str = "time",
             target_loss: float | None = None, directory=None, report: bool = True,
-            out=None, **options) -> dict:
+            out=None, test_hosts: bool = False, **options) -> dict:
     """Run the entries one after another on the same flags and budget, and return the table
     (compare.json's: `runs`, a row per entry, and what they were compared on).
 
@@ -52,7 +58,8 @@ def compare(recipes=(), configs=(), algos=(), *, flags=(), equal: str = "time",
     every run (["--model", "nano"]), options: the same as keywords (model="nano"); equal: "time"
     or "tokens"; target_loss: the validation loss to reach (default: the reference's final one);
     directory: the comparison directory (default compare/<time>; an unfinished one continues);
-    report: write report.html; out: where progress is printed (default stdout).
+    report: write report.html; out: where progress is printed (default stdout); test_hosts: run
+    over real test hosts joined by a link shaped to --link-bandwidth (root; see above).
     Raises ConfigError (one sentence) on bad input before anything is written, CompareStopped
     when a run fails or is interrupted."""
     from lowband.launch.job import flag_args
@@ -77,29 +84,21 @@ def compare(recipes=(), configs=(), algos=(), *, flags=(), equal: str = "time",
         for name in e.dropped:
             say(f"lowband compare: note: --{name.replace('_', '-')} is not an option of --algo "
                 f"{e.name}: left out of its run.")
-    spec = E.identity(runs, equal)
+    hosts = _test_hosts(runs) if test_hosts else None
+    spec = E.identity(runs, equal) | ({"link": hosts.rate} if hosts else {})
     root = _directory(directory, spec)
     state = RunDir(root).read_json(root / "compare.json") or {"identity": spec}
     write_json_atomic(root / "compare.json", state)
     order = [ref] + [e for e in runs if e is not ref]
     given = {}
-    for i, e in enumerate(order, 1):
-        given[e.label] = _budget(e, ref, root, equal)
-        run = RunDir(root / e.label)
-        if run.read_json(run.summary) is not None:
-            say(f"lowband compare: [{i}/{len(order)}] {e.label}: done before ({run.root})")
-            continue
-        say(f"lowband compare: [{i}/{len(order)}] {e.label}: {_given_text(given[e.label], e, ref)}"
-            f" -> {run.root}")
-        code = _train(e, run, given[e.label])
-        if code:
-            again = f"call it again with --dir {root} to continue"
-            if code == 130:
-                raise CompareStopped(f"interrupted during {e.label}; {again}.", 130)
-            raise CompareStopped(f"the run {e.label} failed (exit status {code}); fix what it "
-                                 f"says and {again}.", code)
-        say(one_line(_summary(root, e)))
-    result = _result(runs, ref, root, equal, given, target_loss)
+    if hosts is not None:
+        say(f"lowband compare: test hosts {', '.join(hosts.names)}, each host's link shaped to "
+            f"{hosts.rate} (tbf)")
+        with hosts:
+            _run_all(order, ref, root, equal, given, say, hosts)
+    else:
+        _run_all(order, ref, root, equal, given, say, None)
+    result = _result(runs, ref, root, equal, given, target_loss, hosts)
     write_json_atomic(root / "compare.json", {**state, **result})
     say(T.text(result))
     if report:
@@ -108,6 +107,50 @@ def compare(recipes=(), configs=(), algos=(), *, flags=(), equal: str = "time",
             say(f"report: {path}")
     say(f"table: {root / 'compare.json'}")
     return result
+
+
+def _run_all(order: list[E.Entry], ref: E.Entry, root: Path, equal: str, given: dict, say,
+             hosts) -> None:
+    """Run the entries in order (the reference first), skipping those done before."""
+    for i, e in enumerate(order, 1):
+        given[e.label] = _budget(e, ref, root, equal)
+        run = RunDir(root / e.label)
+        if run.read_json(run.summary) is not None:
+            say(f"lowband compare: [{i}/{len(order)}] {e.label}: done before ({run.root})")
+            continue
+        say(f"lowband compare: [{i}/{len(order)}] {e.label}: {_given_text(given[e.label], e, ref)}"
+            f" -> {run.root}")
+        code = _train(e, run, given[e.label], hosts)
+        if code:
+            again = f"call it again with --dir {root} to continue"
+            if code == 130:
+                raise CompareStopped(f"interrupted during {e.label}; {again}.", 130)
+            raise CompareStopped(f"the run {e.label} failed (exit status {code}); fix what it "
+                                 f"says and {again}.", code)
+        say(one_line(_summary(root, e)))
+
+
+def _test_hosts(runs: list[E.Entry]):
+    """The test hosts the runs go over (not yet set up): one a replica, each host's egress
+    shaped to the runs' --link-bandwidth; ConfigError (one sentence) where they cannot be."""
+    from lowband.testing.testbed import TestHosts
+    from lowband.units import parse_bandwidth
+
+    links = {e.config.link_bandwidth for e in runs}
+    if links == {""} or len(links) != 1:
+        raise ConfigError("--test-hosts shapes the hosts' link to the runs' --link-bandwidth: "
+                          "give one --link-bandwidth for every run.")
+    for e in runs:
+        if e.config.elastic:
+            raise ConfigError(f"{e.given} is --elastic, whose groups start on this machine: "
+                              "compare it without --test-hosts.")
+    n = max(2, max(e.config.replicas for e in runs))
+    rate = f"{parse_bandwidth(links.pop()) / 1e3:g}kbit"
+    hosts = TestHosts("lbc", "10.213.14", rate, "128kb", "100ms", n=n)
+    why = hosts.unavailable()
+    if why:
+        raise ConfigError(f"--test-hosts {why}: run as root, or compare on the emulated link.")
+    return hosts
 
 
 def _directory(directory, spec: dict) -> Path:
@@ -167,9 +210,10 @@ def _given_text(given: dict, e: E.Entry, ref: E.Entry) -> str:
         else "")
 
 
-def _train(e: E.Entry, run: RunDir, given: dict) -> int:
-    """Start the entry's run as `lowband train` starts it, or continue it from its newest
-    intact checkpoint: its exit status."""
+def _train(e: E.Entry, run: RunDir, given: dict, hosts=None) -> int:
+    """Start the entry's run as `lowband train` starts it (on the test hosts, without the
+    emulated link, where there are some), or continue it from its newest intact checkpoint: its
+    exit status."""
     from lowband.checkpoint import newest_intact
     from lowband.launch.here import train_here
     from lowband.launch.job import flag_args
@@ -178,19 +222,24 @@ def _train(e: E.Entry, run: RunDir, given: dict) -> int:
         argv = ["--resume", str(run.root)] + ([] if e.config.progress else ["--no-progress"])
     else:
         values = {**e.config.to_dict(), **given, "run_dir": str(run.root), "overwrite": True}
+        if hosts is not None:  # the hosts' link is the link
+            values |= {"link_bandwidth": "", "link_latency": "0ms"}
         argv = flag_args(values)
     cfg, resume = parse_train(argv)
-    return train_here(cfg, argv, resume)[0]
+    return train_here(cfg, argv, resume, hosts)[0]
 
 
 def _result(runs: list[E.Entry], ref: E.Entry, root: Path, equal: str, given: dict,
-            target_loss: float | None) -> dict:
+            target_loss: float | None, hosts=None) -> dict:
     """compare.json's table and what it was measured against."""
     reference = _summary(root, ref)
     loss = target_loss if target_loss is not None else reference.get("final_val_loss")
+    link = ref.config.link_bandwidth if hosts is None else hosts.rate
     rows, equal_s = T.rows([(e.label, str(root / e.label), given[e.label]) for e in runs], loss,
-                           ref.label)
+                           ref.label, None if hosts is None else link)
     return {"dir": str(root), "equal": equal, "reference": ref.label, "target_loss": loss,
+            "link": {"test_hosts": hosts is not None, "bandwidth": link or None,
+                     "latency": "none added (tbf only)" if hosts else ref.config.link_latency},
             "target_from": "--target-loss" if target_loss is not None else
             f"{ref.label}'s final validation loss",
             "budget_s": (ref.config.time_budget or reference.get("wall_s")) if equal == "time"

@@ -49,29 +49,30 @@ def loss_at(evals: list[list], t: float) -> float | None:
     return points[-1][1]  # at (or, by rounding, just past) its last evaluation
 
 
-def planned(run_dir, tokens: float | None) -> dict:
+def planned(run_dir, tokens: float | None, link: str | None = None) -> dict:
     """What lowband.plan says of the finished run (its config and measured compute time a
     step): compute utilization measured and planned (check_run), and, given the tokens ddp
     took to the target, the planned seconds to it (predict_to_target: those tokens times what
-    the published loss figures say the run's setup needs more, at its planned tokens/s). None
-    where the plan cannot read the run or no figure applies."""
+    the published loss figures say the run's setup needs more, at its planned tokens/s). link:
+    the bandwidth of the real link it ran over (test hosts), else its emulated one's. None where
+    the plan cannot read the run or no figure applies."""
     from lowband.plan import PlanError, check_run, predict_to_target
 
     try:
-        c = check_run(run_dir)
-        p = predict_to_target(run_dir, tokens) if tokens else {}
+        c = check_run(run_dir, link=link)
+        p = predict_to_target(run_dir, tokens, link=link) if tokens else {}
     except (PlanError, KeyError, ValueError):
         return {"measured": None, "cu": None, "seconds": None, "fit": None}
     return {"measured": c["measured_cu"], "cu": c["predicted_cu"], "seconds": p.get("seconds"),
             "fit": p.get("fit")}
 
 
-def rows(runs: list[tuple[str, str, dict]], loss: float, reference: str
-         ) -> tuple[list[dict], float | None]:
+def rows(runs: list[tuple[str, str, dict]], loss: float, reference: str,
+         link: str | None = None) -> tuple[list[dict], float | None]:
     """The table's rows for [(label, run directory, what the run was given)] with the target
     `loss`, and the equal time: the shortest run's training seconds (its last evaluation).
     Where the reference is a ddp run that reached the target, each row has the plan's time to
-    it too."""
+    it too. link: the real link's bandwidth (test hosts), where the runs had no emulated one."""
     evals = {label: evaluations(d) for label, d, _ in runs}
     ends = [e[-1][2] for e in evals.values() if e]
     equal_s = min(ends) if ends else None
@@ -83,7 +84,7 @@ def rows(runs: list[tuple[str, str, dict]], loss: float, reference: str
     for label, d, given in runs:
         run = RunDir(d)
         s = run.read_json(run.summary) or {}
-        plan = planned(d, ddp_tokens)
+        plan = planned(d, ddp_tokens, link)
         reached = target(evals[label], loss)
         measured = reached.get("elapsed_s") if reached["reached"] else None
         out.append({

@@ -42,6 +42,13 @@ def note(result: dict) -> str:
     given = (f"Each run had the same {fmt_value('wall_s', result.get('budget_s'))} of training"
              if equal == "time" else "Each run trained on the reference's tokens")
     at = result.get("equal_time_s")
+    link = result.get("link") or {}
+    if link.get("test_hosts"):
+        given += (f", over test hosts joined by a real link shaped to {link.get('bandwidth')} "
+                  "(tc tbf; no latency added)")
+    elif link.get("bandwidth"):
+        given += (f", over the emulated link ({link['bandwidth']}, {link.get('latency')} "
+                  "latency)")
     return (f"{given}; target validation loss {fmt_value('loss', result.get('target_loss'))} "
             f"({result.get('target_from')}); validation loss at equal time: at "
             f"{fmt_value('wall_s', at)} of training, the shortest run's end, linear between "

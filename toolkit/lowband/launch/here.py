@@ -13,13 +13,17 @@ from lowband.launch.local import LocalJob, describe_exit, last_line
 from lowband.telemetry import RunDir, new_run_dir
 
 
-def train_here(cfg: Config, argv: list[str], resume: bool = False) -> tuple[int, RunDir]:
+def train_here(cfg: Config, argv: list[str], resume: bool = False, hosts=None
+               ) -> tuple[int, RunDir]:
     """Run `lowband train ARGV` (cfg: its validated config) on this machine: (exit status, its
     run directory). 0: finished, summary.json written; 130: interrupted; otherwise the cause is
-    on stderr already."""
+    on stderr already. hosts: test hosts (lowband.testing.testbed) to run replica i on host i
+    (not with --elastic)."""
     from lowband.data import load_corpus, vocab_needed
     from lowband.models import check_vocab
 
+    if cfg.elastic and hosts is not None:
+        raise ValueError("an elastic run starts its groups on this machine, not on test hosts")
     for note in cfg.ignored():
         print(f"lowband: note: {note}", file=sys.stderr)
     # the corpus is read (and cached) once, before the workers and before the run directory is
@@ -37,7 +41,7 @@ def train_here(cfg: Config, argv: list[str], resume: bool = False) -> tuple[int,
 
         code, rank = run_elastic(cfg, argv, run), 0
     else:
-        code, rank = LocalJob(argv, cfg.world, run).wait()
+        code, rank = LocalJob(argv, cfg.world, run, hosts=hosts, shards=cfg.shards).wait()
     if code == 130:
         print("lowband: interrupted; the workers were stopped.", file=sys.stderr)
         return 130, run

@@ -1,7 +1,9 @@
 """Start R x S worker processes on this machine, watch them, stop them all if one fails.
 
 Workers get torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1,
-MASTER_PORT), so the worker code path is the same as under torchrun or TorchX. Rank 0 writes
+MASTER_PORT), so the worker code path is the same as under torchrun or TorchX. With `hosts`
+(lowband.testing.testbed's test hosts: network namespaces joined by a shaped link), replica i's
+ranks run on host i instead, meeting at host 0's address over the hosts' link. Rank 0 writes
 to this terminal; the other ranks write to <run>/logs/rank<r>.log. If any worker exits with an
 error, the others are terminated (then killed) and the job exits with that worker's status.
 Workers die with this process (PR_SET_PDEATHSIG), so no process is left behind.
@@ -50,24 +52,32 @@ def describe_exit(code: int) -> str:
 
 class LocalJob:
     def __init__(self, argv: list[str], world: int, run: RunDir, env: dict | None = None,
-                 log_prefix: str = "", terminal: bool = True, node: tuple[int, int] | None = None):
+                 log_prefix: str = "", terminal: bool = True, node: tuple[int, int] | None = None,
+                 hosts=None, shards: int = 1):
         """log_prefix names the logs (an elastic group's: replica<i>-); terminal: rank 0
         writes to this terminal (else to its log as the others do); node: (this job's first
         local rank, processes on this machine) when several jobs share it (elastic groups), so
-        that threads and devices are shared out among all of them."""
+        that threads and devices are shared out among all of them; hosts: test hosts (with
+        exec_prefix(i), addrs, devs), rank r on host r // shards (its replica's)."""
         first, on_node = node or (0, world)
         self.run, self.world = run, world
         port = free_port()
+        master = "127.0.0.1" if hosts is None else hosts.addrs[0]
         self.procs: list[subprocess.Popen] = []
         self._logs = []
         for r in range(world):
             wenv = {**os.environ, **(env or {}), "RANK": str(r), "WORLD_SIZE": str(world),
                     "LOCAL_RANK": str(first + r), "LOCAL_WORLD_SIZE": str(on_node), "GROUP_RANK": "0",
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOWBAND_WORKER": "1"}
+                    "MASTER_ADDR": master, "MASTER_PORT": str(port), "LOWBAND_WORKER": "1"}
+            prefix = []
+            if hosts is not None:  # gloo binds the host's link, not the namespace's loopback
+                prefix = hosts.exec_prefix(r // shards)
+                wenv["GLOO_SOCKET_IFNAME"] = hosts.devs[r // shards]
             to_terminal = r == 0 and terminal
             out = None if to_terminal else open(run.logs / f"{log_prefix}rank{r}.log", "a")
             self._logs.append(out)
-            cmd = [sys.executable, "-m", "lowband.cli", "train", *argv, "--run-dir", str(run.root)]
+            cmd = [*prefix, sys.executable, "-m", "lowband.cli", "train", *argv, "--run-dir",
+                   str(run.root)]
             self.procs.append(subprocess.Popen(cmd, env=wenv, stdout=out, stderr=out,
                                                stdin=subprocess.DEVNULL,
                                                preexec_fn=_die_with_parent))

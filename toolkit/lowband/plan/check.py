@@ -17,11 +17,13 @@ from lowband.plan.target import timing
 from lowband.telemetry import RunDir, read_events
 
 
-def measured(run_dir, warmup_steps: int = 3) -> tuple[dict, dict, dict]:
+def measured(run_dir, warmup_steps: int = 3, link: str | None = None
+             ) -> tuple[dict, dict, dict]:
     """(config without meta, summary, what the plan takes from the run: its mean compute seconds
     per step, its parameters, the steps it ran (acco's budget makes fewer, larger steps than
     --steps; aedit's replicas their own counts: their mean), and an unlimited link if it had no
-    emulated one) of a finished run; PlanError naming the fix otherwise."""
+    emulated one) of a finished run; PlanError naming the fix otherwise. link: the bandwidth of
+    the real link the run went over (lowband compare's test hosts), planned as its link."""
     run = RunDir(run_dir)
     config, summary = run.read_json(run.config), run.read_json(run.summary)
     if config is None or summary is None:
@@ -33,14 +35,16 @@ def measured(run_dir, warmup_steps: int = 3) -> tuple[dict, dict, dict]:
     cfg = {k: v for k, v in config.items() if k != "meta"}
     took = {"step_time": statistics.fmean(e["compute_s"] for e in steps),
             "params": config["meta"]["n_params"], "steps": max(1, round(summary["steps_run"]))}
+    if link:
+        cfg["link_bandwidth"] = link
     return cfg, summary, took | ({} if cfg.get("link_bandwidth") else {"bandwidth": "inf"})
 
 
-def check_run(run_dir, warmup_steps: int = 3) -> dict:
+def check_run(run_dir, warmup_steps: int = 3, link: str | None = None) -> dict:
     """The run's measured compute utilization beside the plan's for its config and measured step
     time, and its largest transfer over the outer link (wire bytes of one collective) beside the
     plan's. warmup_steps=0 takes every step's compute, so the plan computes as long as the run."""
-    cfg, summary, took = measured(run_dir, warmup_steps)
+    cfg, summary, took = measured(run_dir, warmup_steps, link)
     predicted = plan_config(cfg, **took)
     sent = [e["wire_bytes"] for e in read_events(RunDir(run_dir), ("comm",))
             if e["group"] == "outer"]
@@ -51,12 +55,13 @@ def check_run(run_dir, warmup_steps: int = 3) -> dict:
             "planned_peak_transfer_bytes": predicted["peak_transfer_bytes"]}
 
 
-def predict_to_target(run_dir, tokens: float, warmup_steps: int = 3) -> dict:
+def predict_to_target(run_dir, tokens: float, warmup_steps: int = 3,
+                      link: str | None = None) -> dict:
     """The plan's time for a finished run's setup to reach the loss another run (ddp's) reached
     after `tokens` tokens: those tokens times the tokens its loss at equal tokens costs
     (plan/loss.py), at its planned tokens/s (its measured compute a step, its planned CU).
     seconds is None where no published figure applies to its algorithm."""
-    cfg, _, took = measured(run_dir, warmup_steps)
+    cfg, _, took = measured(run_dir, warmup_steps, link)
     c = config_of(cfg)
     run = run_of(c, **took)  # its own row only: no ddp variant, no recommendation
     row = plan(algorithms=(c.algo,), run=run)["algorithms"][c.algo]
