@@ -25,7 +25,7 @@ EXAMPLE = ("lowband plan --recipe main --step-time 50ms; lowband plan --config R
            "--sync-every 100 --fragments 8 --link-bandwidth 1gbit")
 # the plan's own flags, with their defaults (the rest are lowband train's)
 OWN = {"step_time": None, "flops_per_step": None, "flops": None, "params": None,
-       "target_cu": "0.9", "compare": "all", "steady": False, "json": False}
+       "target_cu": "0.9", "compare": "all", "steady": False, "calibrate": None, "json": False}
 # the options a row shows, where its algorithm reads them (H comes from its schedule)
 SHOWN = (("fragments", "P={}"), ("overlap", "tau={}"), ("codec", "{}"))
 
@@ -51,6 +51,10 @@ def _parser() -> argparse.ArgumentParser:
         "names separated by commas")
     add("--steady", action="store_true", help="the steady state of a long run, instead of the "
         "whole run of --steps steps (its start and its last wait included)")
+    add("--calibrate", metavar="DIR", help="a finished `lowband compare` directory (its "
+        "compare.json) measured against ddp: rows with the setting of one of its runs that "
+        "reached the target take its measured tokens to ddp's loss, in place of the published "
+        "figures (docs/plan.md)")
     add("--json", action="store_true", help="print JSON for scripts instead of a table")
     return p
 
@@ -85,7 +89,8 @@ def run_plan(argv: list[str]) -> tuple[dict, bool]:
     names = (modeled() if compare == "all" else [] if compare == "none"
              else [n.strip() for n in compare.split(",") if n.strip()])
     result = plan_configs(cfg, names, own["target_cu"] or "0.9", step_time=own["step_time"],
-                          params=own["params"], steady=own["steady"], **extra)
+                          params=own["params"], steady=own["steady"],
+                          calibration=own["calibrate"], **extra)
     if result_measured is not None:
         result["measured"] = result_measured
     if all("error" in row for row in result["algorithms"].values()):
@@ -132,6 +137,21 @@ def _fit_notes(fits: dict, recommended, algorithm: str, target: float) -> list[s
     return lines if len(lines) > 1 else []
 
 
+def _calibration_notes(cal: dict | None) -> list[str]:
+    """Which rows took a tokens factor measured by `lowband compare` (--calibrate), and which
+    matched a compared run that did not reach the target."""
+    if not cal:
+        return []
+    done = ", ".join(f"{name} (run {c['run']}: {c['tokens_factor']:.3g}x ddp's tokens)"
+                     for name, c in cal["calibrated"].items())
+    lines = ["", f"calibrated by lowband compare ({cal['dir']}, against {cal['reference']}): " + (
+        f"to ddp's loss measured for {done}" if done else "no row has the setting of a run it "
+        "compared (algorithm, R, parameters; H, P, tau, codec where read): the figures stand")]
+    lines += [f"{name}: not reached in {cal['dir']} (its setting's run {run}): no measured "
+              "factor" for name, run in cal["not_reached"].items()]
+    return lines
+
+
 def table(result: dict) -> str:
     """The human table of a run_plan() result: one row per algorithm, the config's first."""
     own, target = result["algorithms"][result["algorithm"]], result["target_cu"]
@@ -145,6 +165,7 @@ def table(result: dict) -> str:
     rows = [("algorithm", "syncs", "CU", "stall/step", "wire/step", "largest transfer",
              f"needs for CU {target:g}", "tokens/s", "to ddp's loss")]
     notes, fits = [], {}
+    calibrated = (result.get("calibration") or {}).get("calibrated", {})
     for name, r in result["algorithms"].items():
         label = name + (" (this config)" if name == result["algorithm"] else "")
         if "error" in r:
@@ -157,11 +178,12 @@ def table(result: dict) -> str:
                      "-" if r["tokens_per_s"] is None else f"{fmt_count(r['tokens_per_s'])}",
                      _soon(r)))
         fit = r.get("loss_penalty")
-        if fit and fit["loss"] and fit["fit"] not in fits:
+        if fit and fit["loss"] and fit["fit"] not in fits and name not in calibrated:
             fits[fit["fit"]] = fit["outside"]
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines += _fit_notes(fits, result.get("recommended"), result["algorithm"], target)
+    lines += _calibration_notes(result.get("calibration"))
     if "measured" in result:
         m = result["measured"]
         lines += ["", f"measured ({m['run_dir']}): CU {m['measured_cu']:.3f} against "
