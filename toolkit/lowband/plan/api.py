@@ -35,6 +35,7 @@ class SimResult:
     transfers_per_step: float
     peak_transfer_bytes: float   # the largest single transfer
     peak_transfer_s: float       # its duration on this link, latency included
+    sync_period_steps: int = 1   # its send pattern repeats every this many steps (H; 1: every step)
 
     @property
     def stall_per_step(self) -> float:
@@ -75,7 +76,8 @@ def _simulate(algorithm: str, run: Run, bandwidth: float) -> SimResult:
         run.step_time, bandwidth, run.latency,
         wire_bytes_per_step=round(sum(sizes) * per_step, 3),
         transfers_per_step=len(sizes) * per_step, peak_transfer_bytes=round(peak, 3),
-        peak_transfer_s=run.latency + peak * 8 / bandwidth if sizes else 0.0)
+        peak_transfer_s=run.latency + peak * 8 / bandwidth if sizes else 0.0,
+        sync_period_steps=s.period // s.units_per_step if s.units_per_step else 1)
 
 
 def required_bandwidth(algorithm: str, target_cu: float = 0.9, **params) -> float | None:

@@ -10,15 +10,13 @@ import os
 import sys
 from pathlib import Path
 
-from lowband.algorithms import ALGORITHMS as REGISTRY
 from lowband.flags import config_of_args, train_parser
 from lowband.options import ConfigError
 from lowband.plan.api import plan_configs
 from lowband.plan import probe
+from lowband.plan.calibrate import reads
 from lowband.plan.check import check_run, measured
 from lowband.plan.inputs import PlanError, fmt_bandwidth, fmt_bytes, fmt_count, fmt_seconds, modeled
-from lowband.plan.timeline import schedule
-from lowband.comm.sends import Run
 
 EXAMPLE = ("lowband plan --recipe main --step-time 50ms; lowband plan --config RUN_DIR; "
            "lowband plan --params 1e9 --n-layer 24 --step-time 0.1 --algo streaming "
@@ -98,16 +96,11 @@ def run_plan(argv: list[str]) -> tuple[dict, bool]:
     return result, own["json"]
 
 
-def _setup(name: str, inputs: dict) -> str:
-    """'every 20 steps, P=4 tau=1 fp4-e3m0': how often it syncs (its schedule's period) and
-    the options it reads among P, tau and the codec."""
-    run = Run(**{k: tuple(v) if isinstance(v, list) else v for k, v in inputs.items()
-                 if k not in ("codec_bytes_per_value", "grad_bytes_per_value")}
-              | {"bandwidth": None})
-    s = schedule(name, run)
-    every = s.period // s.units_per_step if s.units_per_step else 1
-    reads = {f for group in REGISTRY[name].options for f in group.names()}
-    parts = [form.format(inputs[key]) for key, form in SHOWN if key in reads]
+def _setup(name: str, row: dict) -> str:
+    """'every 20 steps, P=4 tau=1 fp4-e3m0': how often it syncs (its schedule's period, which
+    the row carries) and the options it reads among P, tau and the codec."""
+    every, inputs = row.get("sync_period_steps", 1), row["inputs"]
+    parts = [form.format(inputs[key]) for key, form in SHOWN if key in reads(name)]
     return " ".join([f"every {every} steps" if every > 1 else "every step", *parts])
 
 
@@ -172,7 +165,7 @@ def table(result: dict) -> str:
             notes.append(f"{name}: {r['error']}")
             rows.append((label, *["-"] * (len(rows[0]) - 1)))
             continue
-        rows.append((label, _setup(name, r["inputs"]), "-" if r["cu"] is None else f"{r['cu']:.3f}",
+        rows.append((label, _setup(name, r), "-" if r["cu"] is None else f"{r['cu']:.3f}",
                      fmt_seconds(r["stall_per_step"]), fmt_bytes(r["wire_bytes_per_step"]),
                      fmt_bytes(r["peak_transfer_bytes"]), fmt_bandwidth(r["required_bandwidth"]),
                      "-" if r["tokens_per_s"] is None else f"{fmt_count(r['tokens_per_s'])}",
