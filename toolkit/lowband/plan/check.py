@@ -36,12 +36,14 @@ def measured(run_dir, warmup_steps: int = 3) -> tuple[dict, dict, dict]:
     return cfg, summary, took | ({} if cfg.get("link_bandwidth") else {"bandwidth": "inf"})
 
 
-def check_run(run_dir, warmup_steps: int = 3) -> dict:
+def check_run(run_dir, warmup_steps: int = 3, *, taken=None, predicted=None) -> dict:
     """The run's measured compute utilization beside the plan's for its config and measured step
     time, and its largest transfer over the outer link (wire bytes of one collective) beside the
-    plan's. warmup_steps=0 takes every step's compute, so the plan computes as long as the run."""
-    cfg, summary, took = measured(run_dir, warmup_steps)
-    predicted = plan_config(cfg, **took)
+    plan's. warmup_steps=0 takes every step's compute, so the plan computes as long as the run.
+    taken: measured(run_dir, warmup_steps) where the caller has it already; predicted: the plan
+    of exactly that (plan_config(cfg, **took): its `cu` and `peak_transfer_bytes`), likewise."""
+    cfg, summary, took = taken or measured(run_dir, warmup_steps)
+    predicted = predicted or plan_config(cfg, **took)
     sent = [e["wire_bytes"] for e in read_events(RunDir(run_dir), ("comm",))
             if e["group"] == "outer"]
     return {"run_dir": str(run_dir), "algorithm": cfg["algo"], "step_time": took["step_time"],

@@ -5,6 +5,7 @@ for people, --json for scripts; bad input exits 2 with one sentence."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from lowband.flags import config_of_args, train_parser
 from lowband.options import ConfigError
-from lowband.plan.api import plan_configs
+from lowband.plan.api import config_of, plan_configs
 from lowband.plan import probe
 from lowband.plan.calibrate import reads
 from lowband.plan.check import check_run, measured
@@ -72,13 +73,18 @@ def run_plan(argv: list[str]) -> tuple[dict, bool]:
     own = {k: args.pop(k, default) for k, default in OWN.items()}
     finished = _finished(args.get("config"))
     cfg, _ = config_of_args(args, here=False, file_here=True)
-    extra, result_measured = {}, None
+    extra, taken, as_run = {}, None, False
     if finished is not None:  # its compute a step, parameters, steps, link (check.measured)
-        took = measured(finished)[2]
-        own["step_time"] = own["step_time"] or took.pop("step_time")
-        own["params"] = own["params"] or took.pop("params")
+        taken = measured(finished)  # its events, read once: here and for check_run below
+        took = dict(taken[2])
+        # the config's own row is check_run's prediction when it plans the run as it ran
+        as_run = not (own["step_time"] or own["params"] or own["steady"]
+                      or own["flops_per_step"]) and \
+            dataclasses.replace(config_of(taken[0]), run_dir=cfg.run_dir) == cfg
+        for key in ("step_time", "params"):  # what was given over what was measured
+            measured_value = took.pop(key)
+            own[key] = own[key] or measured_value
         extra |= {k: v for k, v in took.items() if k == "bandwidth" or not own["steady"]}
-        result_measured = check_run(finished)
     if own["flops_per_step"] is not None:
         extra |= {"flops_per_step": own["flops_per_step"], "flops": own["flops"]}
     if own["step_time"] == "probe":  # a few steps of the model here (plan/probe.py)
@@ -89,8 +95,10 @@ def run_plan(argv: list[str]) -> tuple[dict, bool]:
     result = plan_configs(cfg, names, own["target_cu"] or "0.9", step_time=own["step_time"],
                           params=own["params"], steady=own["steady"],
                           calibration=own["calibrate"], **extra)
-    if result_measured is not None:
-        result["measured"] = result_measured
+    if taken is not None:
+        row = result["algorithms"][cfg.algo]
+        result["measured"] = check_run(finished, taken=taken,
+                                       predicted=row if as_run and "error" not in row else None)
     if all("error" in row for row in result["algorithms"].values()):
         raise PlanError(result["algorithms"][cfg.algo]["error"])
     return result, own["json"]
