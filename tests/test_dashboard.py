@@ -716,3 +716,12 @@ def test_export_html_is_offline_and_names_the_run(tmp_path):
     assert not re.search(r"<script[^>]*\bsrc\s*=\s*[\"']?(https?:)?//", text, re.I)
     assert not re.search(r"<link[^>]*href\s*=\s*[\"']?(https?:)?//", text, re.I)
     assert 'id="lowband-loss"' in text
+
+
+def test_the_planned_error_is_formatted_by_the_shared_helper():
+    from lowband.dashboard.comparison import cell
+    from lowband.dashboard.style import fmt_value
+
+    assert fmt_value("planned_error", -0.239) == "-24%" == cell("planned_error",
+                                                                {"planned_error": -0.239}, {})
+    assert cell("planned_error", {"planned_error": None}, {}) == "–"

@@ -56,3 +56,33 @@ def test_planned_transfers_are_the_bytes_sent(train_run):
     assert plan.fragment_sizes[0] > 1.2 * plan.params / 4
     peak = max(e["wire_bytes"] for e in read_events(run, ("comm",)) if e["group"] == "outer")
     assert plan_config(cfg, step_time=0.01, params=params)["peak_transfer_bytes"] == peak == max(phases["frag0"])
+
+
+def test_plan_of_a_finished_run_reads_and_simulates_it_once(train_run, monkeypatch):
+    import lowband.plan.check as check
+    import lowband.plan.cli as cli
+
+    run = train_run("--algo", "diloco", "--sync-every", 2, "--model", "nano", "--n-layer", 2,
+                    "--seq-len", 16, "--batch-size", 2, "--steps", 6, "--eval-every", 0,
+                    "--link-bandwidth", "50Mbit")
+    calls = Counter()
+
+    def counted(name, f):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return f(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(cli, "measured", counted("measured", cli.measured))
+    monkeypatch.setattr(check, "measured", counted("measured", check.measured))
+    monkeypatch.setattr(check, "plan_config", counted("plan_config", check.plan_config))
+    out, _ = cli.run_plan(["--config", str(run.root), "--compare", "none"])
+    assert calls == {"measured": 1}  # its events read once, its own row planned once
+    assert out["measured"]["predicted_cu"] == out["algorithms"]["diloco"]["cu"]
+    assert out["measured"] == check_run(run.root)  # what checking it alone says
+    # planned otherwise than it ran (another step time): check_run plans the run as it ran
+    calls.clear()
+    other, _ = cli.run_plan(["--config", str(run.root), "--compare", "none", "--step-time", "1"])
+    assert calls == {"measured": 1, "plan_config": 1}
+    assert other["algorithms"]["diloco"]["inputs"]["step_time"] == 1
+    assert other["measured"] == out["measured"]

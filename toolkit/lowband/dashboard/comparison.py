@@ -27,8 +27,6 @@ def cell(key: str, row: dict, result: dict) -> str:
     """One cell as text: "not reached (best 3.4100)" where the target was not reached."""
     if key.startswith("target."):
         return target_text(key, row.get("target"))
-    if key == "planned_error":  # the plan's miss: planned / measured - 1
-        return "–" if row.get(key) is None else f"{row[key]:+.0%}"
     if key == "name":
         return row["name"] + (" (reference)" if row["name"] == result.get("reference") else "")
     as_ = {"planned_compute_utilization": "compute_utilization",

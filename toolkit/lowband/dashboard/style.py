@@ -80,6 +80,8 @@ def fmt_value(key: str, v) -> str:
             return fmt_bytes(v)
         if key == "compute_utilization":
             return f"{100 * v:.1f} %"
+        if key.endswith("_error"):  # a relative miss, e.g. planned / measured - 1
+            return f"{v:+.0%}"
         if key.endswith("loss"):
             return f"{v:.4f}"
         if key.endswith("_s") and not key.endswith("_per_s"):

@@ -15,7 +15,8 @@ visited. docs/plan.md states the model, its assumptions and its formulas.
 Each algorithm declares what it sends (its class's outer_link, comm/sends.py). inputs.py
 (presets, codecs, parsing, validation, a Config's Run), timeline.py (the replay), api.py
 (simulate, required_bandwidth, plan, plan_configs, plan_config, figure), check.py (against a
-finished run), cli.py (main: lowband train's options).
+finished run), calibrate.py (lowband compare's measured tokens factors, --calibrate), cli.py
+(main: lowband train's options).
 """
 
 from lowband.plan.api import (SimResult, figure, plan, plan_config, plan_configs,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from lowband.algorithms import ALGORITHMS as REGISTRY
 from lowband.options import ConfigError
+from lowband.plan import calibrate
 from lowband.plan.inputs import (ALGORITHMS, GRAD_DTYPES, PlanError, Run, _number, fmt_bandwidth,
                                  fmt_count, make_run, modeled, payload_bytes, run_of)
 from lowband.plan.target import recommend, timing, to_ddp_loss
@@ -34,6 +35,7 @@ class SimResult:
     transfers_per_step: float
     peak_transfer_bytes: float   # the largest single transfer
     peak_transfer_s: float       # its duration on this link, latency included
+    sync_period_steps: int = 1   # its send pattern repeats every this many steps (H; 1: every step)
 
     @property
     def stall_per_step(self) -> float:
@@ -74,7 +76,8 @@ def _simulate(algorithm: str, run: Run, bandwidth: float) -> SimResult:
         run.step_time, bandwidth, run.latency,
         wire_bytes_per_step=round(sum(sizes) * per_step, 3),
         transfers_per_step=len(sizes) * per_step, peak_transfer_bytes=round(peak, 3),
-        peak_transfer_s=run.latency + peak * 8 / bandwidth if sizes else 0.0)
+        peak_transfer_s=run.latency + peak * 8 / bandwidth if sizes else 0.0,
+        sync_period_steps=s.period // s.units_per_step if s.units_per_step else 1)
 
 
 def required_bandwidth(algorithm: str, target_cu: float = 0.9, **params) -> float | None:
@@ -181,16 +184,22 @@ def variants(cfg: "Config", algorithms) -> dict:
 
 
 def plan_configs(cfg, algorithms=None, target_cu: float = 0.9, *, step_time=None, params=None,
-                 steady: bool = False, **overrides) -> dict:
+                 steady: bool = False, calibration=None, **overrides) -> dict:
     """What `lowband plan --json` prints for a config: per algorithm (cfg's own first, then
     `algorithms`: default every one the planner models) the Run it makes (`inputs`, see
     variants), its plan on the config's link and its time to train the run's tokens and to reach
     the loss ddp's run ends at (target.py), or an `error`; `recommended`: the H and codec for the
     link (target.recommend). Without an emulated link (--link-bandwidth empty) only the
-    bandwidth each needs."""
+    bandwidth each needs. calibration: a finished `lowband compare` directory whose measured
+    tokens factors replace the published figures for the settings it compared (calibrate.py;
+    `calibration` in the result says which rows took one)."""
+    cal = None if calibration is None else calibrate.read(calibration)
     cfg, target = config_of(cfg), _target(target_cu)
     names = list(dict.fromkeys([cfg.algo, *(modeled() if algorithms is None else algorithms)]))
     out = {"algorithm": cfg.algo, "target_cu": target, "algorithms": {}}
+    if cal is not None:
+        out["calibration"] = {"dir": cal.dir, "reference": cal.reference, "calibrated": {},
+                              "not_reached": {}}
     rows = {}
     for name, c in variants(cfg, [*names, "ddp"]).items():  # ddp: the time to its loss
         try:
@@ -203,6 +212,8 @@ def plan_configs(cfg, algorithms=None, target_cu: float = 0.9, *, step_time=None
             continue
         rows[name] = {"inputs": row["inputs"], **row["algorithms"][name]}
         rows[name] |= timing(c, run, rows[name])
+        if cal is not None:
+            _calibrated(cal, name, c, run, rows[name], out["calibration"])
     for name in names:
         if "error" not in rows[name] and "error" not in rows["ddp"]:
             rows[name] |= to_ddp_loss(rows[name], rows["ddp"])
@@ -212,6 +223,20 @@ def plan_configs(cfg, algorithms=None, target_cu: float = 0.9, *, step_time=None
             cfg, lambda c: run_of(c, step_time, params=params, steady=steady, **overrides),
             lambda run: _simulate(cfg.algo, run, run.bandwidth).cu, target)
     return out
+
+
+def _calibrated(cal, name: str, cfg, run: Run, row: dict, notes: dict) -> None:
+    """The row's loss penalty measured by the comparison `cal`, where it compared the row's
+    setting; `notes` records which rows took a factor and which matched a compared run that
+    did not reach the target."""
+    if name == "ddp":  # the baseline: ddp's tokens reach its own final loss
+        return
+    fit, source = cal.penalty(name, cfg, run.params)
+    if fit is not None:
+        row["loss_penalty"] = asdict(fit)
+        notes["calibrated"][name] = {"run": source, "tokens_factor": fit.tokens_factor}
+    elif source is not None:
+        notes["not_reached"][name] = source
 
 
 def plan_config(cfg, target_cu: float = 0.9, *, step_time=None, params=None, steady=False,

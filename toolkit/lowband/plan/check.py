@@ -40,12 +40,16 @@ def measured(run_dir, warmup_steps: int = 3, link: str | None = None
     return cfg, summary, took | ({} if cfg.get("link_bandwidth") else {"bandwidth": "inf"})
 
 
-def check_run(run_dir, warmup_steps: int = 3, link: str | None = None) -> dict:
+def check_run(run_dir, warmup_steps: int = 3, link: str | None = None, *, taken=None,
+              predicted=None) -> dict:
     """The run's measured compute utilization beside the plan's for its config and measured step
     time, and its largest transfer over the outer link (wire bytes of one collective) beside the
-    plan's. warmup_steps=0 takes every step's compute, so the plan computes as long as the run."""
-    cfg, summary, took = measured(run_dir, warmup_steps, link)
-    predicted = plan_config(cfg, **took)
+    plan's. warmup_steps=0 takes every step's compute, so the plan computes as long as the run.
+    link: as measured()'s; taken: measured(run_dir, warmup_steps, link) where the caller has it
+    already; predicted: the plan of exactly that (plan_config(cfg, **took): its `cu` and
+    `peak_transfer_bytes`), likewise."""
+    cfg, summary, took = taken or measured(run_dir, warmup_steps, link)
+    predicted = predicted or plan_config(cfg, **took)
     sent = [e["wire_bytes"] for e in read_events(RunDir(run_dir), ("comm",))
             if e["group"] == "outer"]
     return {"run_dir": str(run_dir), "algorithm": cfg["algo"], "step_time": took["step_time"],

@@ -5,27 +5,26 @@ for people, --json for scripts; bad input exits 2 with one sentence."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
 
-from lowband.algorithms import ALGORITHMS as REGISTRY
 from lowband.flags import config_of_args, train_parser
 from lowband.options import ConfigError
-from lowband.plan.api import plan_configs
+from lowband.plan.api import config_of, plan_configs
 from lowband.plan import probe
+from lowband.plan.calibrate import reads
 from lowband.plan.check import check_run, measured
 from lowband.plan.inputs import PlanError, fmt_bandwidth, fmt_bytes, fmt_count, fmt_seconds, modeled
-from lowband.plan.timeline import schedule
-from lowband.comm.sends import Run
 
 EXAMPLE = ("lowband plan --recipe main --step-time 50ms; lowband plan --config RUN_DIR; "
            "lowband plan --params 1e9 --n-layer 24 --step-time 0.1 --algo streaming "
            "--sync-every 100 --fragments 8 --link-bandwidth 1gbit")
 # the plan's own flags, with their defaults (the rest are lowband train's)
 OWN = {"step_time": None, "flops_per_step": None, "flops": None, "params": None,
-       "target_cu": "0.9", "compare": "all", "steady": False, "json": False}
+       "target_cu": "0.9", "compare": "all", "steady": False, "calibrate": None, "json": False}
 # the options a row shows, where its algorithm reads them (H comes from its schedule)
 SHOWN = (("fragments", "P={}"), ("overlap", "tau={}"), ("codec", "{}"))
 
@@ -51,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
         "names separated by commas")
     add("--steady", action="store_true", help="the steady state of a long run, instead of the "
         "whole run of --steps steps (its start and its last wait included)")
+    add("--calibrate", metavar="DIR", help="a finished `lowband compare` directory (its "
+        "compare.json) measured against ddp: rows with the setting of one of its runs that "
+        "reached the target take its measured tokens to ddp's loss, in place of the published "
+        "figures (docs/plan.md)")
     add("--json", action="store_true", help="print JSON for scripts instead of a table")
     return p
 
@@ -70,13 +73,18 @@ def run_plan(argv: list[str]) -> tuple[dict, bool]:
     own = {k: args.pop(k, default) for k, default in OWN.items()}
     finished = _finished(args.get("config"))
     cfg, _ = config_of_args(args, here=False, file_here=True)
-    extra, result_measured = {}, None
+    extra, taken, as_run = {}, None, False
     if finished is not None:  # its compute a step, parameters, steps, link (check.measured)
-        took = measured(finished)[2]
-        own["step_time"] = own["step_time"] or took.pop("step_time")
-        own["params"] = own["params"] or took.pop("params")
+        taken = measured(finished)  # its events, read once: here and for check_run below
+        took = dict(taken[2])
+        # the config's own row is check_run's prediction when it plans the run as it ran
+        as_run = not (own["step_time"] or own["params"] or own["steady"]
+                      or own["flops_per_step"]) and \
+            dataclasses.replace(config_of(taken[0]), run_dir=cfg.run_dir) == cfg
+        for key in ("step_time", "params"):  # what was given over what was measured
+            measured_value = took.pop(key)
+            own[key] = own[key] or measured_value
         extra |= {k: v for k, v in took.items() if k == "bandwidth" or not own["steady"]}
-        result_measured = check_run(finished)
     if own["flops_per_step"] is not None:
         extra |= {"flops_per_step": own["flops_per_step"], "flops": own["flops"]}
     if own["step_time"] == "probe":  # a few steps of the model here (plan/probe.py)
@@ -85,24 +93,22 @@ def run_plan(argv: list[str]) -> tuple[dict, bool]:
     names = (modeled() if compare == "all" else [] if compare == "none"
              else [n.strip() for n in compare.split(",") if n.strip()])
     result = plan_configs(cfg, names, own["target_cu"] or "0.9", step_time=own["step_time"],
-                          params=own["params"], steady=own["steady"], **extra)
-    if result_measured is not None:
-        result["measured"] = result_measured
+                          params=own["params"], steady=own["steady"],
+                          calibration=own["calibrate"], **extra)
+    if taken is not None:
+        row = result["algorithms"][cfg.algo]
+        result["measured"] = check_run(finished, taken=taken,
+                                       predicted=row if as_run and "error" not in row else None)
     if all("error" in row for row in result["algorithms"].values()):
         raise PlanError(result["algorithms"][cfg.algo]["error"])
     return result, own["json"]
 
 
-def _setup(name: str, inputs: dict) -> str:
-    """'every 20 steps, P=4 tau=1 fp4-e3m0': how often it syncs (its schedule's period) and
-    the options it reads among P, tau and the codec."""
-    run = Run(**{k: tuple(v) if isinstance(v, list) else v for k, v in inputs.items()
-                 if k not in ("codec_bytes_per_value", "grad_bytes_per_value")}
-              | {"bandwidth": None})
-    s = schedule(name, run)
-    every = s.period // s.units_per_step if s.units_per_step else 1
-    reads = {f for group in REGISTRY[name].options for f in group.names()}
-    parts = [form.format(inputs[key]) for key, form in SHOWN if key in reads]
+def _setup(name: str, row: dict) -> str:
+    """'every 20 steps, P=4 tau=1 fp4-e3m0': how often it syncs (its schedule's period, which
+    the row carries) and the options it reads among P, tau and the codec."""
+    every, inputs = row.get("sync_period_steps", 1), row["inputs"]
+    parts = [form.format(inputs[key]) for key, form in SHOWN if key in reads(name)]
     return " ".join([f"every {every} steps" if every > 1 else "every step", *parts])
 
 
@@ -132,6 +138,21 @@ def _fit_notes(fits: dict, recommended, algorithm: str, target: float) -> list[s
     return lines if len(lines) > 1 else []
 
 
+def _calibration_notes(cal: dict | None) -> list[str]:
+    """Which rows took a tokens factor measured by `lowband compare` (--calibrate), and which
+    matched a compared run that did not reach the target."""
+    if not cal:
+        return []
+    done = ", ".join(f"{name} (run {c['run']}: {c['tokens_factor']:.3g}x ddp's tokens)"
+                     for name, c in cal["calibrated"].items())
+    lines = ["", f"calibrated by lowband compare ({cal['dir']}, against {cal['reference']}): " + (
+        f"to ddp's loss measured for {done}" if done else "no row has the setting of a run it "
+        "compared (algorithm, R, parameters; H, P, tau, codec where read): the figures stand")]
+    lines += [f"{name}: not reached in {cal['dir']} (its setting's run {run}): no measured "
+              "factor" for name, run in cal["not_reached"].items()]
+    return lines
+
+
 def table(result: dict) -> str:
     """The human table of a run_plan() result: one row per algorithm, the config's first."""
     own, target = result["algorithms"][result["algorithm"]], result["target_cu"]
@@ -145,23 +166,25 @@ def table(result: dict) -> str:
     rows = [("algorithm", "syncs", "CU", "stall/step", "wire/step", "largest transfer",
              f"needs for CU {target:g}", "tokens/s", "to ddp's loss")]
     notes, fits = [], {}
+    calibrated = (result.get("calibration") or {}).get("calibrated", {})
     for name, r in result["algorithms"].items():
         label = name + (" (this config)" if name == result["algorithm"] else "")
         if "error" in r:
             notes.append(f"{name}: {r['error']}")
             rows.append((label, *["-"] * (len(rows[0]) - 1)))
             continue
-        rows.append((label, _setup(name, r["inputs"]), "-" if r["cu"] is None else f"{r['cu']:.3f}",
+        rows.append((label, _setup(name, r), "-" if r["cu"] is None else f"{r['cu']:.3f}",
                      fmt_seconds(r["stall_per_step"]), fmt_bytes(r["wire_bytes_per_step"]),
                      fmt_bytes(r["peak_transfer_bytes"]), fmt_bandwidth(r["required_bandwidth"]),
                      "-" if r["tokens_per_s"] is None else f"{fmt_count(r['tokens_per_s'])}",
                      _soon(r)))
         fit = r.get("loss_penalty")
-        if fit and fit["loss"] and fit["fit"] not in fits:
+        if fit and fit["loss"] and fit["fit"] not in fits and name not in calibrated:
             fits[fit["fit"]] = fit["outside"]
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines += _fit_notes(fits, result.get("recommended"), result["algorithm"], target)
+    lines += _calibration_notes(result.get("calibration"))
     if "measured" in result:
         m = result["measured"]
         lines += ["", f"measured ({m['run_dir']}): CU {m['measured_cu']:.3f} against "
