@@ -8,6 +8,9 @@
        adaptive, acco 1:1 (acco-2), edit
   r4   R=4: ddp for --steps steps, then streaming (at its default outer learning rate) given
        ddp's time
+  r2-hosts  as r2, ddp and streaming fp4 only, over a real link instead of the emulated one:
+       two test hosts (network namespaces, `lowband compare --test-hosts`), each host's egress
+       shaped by tc tbf to 100 Mbit/s (no latency added: this kernel has no netem); needs root
 
 The target is ddp's final validation loss. Per run the table gives the time, tokens and outer
 bytes to that loss (or "not reached" and the best loss), the validation loss at equal time,
@@ -21,11 +24,11 @@ published loss figures). Then PASS/MISS per goal (issue 30):
      streaming fp4 (r2)
 The outer-learning-rate sweep at R=4 is benchmarks/outer_lr.py.
 
-    python benchmarks/time_to_target.py [--part r2|r4|all] [--steps 200] [--dir DIR]
+    python benchmarks/time_to_target.py [--part r2|r4|r2-hosts|all] [--steps 200] [--dir DIR]
 
 A part's runs land in DIR/<part>/ (default: a fresh temporary directory); calling again with
 the same --dir continues a part that stopped (lowband compare skips finished runs). On 2 cores
-r2 at 200 steps takes about 40 minutes, r4 about 15.
+r2 at 200 steps takes about 40 minutes, r4 and r2-hosts about 15 each.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ PARTS = {
         ("ddp", {}), ("diloco", {}), ("streaming", {}), ("streaming", {"codec": "topk-2bit"}),
         ("acco", {}), ("acco", {"acco_micro": "1:1"}), ("edit", {})]),
     "r4": dict(replicas=4, algos=[("ddp", {}), ("streaming", {})]),
+    "r2-hosts": dict(replicas=2, algos=[("ddp", {}), ("streaming", {})], test_hosts=True),
 }
 
 
@@ -57,7 +61,8 @@ def run_part(name: str, steps: int, root: Path) -> dict:
     flags = ["--model", "mini", "--replicas", str(part["replicas"]), "--steps", str(steps),
              "--eval-every", str(max(steps // 10, 1)), "--eval-batches", "8", *LINK]
     t0 = time.time()
-    result = lowband.compare(algos=part["algos"], flags=flags, directory=root / name)
+    result = lowband.compare(algos=part["algos"], flags=flags, directory=root / name,
+                             test_hosts=part.get("test_hosts", False))
     print(f"\n[{name}] {time.time() - t0:.0f} s; report: {root / name / 'report.html'}", flush=True)
     return result
 
@@ -90,19 +95,20 @@ def goals(result: dict) -> list[tuple[str, bool | None, str]]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=["r2", "r4", "all"], default="r2")
+    p.add_argument("--part", choices=["r2", "r4", "r2-hosts", "all"], default="r2")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--dir", type=Path, default=None)
     a = p.parse_args()
     root = a.dir or Path(tempfile.mkdtemp(prefix="lowband-time-to-target-"))
     results = {}
-    for name in (["r2", "r4"] if a.part == "all" else [a.part]):
+    for name in (["r2", "r4", "r2-hosts"] if a.part == "all" else [a.part]):
         results[name] = run_part(name, a.steps, root)
         print(text(results[name]), flush=True)
-    if "r2" in results:
-        print("\ngoals (r2):")
-        for what, ok, detail in goals(results["r2"]):
-            print(f"  {'PASS' if ok else 'MISS' if ok is False else '    '}  {what}: {detail}")
+    for name in ("r2", "r2-hosts", "r4"):
+        if name in results:
+            print(f"\ngoals ({name}):")
+            for what, ok, detail in goals(results[name]):
+                print(f"  {'PASS' if ok else 'MISS' if ok is False else '    '}  {what}: {detail}")
     return 0
 
 
