@@ -29,9 +29,10 @@ import torch
 from lowband import models
 from lowband.config import Config
 from lowband.models import SIZES, load_weights
-from lowband.options import ArgParser, ConfigError
+from lowband.options import ArgParser, ConfigError, needs_extra
 from lowband.telemetry import RunDir
 
+NEEDS = ("hf", "lowband export", "transformers")  # needs_extra's: asked before anything is read
 
 def parser() -> ArgParser:
     p = ArgParser(prog="lowband export", description="Write a finished run's weights as a Hugging "
@@ -48,6 +49,7 @@ def parser() -> ArgParser:
 
 def main(argv: list[str]) -> int:
     a = parser().parse_args(argv)
+    needs_extra(*NEEDS)
     from transformers.utils import logging
 
     logging.disable_progress_bar()  # one line of output, not save_pretrained's bar
@@ -59,6 +61,7 @@ def main(argv: list[str]) -> int:
 def export(run_dir, output, which: str = "local", overwrite: bool = False) -> Path:
     """Write the run's model to output; returns its path. ConfigError (one sentence) on bad
     input, before anything is written."""
+    needs_extra(*NEEDS)
     run, out = RunDir(run_dir), Path(output)
     if not run.config.is_file():
         raise ConfigError(f"'{run_dir}' is not a run directory (it has no config.json): give the "

@@ -12,12 +12,33 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 from dataclasses import field
 from typing import ClassVar
 
 
 class ConfigError(ValueError):
     """Input a user can fix; its message is one sentence naming the fix."""
+
+
+def missing_extra(extra: str, what: str, module: str) -> ConfigError:
+    """The one sentence for `what`, which needs lowband's optional extra `extra` (pyproject.toml),
+    whose `module` is not installed."""
+    return ConfigError(f"{what} needs the {extra} extra ({module} is not installed): "
+                       f"pip install 'lowband[{extra}]'.")
+
+
+def needs_extra(extra: str, what: str, *modules: str) -> None:
+    """Refuse `what` (missing_extra's sentence) unless each of `modules` (top-level names) is
+    installed; they are looked up without importing them, so each command asks first, before it
+    writes anything."""
+    for module in modules:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a broken install, or sys.modules[module] set to None
+            found = False
+        if not found:
+            raise missing_extra(extra, what, module)
 
 
 class ArgParser(argparse.ArgumentParser):

@@ -38,12 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         path = write_report(args.run_dirs, args.output, title=args.title, window_s=args.window)
-    except ReportError as e:
+    except (ReportError, ConfigError) as e:  # ConfigError: the ui extra is missing
         print(f"lowband report: {e}", file=sys.stderr)
-        return 2
-    except ImportError as e:
-        print(f"lowband report: {e.name or 'plotly'} is missing; install the ui extra: "
-              f"pip install 'lowband[ui]'.", file=sys.stderr)
         return 2
     print(f"wrote {path}")
     return 0

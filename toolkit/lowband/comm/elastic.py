@@ -32,10 +32,10 @@ from datetime import timedelta
 
 import torch
 
-from lowband.options import ConfigError, Options, option
+from lowband.options import ConfigError, Options, needs_extra, option
 
 LIGHTHOUSE_ENV, REPLICA_ENV = "TORCHFT_LIGHTHOUSE", "LOWBAND_REPLICA"
-NO_TORCHFT = "--elastic needs torchft ({} is not installed): pip install 'lowband[elastic]'."
+TORCHFT = ("elastic", "--elastic", "torchft")  # needs_extra's (extra, what, module)
 
 
 def quiet_rust() -> None:
@@ -96,11 +96,10 @@ class Membership:
     def __init__(self, topo, cfg, events):
         quiet_rust()
         logging.getLogger("torchft").setLevel(logging.ERROR)  # and its Python side warns of NCCL
-        try:
-            from torchft.manager import Manager
-            from torchft.process_group import ProcessGroupGloo
-        except ImportError as e:
-            raise ConfigError(NO_TORCHFT.format(e.name)) from None
+        needs_extra(*TORCHFT)
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
         lighthouse = os.environ.get(LIGHTHOUSE_ENV)
         if not lighthouse:
             raise ConfigError(f"--elastic needs a Lighthouse: run it through `lowband train "

@@ -31,6 +31,7 @@ from lowband.compare import entries as E
 from lowband.compare import table as T
 from lowband.config import ConfigError
 from lowband.flags import parse_train
+from lowband.options import needs_extra
 from lowband.summary import one_line
 from lowband.telemetry import RunDir, write_json_atomic
 
@@ -67,6 +68,8 @@ def compare(recipes=(), configs=(), algos=(), *, flags=(), equal: str = "time",
     say = (lambda *a: print(*a, file=out or sys.stdout, flush=True))
     if equal not in EQUAL:
         raise ConfigError(f"--equal must be time or tokens, got '{equal}'.")
+    if report:
+        needs_extra("ui", "the comparison's report.html (--no-report leaves it out)", "plotly")
     args = E.shared_args([*flags, *flag_args(options)])
     target_loss = args.pop("target_loss", target_loss)
     if target_loss is not None and not (isinstance(target_loss, (int, float))
@@ -253,9 +256,6 @@ def _report(root: Path, runs: list[E.Entry], result: dict, say) -> Path | None:
         return write_report([root / e.label for e in runs], root / "report.html",
                             title="lowband compare · " + ", ".join(e.label for e in runs),
                             compare=result)
-    except ImportError as err:
-        say(f"lowband compare: note: no report.html: {err.name or 'plotly'} is missing (pip "
-            "install 'lowband[ui]').")
-    except ReportError as err:
+    except ReportError as err:  # (the ui extra was asked for before the runs)
         say(f"lowband compare: note: no report.html: {err}")
     return None

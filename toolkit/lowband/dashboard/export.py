@@ -26,6 +26,8 @@ import math
 import os
 from pathlib import Path
 
+from lowband.options import needs_extra
+
 from .bandwidth_figure import bandwidth_spec
 from .comparison import compare_section
 from .loss_figure import loss_figure_static
@@ -98,6 +100,7 @@ table.grid tr.diff td{background:#fff4d6}
 def render_report(run_dirs, *, title: str | None = None, window_s: float | None = None,
                   max_points: int = 2000, max_spans: int = 5000, compare: dict | None = None) -> str:
     """The report's HTML as a string (see write_report)."""
+    needs_extra("ui", "the HTML report", "plotly")
     from plotly.offline import get_plotlyjs
 
     models = load_runs(run_dirs)

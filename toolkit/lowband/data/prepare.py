@@ -37,7 +37,7 @@ import numpy as np
 
 from lowband.data.tokenizer import TokenizerRef, tokenizer_files
 from lowband.data.tokens import META, sample_sha256
-from lowband.options import ConfigError
+from lowband.options import ConfigError, needs_extra
 
 FORMAT = "lowband-shards-1"
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py")
@@ -51,6 +51,8 @@ PROGRESS = "progress.json"
 
 def kind_of(path: Path) -> str:
     suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        needs_extra("hf", "Parquet sources", "pyarrow")
     if suffix in (".jsonl", ".parquet"):
         return suffix[1:]
     if suffix in TEXT_SUFFIXES:

@@ -9,7 +9,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from lowband.options import ConfigError
+from lowband.options import ConfigError, needs_extra
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[EOS]")
 
@@ -50,8 +50,10 @@ def existing(path: str) -> Path:
 
 def load_tokenizer(path: str) -> TokenizerRef:
     p = existing(path)
+    lone = p.is_file() or ((p / "tokenizer.json").exists() and not (p / "tokenizer_config.json").exists())
+    needs_extra("hf", "--tokenizer", "tokenizers" if lone else "transformers")
     try:
-        if p.is_file() or ((p / "tokenizer.json").exists() and not (p / "tokenizer_config.json").exists()):
+        if lone:
             from tokenizers import Tokenizer
 
             tok, eos = Tokenizer.from_file(str(p if p.is_file() else p / "tokenizer.json")), None
@@ -60,9 +62,6 @@ def load_tokenizer(path: str) -> TokenizerRef:
 
             hf = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
             tok, eos = hf.backend_tokenizer, hf.eos_token_id
-    except ImportError as e:
-        raise ConfigError(f"--tokenizer needs the hf extra ({e.name} is not installed): "
-                          "pip install 'lowband[hf]'.") from None
     except Exception as e:
         why = (str(e).strip().splitlines() or [""])[0][:160].rstrip(".")
         raise ConfigError(f"tokenizer '{path}' does not load ({type(e).__name__}: {why}): {_FIX}.") from None

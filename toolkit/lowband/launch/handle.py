@@ -16,10 +16,12 @@ import time
 from pathlib import Path
 
 from lowband.config import ConfigError
+from lowband.options import needs_extra
 
 LOCAL_SCHEDULERS = ("local_cwd", "local_docker")
 TERMINAL = ("succeeded", "failed", "cancelled")
 ROLE = "node"
+TORCHX = ("launch", "lowband launch", "torchx")  # needs_extra's (extra, what, module)
 
 
 # -- the runner ------------------------------------------------------------------------------------
@@ -261,6 +263,7 @@ class LaunchHandle:
 def attach(app_handle: str, run_dir: str | os.PathLike | None = None) -> LaunchHandle:
     """A LaunchHandle for a job already submitted (e.g. a Slurm job from another session, or a
     local job of this process whose handle was dropped). run_dir: where it writes, if known."""
+    needs_extra(*TORCHX)
     from torchx.specs import parse_app_handle
 
     scheduler = parse_app_handle(app_handle).scheduler_backend

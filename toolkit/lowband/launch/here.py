@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import sys
 
+from lowband.comm.elastic import TORCHFT
 from lowband.config import Config
 from lowband.launch.local import LocalJob, describe_exit, last_line
+from lowband.options import needs_extra
 from lowband.telemetry import RunDir, new_run_dir
 
 
@@ -24,6 +26,8 @@ def train_here(cfg: Config, argv: list[str], resume: bool = False, hosts=None
 
     if cfg.elastic and hosts is not None:
         raise ValueError("an elastic run starts its groups on this machine, not on test hosts")
+    if cfg.elastic:  # asked here, before the run directory is made
+        needs_extra(*TORCHFT)
     for note in cfg.ignored():
         print(f"lowband: note: {note}", file=sys.stderr)
     # the corpus is read (and cached) once, before the workers and before the run directory is

@@ -17,9 +17,12 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from lowband.comm.elastic import TORCHFT
 from lowband.config import ConfigError
 from lowband.flags import parse_train
-from lowband.launch.handle import LOCAL_SCHEDULERS, LaunchHandle, _get_runner, _keep_signals
+from lowband.launch.handle import (LOCAL_SCHEDULERS, TORCHX, LaunchHandle, _get_runner,
+                                   _keep_signals)
+from lowband.options import needs_extra
 
 # -- the component ---------------------------------------------------------------------------------
 
@@ -124,6 +127,9 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
     inspect .dryrun_info, then start(). Bad input raises ConfigError with one sentence, before
     anything is submitted.
     """
+    needs_extra(*TORCHX)
+    if scheduler == "kubernetes":
+        needs_extra("launch", "TorchX's kubernetes scheduler", "kubernetes")
     from torchx.runner.config import apply
     from torchx.specs.api import InvalidRunConfigException
 
@@ -206,6 +212,8 @@ def _train_job(flags, options, algo, replicas, shards, run_dir, config, local):
         run_dir = train_cfg.run_dir or _default_run_dir(train_cfg.algo)
     layout = {"replicas": train_cfg.replicas, "shards": train_cfg.shards}
     if train_cfg.elastic:  # a Lighthouse role and a retried role a group (docs/elastic.md)
+        if local:  # (remote nodes have their own installs)
+            needs_extra(*TORCHFT)
         layout.update(elastic=True, min_replicas=train_cfg.min_replicas,
                       max_restarts=train_cfg.max_restarts)
     return flags, algo, config, run_dir, layout

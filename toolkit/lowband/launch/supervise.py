@@ -22,10 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-from lowband.comm.elastic import LIGHTHOUSE_ENV, NO_TORCHFT, REPLICA_ENV, quiet_rust
+from lowband.comm.elastic import LIGHTHOUSE_ENV, REPLICA_ENV, TORCHFT, quiet_rust
 from lowband.faults import lighthouse_kill_asked
 from lowband.launch.local import LocalJob, describe_exit, free_port, last_line
-from lowband.options import ConfigError
+from lowband.options import ConfigError, missing_extra, needs_extra
 from lowband.summary import add_ddp_bytes, summarize
 from lowband.telemetry import RunDir, read_events, write_json_atomic
 
@@ -34,10 +34,9 @@ from lowband.telemetry import RunDir, read_events, write_json_atomic
 def lighthouse(min_replicas: int, join_timeout_s: float = 10.0, port: int = 0):
     """torchft's Lighthouse, serving in this process (port 0: a free one)."""
     quiet_rust()
-    try:
-        from torchft._torchft import LighthouseServer
-    except ImportError as e:
-        raise ConfigError(NO_TORCHFT.format(e.name)) from None
+    needs_extra(*TORCHFT)
+    from torchft._torchft import LighthouseServer
+
     return LighthouseServer(bind=f"[::]:{port}", min_replicas=min_replicas,
                             join_timeout_ms=int(join_timeout_s * 1000))
 
@@ -47,7 +46,8 @@ def lighthouse_process(min_replicas: int, log: Path, join_timeout_s: float = 10.
     """torchft's Lighthouse program on a free local port, and its address once it answers."""
     exe = shutil.which("torchft_lighthouse") or str(Path(sys.executable).with_name("torchft_lighthouse"))
     if not Path(exe).exists():
-        raise ConfigError(NO_TORCHFT.format("torchft_lighthouse"))
+        extra, what, _ = TORCHFT
+        raise missing_extra(extra, what, "torchft_lighthouse")
     port = free_port()
     quiet_rust()
     with open(log, "ab") as out:

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from lowband.models.base import Kind, ModelSource, num_params
-from lowband.options import ConfigError
+from lowband.options import ConfigError, needs_extra
 
 HF = "hf:"
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
@@ -52,6 +52,7 @@ class HFModel(ModelSource):
                         if path.is_dir() else [])
 
     def _load_config(self):
+        needs_extra("hf", f"--model {self.name}", "transformers")
         from transformers import AutoConfig
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 

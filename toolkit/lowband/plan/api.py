@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
 from lowband.algorithms import ALGORITHMS as REGISTRY
-from lowband.options import ConfigError
+from lowband.options import ConfigError, needs_extra
 from lowband.plan import calibrate
 from lowband.plan.inputs import (ALGORITHMS, GRAD_DTYPES, PlanError, Run, _number, fmt_bandwidth,
                                  fmt_count, make_run, modeled, payload_bytes, run_of)
@@ -272,7 +272,8 @@ def curves(lines, target_cu: float = 0.9, points: int = 60, bandwidths=None):
     """A plotly Figure of CU against bandwidth (log x axis): one curve per (label, algorithm,
     Run) of `lines`, the target as a dashed line; by default the x axis spans 100x around the
     bandwidths they need."""
-    import plotly.graph_objects as go  # optional dependency (the `ui` extra)
+    needs_extra("ui", "the planner's figure", "plotly")
+    import plotly.graph_objects as go
 
     target = _target(target_cu)
     if bandwidths is None:
