@@ -82,7 +82,7 @@ print("ok")
 
 
 def _check(**env) -> None:
-    pytest.importorskip("triton", reason="Triton is installed with the dev extra")
+    pytest.importorskip("triton", reason="Triton is installed with the test extra")
     env = dict(os.environ, **env,
                PYTHONPATH=os.pathsep.join([str(ROOT / "toolkit"), str(ROOT / "benchmarks")]))
     proc = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True,

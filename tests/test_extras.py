@@ -3,15 +3,21 @@
 Every command that needs an optional extra (pyproject.toml) and does not find it ends with one
 sentence naming it (`pip install 'lowband[X]'`), exit status 2, and nothing written. The module
 is hidden in this process (sys.modules[name] = None, as if it were not installed), and each
-command runs in-process (conftest.lowband_here)."""
+command runs in-process (conftest.lowband_here). The extras themselves: `all` is what running
+lowband needs (no test tools), `test` adds them, and the README's test command installs `test`."""
 
 import re
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 
 from lowband.options import ConfigError, needs_extra
 
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+EXTRAS = PYPROJECT["project"]["optional-dependencies"]
 NANO = ["--model", "nano", "--steps", "2", "--no-progress"]
 
 # (the module hidden, the extra the sentence names, the command line)
@@ -68,3 +74,35 @@ def test_needs_extra_passes_what_is_installed(monkeypatch):
     monkeypatch.setitem(sys.modules, "json", None)
     with pytest.raises(ConfigError, match=r"^x needs the hf extra \(json is not installed\)"):
         needs_extra("hf", "x", "json")
+
+
+def _names(requirements: list[str]) -> set[str]:
+    return {re.match(r"[A-Za-z0-9_.-]+(\[[^]]*\])?", r).group(0) for r in requirements}
+
+
+def test_the_user_install_has_no_test_tools_and_the_test_extra_has_them():
+    assert _names(EXTRAS["all"]) == {"lowband[ui,launch,hf,elastic]"}
+    user = set().union(*(_names(EXTRAS[x]) for x in ("ui", "launch", "hf", "elastic")))
+    tools = {"pytest", "hypothesis", "playwright", "triton"}
+    assert not tools & user
+    assert _names(EXTRAS["test"]) >= {"lowband[all]"} | tools
+
+
+def test_every_extra_a_command_names_exists():
+    named = {m for p in (ROOT / "toolkit" / "lowband").rglob("*.py")
+             for m in re.findall(r"""needs_extra\(\s*["'](\w+)["']""", p.read_text())}
+    named |= {m for p in (ROOT / "toolkit" / "lowband").rglob("*.py")
+              for m in re.findall(r"""= \(["'](\w+)["'], ["'][^"']+["'], ["']\w+["']\)""",
+                                  p.read_text())}  # the (extra, what, module) constants
+    assert named and named <= set(EXTRAS), named - set(EXTRAS)
+    assert {"hf", "ui", "launch", "elastic"} <= named
+
+
+def test_readme_installs_all_and_tests_with_the_test_extra_as_ci_does():
+    readme = (ROOT / "README.md").read_text()
+    assert 'pip install -c constraints.txt -e ".[all]"' in readme.split("## Run the tests")[0]
+    block = readme.split("## Run the tests")[1].split("```bash\n")[1].split("```")[0]
+    assert block.splitlines() == ['pip install -c constraints.txt -e ".[test]"',
+                                  "python -m pytest -q"]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "## Run the tests" in ci and 'eval "${readme[0]}"' in ci and 'eval "${readme[1]}"' in ci
