@@ -106,3 +106,10 @@ def test_readme_installs_all_and_tests_with_the_test_extra_as_ci_does():
                                   "python -m pytest -q"]
     ci = (ROOT / ".ci" / "run").read_text()
     assert "## Run the tests" in ci and 'eval "${readme[0]}"' in ci and 'eval "${readme[1]}"' in ci
+
+
+def test_the_license_is_declared_and_there():
+    assert PYPROJECT["project"]["license"] == "BSD-3-Clause"
+    assert PYPROJECT["project"]["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("BSD 3-Clause License") and "the lowband authors" in text

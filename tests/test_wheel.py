@@ -1,8 +1,8 @@
-"""The installed wheel works without the source tree: built from a copy of the package, installed
-with its launch extra into a fresh virtual environment (CPU torch pinned by constraints.txt), and
-run from an empty directory with nothing of the checkout on the path: `lowband train` for a few
-steps, `lowband launch --dryrun -s slurm`, and TorchX's own `torchx run` finding lowband's
-component through the `torchx.components` entry point."""
+"""The installed wheel works without the source tree: built from a copy of the package (its
+LICENSE inside), installed with its launch extra into a fresh virtual environment (CPU torch
+pinned by constraints.txt), and run from an empty directory with nothing of the checkout on the
+path: `lowband train` for a few steps, `lowband launch --dryrun -s slurm`, and TorchX's own
+`torchx run` finding lowband's component through the `torchx.components` entry point."""
 
 import importlib.util
 import os
@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -42,12 +43,16 @@ def venv(tmp_path_factory):
     src = tmp / "src"
     shutil.copytree(ROOT / "toolkit", src / "toolkit",
                     ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-w", tmp / "dist", src],
          cwd=tmp)
     (wheel,) = (tmp / "dist").glob("lowband-*.whl")
+    with zipfile.ZipFile(wheel) as z:  # the license travels in the wheel, declared in METADATA
+        info = next(n.split("/")[0] for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        assert z.read(f"{info}/licenses/LICENSE") == (ROOT / "LICENSE").read_bytes()
+        assert "License-Expression: BSD-3-Clause" in z.read(f"{info}/METADATA").decode()
     # a fresh venv of the base interpreter (none of this environment's packages): the wheel and
     # its dependencies, torch the pinned CPU build, all from the package registries
     env_dir = tmp / "venv"
