@@ -69,6 +69,15 @@ def test_parquet_sources_need_pyarrow(tmp_path, monkeypatch):
         source_files(tmp_path)
 
 
+def test_the_dashboard_needs_the_ui_extra(monkeypatch):
+    import lowband.dashboard
+
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)
+    with pytest.raises(ConfigError, match=re.escape("the Dashboard needs the ui extra (ipywidgets "
+                                                    "is not installed): pip install 'lowband[ui]'.")):
+        _ = lowband.dashboard.Dashboard
+
+
 def test_needs_extra_passes_what_is_installed(monkeypatch):
     needs_extra("hf", "json", "json")  # a module that is there: nothing said
     monkeypatch.setitem(sys.modules, "json", None)

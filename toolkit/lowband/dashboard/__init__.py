@@ -12,6 +12,9 @@ __all__ = ["Dashboard", "RunModel"]
 
 def __getattr__(name):
     if name == "Dashboard":
+        from lowband.options import needs_extra
+
+        needs_extra("ui", "the Dashboard", "ipywidgets", "anywidget", "plotly")
         from .widget import Dashboard
         return Dashboard
     if name == "RunModel":
