@@ -22,8 +22,8 @@ NANO = ["--model", "nano", "--steps", "2", "--no-progress"]
 
 # (the module hidden, the extra the sentence names, the command line)
 MISSING = [
-    ("transformers", "hf", ["train", "--model", "hf:model", *NANO[2:]]),
-    ("transformers", "hf", ["plan", "--model", "hf:model"]),
+    ("transformers", "hf", ["train", "--model", "hf:model-without-hf", *NANO[2:]]),
+    ("transformers", "hf", ["plan", "--model", "hf:model-without-hf"]),
     ("transformers", "hf", ["export", "run", "-o", "out"]),
     ("tokenizers", "hf", ["train", "--tokenizer", "tok.json", "--data", "corpus", *NANO]),
     ("tokenizers", "hf", ["prepare", "corpus", "-o", "out", "--tokenizer", "tok.json"]),
@@ -41,8 +41,8 @@ def test_a_missing_extra_is_one_sentence_and_writes_nothing(tmp_path, monkeypatc
                                                             module, extra, argv):
     if module == "torchft" and argv[0] == "launch":
         pytest.importorskip("torchx")  # the launch extra is there; only torchft is missing
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "model-without-hf").mkdir()
+    (tmp_path / "model-without-hf" / "config.json").write_text('{"model_type": "llama"}')
     (tmp_path / "tok.json").write_text("{}")
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "a.txt").write_text("some text\n")
@@ -98,12 +98,11 @@ def test_the_user_install_has_no_test_tools_and_the_test_extra_has_them():
 
 
 def test_every_extra_a_command_names_exists():
-    named = {m for p in (ROOT / "toolkit" / "lowband").rglob("*.py")
-             for m in re.findall(r"""needs_extra\(\s*["'](\w+)["']""", p.read_text())}
-    named |= {m for p in (ROOT / "toolkit" / "lowband").rglob("*.py")
-              for m in re.findall(r"""= \(["'](\w+)["'], ["'][^"']+["'], ["']\w+["']\)""",
-                                  p.read_text())}  # the (extra, what, module) constants
-    assert named and named <= set(EXTRAS), named - set(EXTRAS)
+    code = "\n".join(p.read_text() for p in (ROOT / "toolkit" / "lowband").rglob("*.py"))
+    named = set(re.findall(r"""needs_extra\(\s*["'](\w+)["']""", code))
+    for constant in set(re.findall(r"needs_extra\(\*(\w+)\)", code)):  # (extra, what, module)
+        named |= set(re.findall(rf"""^{constant} = \(["'](\w+)["']""", code, re.M))
+    assert named <= set(EXTRAS), named - set(EXTRAS)
     assert {"hf", "ui", "launch", "elastic"} <= named
 
 

@@ -6,6 +6,9 @@ algorithm's in its file under algorithms/, the fault injectors' in faults.py); `
 inherits every group, so a run is still one flat object (`cfg.fragments`), and the registry of
 algorithms says which groups each algorithm reads. That registry drives validation ("--x
 applies only to --algo y") and the grouped `lowband train --help`.
+
+Every command's refusals start here too: ConfigError, ArgParser, and needs_extra (a feature whose
+optional extra is not installed).
 """
 
 from __future__ import annotations
