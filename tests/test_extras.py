@@ -3,8 +3,9 @@
 Every command that needs an optional extra (pyproject.toml) and does not find it ends with one
 sentence naming it (`pip install 'lowband[X]'`), exit status 2, and nothing written. The module
 is hidden in this process (sys.modules[name] = None, as if it were not installed), and each
-command runs in-process (conftest.lowband_here). The extras themselves: `all` is what running
-lowband needs (no test tools), `test` adds them, and the README's test command installs `test`."""
+command runs in-process (conftest.lowband_here). The extras themselves: `user` is what running
+lowband needs (the README's install, no test tools), `all` adds the Kubernetes client and
+pyarrow, `test` the test tools, and the README's test command installs `test`."""
 
 import re
 import sys
@@ -32,6 +33,7 @@ MISSING = [
     ("torchx", "launch", ["launch", "--dryrun", "--", *NANO]),
     ("torchft", "elastic", ["train", "--elastic", "--replicas", "2", *NANO]),
     ("torchft", "elastic", ["launch", "--dryrun", "--", "--elastic", "--replicas", "2", *NANO]),
+    ("kubernetes", "kubernetes", ["launch", "--dryrun", "-s", "kubernetes", "--", *NANO]),
 ]
 
 
@@ -39,8 +41,8 @@ MISSING = [
                          " ".join(v[:2]))
 def test_a_missing_extra_is_one_sentence_and_writes_nothing(tmp_path, monkeypatch, lowband_here,
                                                             module, extra, argv):
-    if module == "torchft" and argv[0] == "launch":
-        pytest.importorskip("torchx")  # the launch extra is there; only torchft is missing
+    if argv[0] == "launch" and module != "torchx":
+        pytest.importorskip("torchx")  # the launch extra is there; only `module` is missing
     (tmp_path / "model-without-hf").mkdir()
     (tmp_path / "model-without-hf" / "config.json").write_text('{"model_type": "llama"}')
     (tmp_path / "tok.json").write_text("{}")
@@ -64,8 +66,9 @@ def test_parquet_sources_need_pyarrow(tmp_path, monkeypatch):
 
     (tmp_path / "a.parquet").write_bytes(b"PAR1")
     monkeypatch.setitem(sys.modules, "pyarrow", None)
-    with pytest.raises(ConfigError, match=re.escape("Parquet sources needs the hf extra (pyarrow "
-                                                    "is not installed): pip install 'lowband[hf]'.")):
+    with pytest.raises(ConfigError, match=re.escape("a.parquet' (Parquet) needs the parquet extra "
+                                                    "(pyarrow is not installed): pip install "
+                                                    "'lowband[parquet]'.")):
         source_files(tmp_path)
 
 
@@ -90,10 +93,11 @@ def _names(requirements: list[str]) -> set[str]:
 
 
 def test_the_user_install_has_no_test_tools_and_the_test_extra_has_them():
-    assert _names(EXTRAS["all"]) == {"lowband[ui,launch,hf,elastic]"}
+    assert _names(EXTRAS["user"]) == {"lowband[ui,launch,hf,elastic]"}
+    assert _names(EXTRAS["all"]) == {"lowband[user,kubernetes,parquet]"}
     user = set().union(*(_names(EXTRAS[x]) for x in ("ui", "launch", "hf", "elastic")))
     tools = {"pytest", "hypothesis", "playwright", "triton"}
-    assert not tools & user
+    assert not (tools | {"pyarrow", "kubernetes", "datasets"}) & user  # 1 GB, 170 MB, 48 MB
     assert _names(EXTRAS["test"]) >= {"lowband[all]"} | tools
 
 
@@ -106,9 +110,9 @@ def test_every_extra_a_command_names_exists():
     assert {"hf", "ui", "launch", "elastic"} <= named
 
 
-def test_readme_installs_all_and_tests_with_the_test_extra_as_ci_does():
+def test_readme_installs_user_and_tests_with_the_test_extra_as_ci_does():
     readme = (ROOT / "README.md").read_text()
-    assert 'pip install -c constraints.txt -e ".[all]"' in readme.split("## Run the tests")[0]
+    assert 'pip install -c constraints.txt -e ".[user]"' in readme.split("## Run the tests")[0]
     block = readme.split("## Run the tests")[1].split("```bash\n")[1].split("```")[0]
     assert block.splitlines() == ['pip install -c constraints.txt -e ".[test]"',
                                   "python -m pytest -q"]

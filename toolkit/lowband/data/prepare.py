@@ -52,7 +52,7 @@ PROGRESS = "progress.json"
 def kind_of(path: Path) -> str:
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        needs_extra("hf", "Parquet sources", "pyarrow")
+        needs_extra("parquet", f"'{path}' (Parquet)", "pyarrow")
     if suffix in (".jsonl", ".parquet"):
         return suffix[1:]
     if suffix in TEXT_SUFFIXES:

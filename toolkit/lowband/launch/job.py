@@ -129,7 +129,7 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
     """
     needs_extra(*TORCHX)
     if scheduler == "kubernetes":
-        needs_extra("launch", "TorchX's kubernetes scheduler", "kubernetes")
+        needs_extra("kubernetes", "TorchX's kubernetes scheduler", "kubernetes")
     from torchx.runner.config import apply
     from torchx.specs.api import InvalidRunConfigException
 
