@@ -58,11 +58,13 @@ def venv(tmp_path_factory):
     env_dir = tmp / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", env_dir], cwd=tmp)
     python = env_dir / "bin" / "python"
-    _run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "-c",
-          ROOT / "constraints.txt", f"{wheel}[launch]"], cwd=tmp, timeout=600)
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME") and not k.startswith("LOWBAND_")}
     env["PATH"] = os.pathsep.join([str(env_dir / "bin"), env.get("PATH", "")])
+    # without PYTHONPATH here too: a checkout's toolkit/ on it (its lowband.egg-info from an
+    # editable install) reads to pip as lowband installed already, and the wheel is skipped
+    _run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "-c",
+          ROOT / "constraints.txt", f"{wheel}[launch]"], cwd=tmp, env=env, timeout=600)
     empty = tmp / "empty"
     empty.mkdir()
     print(f"wheel built and installed in {time.monotonic() - start:.0f} s")
