@@ -78,8 +78,9 @@ class Options:
     @classmethod
     def resolve(cls, cfg, algorithm) -> None:
         """Fill a field still None whose default depends on other options (OuterOptions:
-        --outer-lr by --replicas and --sync-every); `algorithm` is the run's algorithm class.
-        Called by Config.validate after the algorithm's `defaults` and the checks of the groups
+        --outer-lr by --replicas and --sync-every), or put one in the form the run records
+        (ModelOptions: a model's local path made absolute); `algorithm` is the run's algorithm
+        class. Called by Config.validate after the algorithm's `defaults` and the checks of the groups
         before this one, just before this group's check, so the value a run used is the one
         its config.json records."""
 
