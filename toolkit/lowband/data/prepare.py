@@ -346,7 +346,7 @@ def prepare_files(files: list[Path], root: Path, out: Path, tok: TokenizerRef, *
     first, skip = state["next_unit"], state["skip"]
     writer = _ShardWriter(out, np.dtype(ident["dtype"]), shard_tokens, state)
     bar = tqdm(total=sum(sizes), initial=sum(sizes[:first]), unit="B", unit_scale=True,
-               desc="tokenizing", file=sys.stderr, disable=not progress,
+               desc="tokenizing", file=sys.stderr, disable=not (progress and sys.stderr.isatty()),
                mininterval=0.5, dynamic_ncols=True)
     workers = max(1, min(workers or cores(), len(units) - first))
     try:
