@@ -100,7 +100,7 @@ class RunOptions(Options):
                         ("fp32", "bf16"))
     compile: bool = _f(False, "torch.compile each block's forward (hooks and communication stay "
                        "eager)")
-    progress: bool = _f(True, "show a progress bar on rank 0")
+    progress: bool = _f(True, "show a progress bar on rank 0 (when its stderr is a terminal)")
 
     @classmethod
     def check(cls, cfg) -> None:

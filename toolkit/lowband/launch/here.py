@@ -24,6 +24,10 @@ def train_here(cfg: Config, argv: list[str], resume: bool = False, hosts=None
 
     if cfg.elastic and hosts is not None:
         raise ValueError("an elastic run starts its groups on this machine, not on test hosts")
+    if resume:  # refused here, not by workers started for it (which would rewrite its logs)
+        from lowband.checkpoint.lifecycle import check_resumable
+
+        check_resumable(cfg)
     for note in cfg.ignored():
         print(f"lowband: note: {note}", file=sys.stderr)
     # the corpus is read (and cached) once, before the workers and before the run directory is

@@ -346,7 +346,8 @@ def _wait_port(host: str, port: int, timeout: float, what: str, log: Path, pid: 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lowband.testing.slurm_cluster", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("command", choices=("up", "down", "env", "status"))
     p.add_argument("--root", default=str(DEFAULT_ROOT), help="state directory")
     p.add_argument("--nodes", type=int, default=2)
