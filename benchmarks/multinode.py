@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from lowband.testing.testbed import TestHosts
+from lowband.launch.hosts import TestHosts
 
 HEADER_BYTES = 66  # Ethernet 14 + IPv4 20 + TCP 20 + timestamp option 12, per (GSO) packet
 

@@ -1,5 +1,5 @@
 """`lowband launch --elastic` over three real test hosts (network namespaces on a bridge, each
-host's egress shaped to 100 Mbit/s, each with its own hostname; lowband.testing.testbed).
+host's egress shaped to 100 Mbit/s, each with its own hostname; lowband.launch.hosts).
 
 The TorchX component's elastic job (launchers/lowband_components.py) has a Lighthouse role and a
 role a replica group; each role's command runs in a host as a scheduler would run it: the
@@ -20,7 +20,7 @@ import pytest
 
 from conftest import hosts_for_a_test
 from lowband.telemetry import read_events
-from lowband.testing.testbed import TestHosts
+from lowband.launch.hosts import TestHosts
 
 pytest.importorskip("torchft")
 pytest.importorskip("torchx")

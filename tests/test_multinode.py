@@ -3,7 +3,7 @@ run the TorchX component's node command; streaming trains across them. The bytes
 counts on the outer link must match what the veth pair carried. And a node that cannot reach the
 rendezvous, or finds nobody else there, fails with one sentence in bounded time.
 
-The two-host tests need root, `ip`, `tc` and `unshare` (lowband.testing.testbed makes the hosts)
+The two-host tests need root, `ip`, `tc` and `unshare` (lowband.launch.hosts makes the hosts)
 and are skipped without them; the lonely-node test runs anywhere.
 """
 

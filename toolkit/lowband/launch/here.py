@@ -17,7 +17,7 @@ def train_here(cfg: Config, argv: list[str], resume: bool = False, hosts=None
                ) -> tuple[int, RunDir]:
     """Run `lowband train ARGV` (cfg: its validated config) on this machine: (exit status, its
     run directory). 0: finished, summary.json written; 130: interrupted; otherwise the cause is
-    on stderr already. hosts: test hosts (lowband.testing.testbed) to run replica i on host i
+    on stderr already. hosts: test hosts (lowband.launch.hosts) to run replica i on host i
     (not with --elastic)."""
     from lowband.data import load_corpus, vocab_needed
     from lowband.models import check_vocab
