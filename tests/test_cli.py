@@ -71,6 +71,28 @@ def test_main_job_small(tmp_path):
                                  "outer_bytes": took[5][0][2]}
 
 
+def test_every_run_writes_its_report(tmp_path, capsys, monkeypatch):
+    """`lowband train` with flags ends with the report it wrote into its run directory; without
+    plotly (the ui extra) with one sentence naming the extra, and exit status 0."""
+    from lowband.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    tiny = ["train", "--algo", "ddp", "--replicas", "1", "--model", "nano", "--steps", "2",
+            "--seq-len", "32", "--batch-size", "2", "--eval-every", "0", "--eval-batches", "1",
+            "--no-progress", "--run-dir"]
+    assert main([*tiny, "a"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "report: a/report.html"
+    assert (tmp_path / "a" / "report.html").stat().st_size > 1_000_000
+    for name in ["plotly", *(m for m in sys.modules if m.startswith("plotly."))]:
+        monkeypatch.setitem(sys.modules, name, None)   # as in an install without the ui extra
+    assert main([*tiny, "b"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == ("report: not written: plotly is missing; install the ui extra: pip install "
+                    "'lowband[ui]', then `lowband report b -o b/report.html`.")
+    assert (tmp_path / "b" / "summary.json").exists()
+    assert not (tmp_path / "b" / "report.html").exists()
+
+
 def test_config_file_and_flags_override(tmp_path):
     (tmp_path / "run.toml").write_text('model = "nano"\nsteps = 50\nseq_len = 32\nreplicas = 1\n')
     proc = lowband("train", "--config", "run.toml", "--steps", 3, "--run-dir", "r", "--no-progress",

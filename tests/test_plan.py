@@ -516,6 +516,24 @@ def test_figure():
     assert [t.name for t in fig.data] == list(ALGORITHMS)
     assert fig.layout.xaxis.type == "log"
     assert all(0 < y <= 1 for t in fig.data for y in t.y)
+    # the ticks read as bandwidths, not as plotly's counts (1B: a billion, read as bytes)
+    assert "1 Gbit/s" in fig.layout.xaxis.ticktext
+    assert all(t.endswith("bit/s") for t in fig.layout.xaxis.ticktext)
+
+
+def test_a_figure_of_runs_on_a_link_spans_their_link():
+    """The report's curves of runs on an emulated link (curves(links=...)): around that link,
+    not 100x around what the curves need (which ran to 100 Tbit/s)."""
+    pytest.importorskip("plotly")
+    from lowband.plan.api import curves
+
+    run = make_run(params=8e5, layers=4, step_time=0.07, sync_every=20, bandwidth="100mbit")
+    for algo in ("streaming", "ddp"):
+        ax = curves([(algo, algo, run)], links=[1e8]).layout.xaxis
+        lo, hi = 10 ** ax.range[0], 10 ** ax.range[1]
+        assert 1e6 <= lo < 1e8 < hi <= 1e11, (algo, lo, hi)
+        assert "100 Mbit/s" in ax.ticktext and all(t.endswith("bit/s") for t in ax.ticktext)
+        assert [lo <= v <= hi for v in ax.tickvals].count(True) >= 3
 
 
 def test_presets_match_lowband_models():

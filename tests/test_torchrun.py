@@ -52,6 +52,9 @@ def test_cli_under_torchrun(tmp_path):
     assert len(runs) == 1  # both ranks agreed on one run directory
     summary = json.loads((runs[0] / "summary.json").read_text())
     assert summary["replicas"] == 2 and summary["steps"] == 4
+    # rank 0 ends its log with the report it wrote into the run directory
+    report = runs[0].relative_to(tmp_path) / "report.html"
+    assert f"report: {report}\n" in proc.stderr and (tmp_path / report).is_file()
 
 
 @pytest.mark.parametrize("algo", ["ddp", "streaming"])

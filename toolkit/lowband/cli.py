@@ -20,7 +20,6 @@ def is_worker() -> bool:
 
 
 def cmd_train(argv: list[str]) -> int:
-    main_job = not argv
     argv = argv or ["--recipe", "main"]  # `lowband train` alone: the main job (workers too)
     cfg, resume = parse_train(argv)
     if is_worker():
@@ -53,8 +52,12 @@ def cmd_train(argv: list[str]) -> int:
             summary = train(cfg, resume=resume)  # its files (events, summary, weights) are closed
             if summary and not os.environ.get("LOWBAND_WORKER"):  # not `lowband train`'s own
                 # a launched job's log (stderr: the stream schedulers keep) ends with the result
+                # and the report rank 0 writes (the ranks it waits for wait at the final barrier)
+                from lowband.report import run_report
+
                 print(f"run directory: {cfg.run_dir}\n{one_line(summary)}", file=sys.stderr,
                       flush=True)
+                print(run_report(cfg.run_dir), file=sys.stderr, flush=True)
         except (ConfigError, TrainingStopped, ElasticStopped) as e:
             error = "error: " if isinstance(e, ConfigError) else ""
             print(f"lowband: {error}{e}", file=sys.stderr)
@@ -67,11 +70,15 @@ def cmd_train(argv: list[str]) -> int:
             traceback.print_exc()
             leave(1)
         leave(0)
-    return launch_local(cfg, argv, main_job, resume)
+    return launch_local(cfg, argv, resume)
 
 
-def launch_local(cfg: Config, argv: list[str], main_job: bool = False, resume: bool = False) -> int:
+def launch_local(cfg: Config, argv: list[str], resume: bool = False) -> int:
+    """Train on this machine; then print the run directory, its one line, what ddp would have
+    sent (the headline, lowband.summary.comparison) and the report written into the run
+    directory (or one sentence saying why none was)."""
     from lowband.launch.here import train_here
+    from lowband.report import run_report
 
     code, run = train_here(cfg, argv, resume)
     if code != 0:
@@ -79,25 +86,11 @@ def launch_local(cfg: Config, argv: list[str], main_job: bool = False, resume: b
     summary = run.read_json(run.summary) or {}
     print(f"run directory: {run.root}")
     print(one_line(summary))
-    _main_job_extras(cfg, run, summary, report=main_job)
-    return 0
-
-
-def _main_job_extras(cfg: Config, run, summary: dict, report: bool) -> None:
-    """Beside the run's own figures: what ddp would have sent, and (for the main job, `lowband
-    train` alone) the HTML report to open."""
-    from lowband.units import parse_bandwidth
-
-    line = comparison(summary, parse_bandwidth(cfg.link_bandwidth or 0))
+    line = comparison(summary, cfg.link_bandwidth)
     if line:
         print(line)
-    if report:
-        from lowband.report import write_report
-
-        path = write_report(run.root, run.root / "report.html")
-        print(f"report: {path}")
-    else:
-        print(f"report: lowband report {run.root} -o report.html")
+    print(run_report(run.root))
+    return 0
 
 
 COMMANDS = {"train": cmd_train}

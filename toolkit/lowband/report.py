@@ -3,18 +3,39 @@
     lowband report runs/a runs/b -o report.html        (or write_report([...], "report.html"))
 
 The page itself is built in lowband.dashboard.export (Dashboard.export_html writes the same
-one); this module is its command line, and the names a script imports from lowband.report.
+one); this module is its command line, the report every `lowband train` writes into its run
+directory (run_report), and the names a script imports from lowband.report.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from lowband.config import ArgParser, ConfigError
 from lowband.dashboard.export import ReportError, load_runs, render_report, write_report
 from lowband.dashboard.tables import run_record
 
-__all__ = ["ReportError", "load_runs", "main", "render_report", "run_record", "write_report"]
+__all__ = ["ReportError", "load_runs", "main", "render_report", "run_record", "run_report",
+           "write_report"]
+
+
+def _missing(e: ImportError) -> str:
+    package = (e.name or "plotly").split(".")[0]  # plotly.offline: plotly
+    return f"{package} is missing; install the ui extra: pip install 'lowband[ui]'"
+
+
+def run_report(run_dir) -> str:
+    """The line a finished `lowband train` ends with: `report: RUN/report.html`, the report it
+    wrote of the run, or one sentence saying why it could not (the ui extra not installed)."""
+    try:
+        path = write_report(run_dir, Path(run_dir) / "report.html")
+    except ImportError as e:
+        return (f"report: not written: {_missing(e)}, then `lowband report {run_dir} -o "
+                f"{Path(run_dir) / 'report.html'}`.")
+    except ReportError as e:
+        return f"report: not written: {e}"
+    return f"report: {path}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lowband report: {e}", file=sys.stderr)
         return 2
     except ImportError as e:
-        print(f"lowband report: {e.name or 'plotly'} is missing; install the ui extra: "
-              f"pip install 'lowband[ui]'.", file=sys.stderr)
+        print(f"lowband report: {_missing(e)}.", file=sys.stderr)
         return 2
     print(f"wrote {path}")
     return 0
