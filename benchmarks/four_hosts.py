@@ -29,7 +29,7 @@ from lowband.launch.hosts import TestHosts
 def algo_flags(a) -> dict[str, list[str]]:
     """The two runs compared, ddp and streaming, from the arguments (model, steps, H, P)."""
     common = ["--model", a.model, "--steps", str(a.steps), "--batch-size", "4", "--seq-len", "128",
-              "--eval-every", "0", "--eval-batches", "2"]
+              "--eval-every", "0", "--eval-batches", "2", "--link-bandwidth", "none"]  # the hosts' link
     return {"ddp": [*common, "--algo", "ddp"],
             "streaming": [*common, "--algo", "streaming", "--sync-every", str(a.sync_every),
                           "--fragments", str(a.fragments)]}

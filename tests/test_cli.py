@@ -24,8 +24,8 @@ SUMMARY = {"algorithm", "replicas", "shards", "steps", "tokens", "wall_s", "toke
 
 
 def test_main_job_small(tmp_path):
-    proc = lowband("train", "--model", "nano", "--steps", 12, "--eval-every", 5,
-                   "--target-loss", 100, cwd=tmp_path)
+    proc = lowband("train", "--algo", "ddp", "--link-bandwidth", "none", "--model", "nano",
+                   "--steps", 12, "--eval-every", 5, "--target-loss", 100, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("run directory: runs/ddp-")
@@ -94,7 +94,8 @@ def test_every_run_writes_its_report(tmp_path, capsys, monkeypatch):
 
 
 def test_config_file_and_flags_override(tmp_path):
-    (tmp_path / "run.toml").write_text('model = "nano"\nsteps = 50\nseq_len = 32\nreplicas = 1\n')
+    (tmp_path / "run.toml").write_text('algo = "ddp"\nlink_bandwidth = "none"\nmodel = "nano"\n'
+                                       'steps = 50\nseq_len = 32\nreplicas = 1\n')
     proc = lowband("train", "--config", "run.toml", "--steps", 3, "--run-dir", "r", "--no-progress",
                    cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -121,6 +122,8 @@ BAD = [
     (["--algo", "diloco", "--fragments", "2"], "use --algo streaming"),
     (["--algo", "streaming", "--codec", "fp8"], "unknown codec 'fp8'"),
     (["--link-bandwidth", "fast"], "cannot read the bandwidth 'fast'"),
+    (["--link-bandwidth", "0"], "--link-bandwidth must be positive, got '0': give none for no"),
+    (["--link-latency", "soon"], "--link-latency: cannot read the duration 'soon'"),
     (["--fragment-pattern", "random"], "is not one of strided, sequential"),
     (["--target-loss", "-1"], "--target-loss must be a finite validation loss (or 0 for none), got -1.0."),
     (["--target-loss", "nan"], "--target-loss must be a finite validation loss (or 0 for none), got nan."),
@@ -168,8 +171,9 @@ def _workers_of(cwd) -> list[int]:
 
 
 def test_killed_worker_stops_the_job(tmp_path):
-    parent = subprocess.Popen([sys.executable, "-m", "lowband.cli", "train", "--model", "nano",
-                               "--steps", "100000", "--no-progress", "--run-dir", "r"],
+    parent = subprocess.Popen([sys.executable, "-m", "lowband.cli", "train", "--algo", "ddp",
+                               "--link-bandwidth", "none", "--model", "nano", "--steps", "100000",
+                               "--no-progress", "--run-dir", "r"],
                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     events = tmp_path / "r" / "events" / "rank1.jsonl"
     deadline = time.time() + 120

@@ -14,8 +14,9 @@ from lowband.config import ConfigError
 from lowband.data import Batches, ShardedTokens, load_tokens, prepare, tokenizer, vocab_needed
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach a hub
-TRAIN = ["--model", "nano", "--steps", 3, "--replicas", 1, "--seq-len", 32, "--batch-size", 4,
-         "--eval-every", 0, "--eval-batches", 1, "--no-progress"]
+TRAIN = ["--algo", "ddp", "--link-bandwidth", "none", "--model", "nano", "--steps", 3,
+         "--replicas", 1, "--seq-len", 32, "--batch-size", 4, "--eval-every", 0,
+         "--eval-batches", 1, "--no-progress"]
 
 
 @pytest.fixture(scope="module")

@@ -230,7 +230,7 @@ def common(R, S, steps, H, W=0):
     return ["--algo", "edit", "--model", "nano", "--n-layer", N_LAYER, "--replicas", R,
             "--shards", S, "--steps", steps, "--sync-every", H, "--warmup-sync-steps", W,
             "--batch-size", BATCH, "--seq-len", SEQ, "--lr", LR, "--warmup-steps", WARMUP,
-            "--grad-clip", CLIP, "--seed", SEED, "--eval-every", 0]
+            "--grad-clip", CLIP, "--seed", SEED, "--eval-every", 0, "--link-bandwidth", "none"]
 
 
 def assert_close(run, want_outer, want_local):
@@ -454,7 +454,8 @@ def test_aedit_straggler_syncs_by_time(train_run):
     # the warm-up's two synchronous steps take the first steps' one-off costs out of the windows
     run = train_run("--algo", "aedit", "--model", "nano", "--replicas", 2, "--steps", 100000,
                     "--sync-seconds", 1.5, "--time-budget", 6, "--warmup-sync-steps", 2,
-                    "--straggler", "1:4", "--batch-size", 4, "--seq-len", 64, "--eval-every", 0)
+                    "--straggler", "1:4", "--batch-size", 4, "--seq-len", 64, "--eval-every", 0,
+                    "--link-bandwidth", "none")
     syncs = [e for e in sync_events(run) if e["block"] == "root"]
     assert len(syncs) >= 3
     for e in syncs[:-1]:  # the last window is what was left of the time budget
@@ -476,7 +477,7 @@ def test_aedit_step_budget(train_run, reference):
              if reference else ["--sync-seconds", 0.3])
     run = train_run("--algo", "aedit", "--model", "nano", "--replicas", 2, "--shards", 1,
                     "--steps", 60, "--warmup-sync-steps", 3, "--batch-size", BATCH,
-                    "--seq-len", SEQ, "--eval-every", 0, *extra)
+                    "--seq-len", SEQ, "--eval-every", 0, "--link-bandwidth", "none", *extra)
     last = sync_events(run)[-1]
     steps = {r: max(e["step"] for e in read_events(run, ("step",)) if e["rank"] == r) for r in (0, 1)}
     assert last["total_steps"] == steps[0] + steps[1]
@@ -499,7 +500,7 @@ def test_aedit_budget_holds_and_the_summary_tells_the_steps_run(train_run):
         run = train_run("--algo", "aedit", "--model", "nano", "--replicas", 2, "--steps", steps,
                         "--sync-seconds", window, "--warmup-sync-steps", 2, "--straggler",
                         straggler, "--batch-size", BATCH, "--seq-len", SEQ, "--eval-every", 0,
-                        name=f"run-{steps}")
+                        "--link-bandwidth", "none", name=f"run-{steps}")
         ran = [max(e["step"] for e in read_events(run, ("step",)) if e["rank"] == r) for r in (0, 1)]
         assert 2 * steps <= sum(ran) <= 2 * steps + 2, ran
         summary = run.read_json(run.summary)

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # tiny, but with an fp32 exchange: the synced bytes dwarf the rendezvous and TCP/IP overhead
 FLAGS = ["--algo", "streaming", "--model", "nano", "--steps", "20", "--sync-every", "4",
          "--fragments", "2", "--codec", "fp32", "--seq-len", "32", "--batch-size", "4",
-         "--eval-every", "0", "--eval-batches", "1"]
+         "--eval-every", "0", "--eval-batches", "1", "--link-bandwidth", "none"]  # the veth's link
 
 
 def _bench():

@@ -18,7 +18,8 @@ from lowband.plan import (ALGORITHMS, MODELS, PlanError, exchange_phases, figure
 
 EXAMPLE = ["--params", "1e9", "--n-layer", "24", "--step-time", "0.1", "--replicas", "2",
            "--algo", "streaming", "--sync-every", "96", "--fragments", "8", "--overlap", "1",
-           "--codec", "fp4-e3m0", "--target-cu", "0.9", "--steady", "--json"]
+           "--codec", "fp4-e3m0", "--target-cu", "0.9", "--steady", "--link-bandwidth", "none",
+           "--json"]
 BASE = dict(params=1e8, layers=8, step_time=0.2, replicas=4, sync_every=48, codec="bf16",
             grad_dtype="bf16")
 
@@ -451,7 +452,8 @@ def test_recipe_main_and_a_finished_run_of_every_algorithm(train_runs, capsys):
     assert out["algorithms"]["streaming"]["inputs"]["steps"] == 200  # the main job's whole run
     assert all(0 < row["cu"] <= 1 for row in out["algorithms"].values())  # its 100 Mbit/s link
     common = ["--model", "nano", "--n-layer", "2", "--seq-len", "16", "--batch-size", "2",
-              "--steps", "6", "--eval-every", "0", "--link-bandwidth", "50Mbit"]
+              "--steps", "6", "--eval-every", "0", "--link-bandwidth", "50Mbit", "--link-latency",
+              "0ms"]
     own = {"diloco": ["--sync-every", "2"], "edit": ["--sync-every", "2"],
            "acco": ["--acco-micro", "1:1", "--steps", "12"]}  # 2 micro-batches a step
     runs = train_runs(**{a: ["--algo", a, *common, *own.get(a, [])]

@@ -122,17 +122,34 @@ def cmd_recipes(argv: list[str]) -> int:
 COMMANDS["recipes"] = cmd_recipes
 
 
+HELP = """usage: lowband COMMAND [OPTIONS]   (lowband COMMAND --help: a command's options)
+
+commands:
+  train    train a model across replicas: alone, the main job (below); a flag changes what it names
+  plan     predict a run's bandwidth needs and compute utilization on its link, without training
+  report   write an offline HTML report of one or more runs
+  launch   run `lowband train` (or your script) as a TorchX job: here, Slurm, Kubernetes, ...
+  recipes  list the named configurations (`lowband train --recipe NAME`)
+  prepare  tokenize text, JSONL or Parquet files into token shards for --data
+  export   write a finished run's weights as a Hugging Face model directory
+  compare  train several algorithms, recipes or configs at equal time or tokens, side by side
+
+the main job: `lowband train` (Streaming DiLoCo, 2 replicas of a 0.8M GPT, 200 steps, over an
+emulated 100 Mbit/s, 10 ms link); `lowband train --algo ddp` is its baseline over the same link,
+`lowband train --steps 20` the same job shorter, `--link-bandwidth none` without the link."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in COMMANDS:
-        if argv and argv[0] in ("-h", "--help"):
-            print(f"usage: lowband {{{','.join(COMMANDS)}}} ...  (lowband COMMAND --help for each)")
-            return 0
-        if argv and not argv[0].startswith("-"):
+    if not argv or argv[0] in ("-h", "--help"):  # `lowband` alone starts nothing: the help
+        print(HELP)
+        return 0
+    if argv[0] not in COMMANDS:
+        if not argv[0].startswith("-"):
             print(f"lowband: error: unknown command '{argv[0]}': use one of "
                   f"{', '.join(COMMANDS)}.", file=sys.stderr)
             return 2
-        argv = ["train", *argv]  # `lowband` alone (or with flags) is `lowband train`
+        argv = ["train", *argv]  # `lowband --steps 20` (flags, no command) is `lowband train`
     try:
         return COMMANDS[argv[0]](argv[1:])
     except ConfigError as e:
