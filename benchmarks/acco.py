@@ -67,7 +67,7 @@ def _config(a, run_dir: Path, **over):
         clip["acco_clip"] = a.clip == "both"
     fields = dict(replicas=WORLD, shards=1, model=a.model, batch_size=a.batch_size, **clip,
                   seq_len=a.seq_len, grad_accum=a.grad_accum, seed=a.seed, progress=False,
-                  eval_batches=a.eval_batches, run_dir=str(run_dir))
+                  eval_batches=a.eval_batches, run_dir=str(run_dir), link_latency="0ms")
     fields.update(over)
     return Config(**fields)
 

@@ -48,7 +48,7 @@ def common(a) -> list:
     return ["--algo", "streaming", "--model", a.model, "--replicas", a.replicas,
             "--fragments", a.fragments, "--sync-every", a.sync_every, "--overlap", 1,
             "--batch-size", a.batch_size, "--seq-len", a.seq_len, "--link-bandwidth", "100Mbit",
-            "--eval-every", 0, "--eval-batches", 8, "--no-progress", "--overwrite"]
+            "--link-latency", "0ms", "--eval-every", 0, "--eval-batches", 8, "--no-progress", "--overwrite"]
 
 
 def summary(run: Path) -> dict:

@@ -1,6 +1,6 @@
 """The outer average's two exchanges over four real test hosts: all-gather against two-phase.
 
-Four hosts (network namespaces lbq-h0..h3, 10.213.11.1-4, on a bridge; lowband.testing.testbed),
+Four hosts (network namespaces lbq-h0..h3, 10.213.11.1-4, on a bridge; lowband.launch.hosts),
 each host's egress shaped to 100 Mbit/s, one rank a host, gloo over the hosts' addresses. Every rank
 averages the same-sized fp32 vector (its own values) with Comm.average in each dense codec, once
 with `exchange="all-gather"` and once with `exchange="two-phase"` (fp32: the all-reduce), a few
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from lowband.testing.testbed import TestHosts
+from lowband.launch.hosts import TestHosts
 
 HEADER_BYTES = 66  # Ethernet 14 + IPv4 20 + TCP 20 + timestamp option 12, per packet
 CODECS = ("fp32", "bf16", "int8", "fp4-e3m0", "fp4-e2m1")

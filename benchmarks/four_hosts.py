@@ -1,6 +1,6 @@
 """ddp against streaming over four real test hosts, R=4: tokens/s on a shaped bridge.
 
-Four hosts (network namespaces lbf-h0..h3, 10.213.12.1-4, on a bridge; lowband.testing.testbed),
+Four hosts (network namespaces lbf-h0..h3, 10.213.12.1-4, on a bridge; lowband.launch.hosts),
 each host's egress shaped to 100 Mbit/s, each running the TorchX component's node command (one replica a
 host, as benchmarks/multinode.py does for two). Prints each algorithm's tokens/s, compute
 utilization, outer bytes per token and validation loss, and streaming's ratio to ddp measured in
@@ -23,13 +23,13 @@ from pathlib import Path
 
 from multinode import run_job  # benchmarks/multinode.py
 
-from lowband.testing.testbed import TestHosts
+from lowband.launch.hosts import TestHosts
 
 
 def algo_flags(a) -> dict[str, list[str]]:
     """The two runs compared, ddp and streaming, from the arguments (model, steps, H, P)."""
     common = ["--model", a.model, "--steps", str(a.steps), "--batch-size", "4", "--seq-len", "128",
-              "--eval-every", "0", "--eval-batches", "2"]
+              "--eval-every", "0", "--eval-batches", "2", "--link-bandwidth", "none"]  # the hosts' link
     return {"ddp": [*common, "--algo", "ddp"],
             "streaming": [*common, "--algo", "streaming", "--sync-every", str(a.sync_every),
                           "--fragments", str(a.fragments)]}

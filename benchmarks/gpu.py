@@ -137,7 +137,8 @@ def per_step(ends: list[float], warm: int) -> float:
 
 
 def base_config(args, device: torch.device, **over) -> Config:
-    c = Config(model=args.model, seq_len=args.seq_len, batch_size=args.batch_size,
+    c = Config(algo="ddp", link_bandwidth="", link_latency="0ms", model=args.model,
+               seq_len=args.seq_len, batch_size=args.batch_size,
                steps=args.warm + args.steps, replicas=1, shards=1, device=device.type,
                precision=args.precision, eval_every=0, eval_batches=1, progress=False,
                warmup_steps=2, lr=1e-3)
@@ -321,7 +322,8 @@ def section_e2e(args, device, root) -> list[dict]:
                 "--data", args.e2e_data, "--seq-len", str(args.seq_len),
                 "--batch-size", str(args.e2e_batch),
                 "--sync-every", "8", "--eval-every", "0", "--eval-batches", "1",
-                "--precision", args.precision, "--link-bandwidth", args.e2e_link, *flags]
+                "--precision", args.precision, "--link-bandwidth", args.e2e_link,
+                "--link-latency", "0ms", *flags]
         t0 = time.perf_counter()
         proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
         row = {"algo": name, "seconds": time.perf_counter() - t0, "ok": proc.returncode == 0}

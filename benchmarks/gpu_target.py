@@ -104,7 +104,7 @@ def planned_steps(algo_flags: list[str], step_time: float, seconds: float, link:
     from lowband.flags import parse_train
     from lowband.plan import run_of, simulate
 
-    over = {**(common or {}), "link_bandwidth": link, "steps": 100}
+    over = {**(common or {}), "link_bandwidth": link, "link_latency": "0ms", "steps": 100}
     cfg = parse_train(_flags(algo_flags, over))[0]
     sim = simulate(cfg.algo, run=run_of(cfg, step_time, steady=True))
     per_step = step_time + sim.stall_per_step
@@ -147,7 +147,8 @@ def curve(run: Path) -> list[dict]:
 def run_one(name: str, data: str, root: Path, steps: int, link: str, device: str,
             limit: float, common: dict | None = None) -> dict:
     run = root / f"target-{name}"
-    over = {**(common or {}), "data": data, "steps": steps, "link_bandwidth": link, "device": device,
+    over = {**(common or {}), "data": data, "steps": steps, "link_bandwidth": link,
+            "link_latency": "0ms", "device": device,
             "run_dir": run, "eval_every": max(steps // 20, 1),
             "warmup_steps": max(steps // 20, 2)}
     argv = [sys.executable, "-m", "lowband.cli", "train", "--no-progress",

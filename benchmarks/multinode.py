@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from lowband.testing.testbed import TestHosts
+from lowband.launch.hosts import TestHosts
 
 HEADER_BYTES = 66  # Ethernet 14 + IPv4 20 + TCP 20 + timestamp option 12, per (GSO) packet
 
@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"multinode benchmark skipped: it {why}.")
         return 0
     flags = ["--algo", "streaming", "--model", args.model, "--sync-every", str(args.sync_every),
-             "--fragments", str(args.fragments), "--codec", args.codec, "--eval-every", "0"]
+             "--fragments", str(args.fragments), "--codec", args.codec, "--eval-every", "0",
+             "--link-bandwidth", "none"]  # the veth pair's shaped link is the link
     tmp = Path(tempfile.mkdtemp(prefix="lbx-multinode-"))
     results = {}
     try:

@@ -34,7 +34,8 @@ def main(argv=None) -> int:
                 run = Path(tmp) / f"{algo}-{bw}"
                 subprocess.run([sys.executable, "-m", "lowband.cli", "train", "--algo", algo, *flags,
                                 "--model", args.model, "--steps", str(args.steps),
-                                "--link-bandwidth", bw, "--eval-every", "0", "--no-progress",
+                                "--link-bandwidth", bw, "--link-latency", "0ms",
+                                "--eval-every", "0", "--no-progress",
                                 "--run-dir", str(run)], check=True, stdout=subprocess.DEVNULL)
                 r = check_run(run)
                 diff = r["predicted_cu"] - r["measured_cu"]

@@ -45,7 +45,7 @@ from pathlib import Path
 from machine import describe, model_line, write_llama_mini  # benchmarks/machine.py
 
 from lowband import recipes
-from lowband.testing.testbed import TestHosts
+from lowband.launch.hosts import TestHosts
 
 ALGOS = ("ddp", "diloco", "streaming", "sparse")  # sparse: streaming with topk-2bit, sparseloco
 SPARSE = ["--codec", "topk-2bit", "--outer-rule", "sparseloco", "--outer-lr", "1",

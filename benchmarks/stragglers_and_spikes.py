@@ -153,7 +153,7 @@ def part_b(a, out: Path) -> dict:
     res = {}
     for name in ("diloco", "edit"):
         flags = [*common(a, a.spike_batch_size), "--algo", name, "--sync-every", a.sync_every,
-                 "--steps", a.steps, "--corrupt", corrupt, "--eval-every", 5,
+                 "--steps", a.steps, "--corrupt", corrupt, "--eval-every", 5, "--link-bandwidth", "none",
                  *(shlex.split(a.edit_flags) if name == "edit" else [])]
         res[name] = r = train(out / f"b-{name}", flags, a.timeout)
         r["spike"], r["absorbed_at"] = spike(r, a.corrupt_step)

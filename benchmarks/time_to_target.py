@@ -8,6 +8,11 @@
        adaptive, acco 1:1 (acco-2), edit
   r4   R=4: ddp for --steps steps, then streaming (at its default outer learning rate) given
        ddp's time
+  h    R=2 at equal tokens (ddp's, --equal tokens): ddp, streaming fp4 at H = 20 (P 4), 8
+       (P 4) and 4 (P 2, the least H with overlap 1): the loss streaming loses at equal tokens
+       by H, the factor that caps how much sooner it can reach ddp's loss. Losses only: at equal
+       tokens neither's depends on the link or the time (no link here, and the part may share
+       the machine)
   r2-hosts  as r2, ddp and streaming fp4 only, over a real link instead of the emulated one:
        two test hosts (network namespaces, `lowband compare --test-hosts`), each host's egress
        shaped by tc tbf to 100 Mbit/s (no latency added: this kernel has no netem); needs root
@@ -52,6 +57,9 @@ PARTS = {
         ("ddp", {}), ("diloco", {}), ("streaming", {}), ("streaming", {"codec": "topk-2bit"}),
         ("acco", {}), ("acco", {"acco_micro": "1:1"}), ("edit", {})]),
     "r4": dict(replicas=4, algos=[("ddp", {}), ("streaming", {})]),
+    "h": dict(replicas=2, equal="tokens", algos=[
+        ("ddp", {}), ("streaming", {"sync_every": 20}), ("streaming", {"sync_every": 8}),
+        ("streaming", {"sync_every": 4, "fragments": 2})]),
     "r2-hosts": dict(replicas=2, algos=[("ddp", {}), ("streaming", {})], test_hosts=True),
 }
 
@@ -59,10 +67,12 @@ PARTS = {
 def run_part(name: str, steps: int, root: Path) -> dict:
     part = PARTS[name]
     flags = ["--model", "mini", "--replicas", str(part["replicas"]), "--steps", str(steps),
-             "--eval-every", str(max(steps // 10, 1)), "--eval-batches", "8", *LINK]
+             "--eval-every", str(max(steps // 10, 1)), "--eval-batches", "8",
+             *(LINK if part.get("equal") != "tokens" else [])]
     t0 = time.time()
     result = lowband.compare(algos=part["algos"], flags=flags, directory=root / name,
-                             test_hosts=part.get("test_hosts", False))
+                             test_hosts=part.get("test_hosts", False),
+                             equal=part.get("equal", "time"))
     print(f"\n[{name}] {time.time() - t0:.0f} s; report: {root / name / 'report.html'}", flush=True)
     return result
 
@@ -95,15 +105,22 @@ def goals(result: dict) -> list[tuple[str, bool | None, str]]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=["r2", "r4", "r2-hosts", "all"], default="r2")
+    p.add_argument("--part", choices=["r2", "r4", "h", "r2-hosts", "all"], default="r2")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--dir", type=Path, default=None)
     a = p.parse_args()
     root = a.dir or Path(tempfile.mkdtemp(prefix="lowband-time-to-target-"))
     results = {}
-    for name in (["r2", "r4", "r2-hosts"] if a.part == "all" else [a.part]):
+    for name in (["r2", "r4", "h", "r2-hosts"] if a.part == "all" else [a.part]):
         results[name] = run_part(name, a.steps, root)
         print(text(results[name]), flush=True)
+    if "h" in results:
+        print("\nloss at equal tokens against ddp's (h):")
+        ddp = results["h"]["runs"][0]
+        for r in results["h"]["runs"][1:]:
+            loss = r["final_val_loss"] / ddp["final_val_loss"] - 1
+            print(f"  {r['name']}: {r['final_val_loss']:.4f} ({loss:+.2%}; ddp "
+                  f"{ddp['final_val_loss']:.4f})")
     for name in ("r2", "r2-hosts", "r4"):
         if name in results:
             print(f"\ngoals ({name}):")

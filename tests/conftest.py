@@ -108,7 +108,7 @@ def train_runs(tmp_path):
 
 
 def hosts_for_a_test(hosts):
-    """A fixture's body: set up test hosts (lowband.testing.testbed.TestHosts), skipping the test
+    """A fixture's body: set up test hosts (lowband.launch.hosts.TestHosts), skipping the test
     where they cannot be made; after it, kill what runs in them, remove them and check nothing is
     left."""
     try:

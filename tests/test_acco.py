@@ -145,8 +145,9 @@ def assert_close(run, want: dict, tol: float):
 # train` — once per configuration below, then checks the state round trip; the tests read the
 # run directories. One start-up for all of them keeps the file fast.
 WORLD = 2
+NO_LINK = dict(link_bandwidth="", link_latency="0ms")  # runs with a link give its bandwidth
 COMMON = dict(model="nano", steps=STEPS, batch_size=BATCH, seq_len=SEQ, lr=LR,
-              warmup_steps=WARMUP, seed=SEED, eval_every=0, progress=False)
+              warmup_steps=WARMUP, seed=SEED, eval_every=0, progress=False, **NO_LINK)
 RUNS = {
     # plain SGD, fixed 2:1 (= --grad-accum 3), two replicas over an emulated outer link;
     # --grad-clip far below the gradients' norms, which acco's rounds leave alone by default
@@ -161,12 +162,12 @@ RUNS = {
     "zero1": dict(algo="zero1", model="nano", replicas=2, shards=1, steps=DDP_STEPS,
                   grad_accum=DDP_ACCUM, batch_size=DDP_BATCH, seq_len=DDP_SEQ, lr=DDP_LR,
                   warmup_steps=DDP_WARMUP, grad_clip=DDP_CLIP, seed=3, eval_every=0,
-                  progress=False),
+                  progress=False, **NO_LINK),
     # adaptive counts with replica 1 four times slower; a budget of 6 x 30 x 2 micro-batches,
     # about 6 steps on a link where a round lasts several of these small micro-batches
     "acco-adaptive": dict(algo="acco", model="nano", replicas=2, shards=1, steps=6, grad_accum=30,
                           batch_size=BATCH, seq_len=SEQ, straggler="1:4", link_bandwidth="400Mbit",
-                          eval_every=3, progress=False),
+                          eval_every=3, progress=False, link_latency="0ms"),
 }
 
 
@@ -328,7 +329,7 @@ def test_a_world_of_one_skips_its_copies_and_keeps_its_values(train_runs):
     one, test_ddp.py's float64 reference is 5.6e-6 away from ddp itself: ddp is the yardstick.)"""
     base = ["--replicas", 1, "--model", "nano", "--steps", STEPS, "--batch-size", BATCH,
             "--seq-len", SEQ, "--lr", LR, "--warmup-steps", WARMUP, "--seed", SEED,
-            "--eval-every", 0]
+            "--eval-every", 0, "--link-bandwidth", "none"]
     cases = {"clipped": ["--grad-accum", DDP_ACCUM, "--grad-clip", DDP_CLIP],
              "unclipped": ["--grad-accum", 1, "--grad-clip", 0]}
     runs = train_runs(acco=["--algo", "acco", "--acco-micro", "1:1", "--grad-accum", 2, *base],

@@ -24,8 +24,8 @@ SUMMARY = {"algorithm", "replicas", "shards", "steps", "tokens", "wall_s", "toke
 
 
 def test_main_job_small(tmp_path):
-    proc = lowband("train", "--model", "nano", "--steps", 12, "--eval-every", 5,
-                   "--target-loss", 100, cwd=tmp_path)
+    proc = lowband("train", "--algo", "ddp", "--link-bandwidth", "none", "--model", "nano",
+                   "--steps", 12, "--eval-every", 5, "--target-loss", 100, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("run directory: runs/ddp-")
@@ -71,8 +71,32 @@ def test_main_job_small(tmp_path):
                                  "outer_bytes": took[5][0][2]}
 
 
+def test_every_run_writes_its_report(tmp_path, capsys, monkeypatch):
+    """`lowband train` with flags ends with the report it wrote into its run directory; without
+    plotly (the ui extra) with one sentence naming the extra, and exit status 0."""
+    from lowband.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    tiny = ["train", "--algo", "ddp", "--replicas", "1", "--model", "nano", "--steps", "2",
+            "--seq-len", "32", "--batch-size", "2", "--eval-every", "0", "--eval-batches", "1",
+            "--no-progress", "--run-dir"]
+    assert main([*tiny, "a"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "report: a/report.html"
+    assert (tmp_path / "a" / "report.html").stat().st_size > 1_000_000
+    for name in ["plotly", *(m for m in sys.modules if m.startswith("plotly."))]:
+        monkeypatch.setitem(sys.modules, name, None)   # as in an install without the ui extra
+    assert main([*tiny, "b"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == ("report: not written: the HTML report needs the ui extra (plotly is not "
+                    "installed): pip install 'lowband[ui]', then `lowband report b -o "
+                    "b/report.html`.")
+    assert (tmp_path / "b" / "summary.json").exists()
+    assert not (tmp_path / "b" / "report.html").exists()
+
+
 def test_config_file_and_flags_override(tmp_path):
-    (tmp_path / "run.toml").write_text('model = "nano"\nsteps = 50\nseq_len = 32\nreplicas = 1\n')
+    (tmp_path / "run.toml").write_text('algo = "ddp"\nlink_bandwidth = "none"\nmodel = "nano"\n'
+                                       'steps = 50\nseq_len = 32\nreplicas = 1\n')
     proc = lowband("train", "--config", "run.toml", "--steps", 3, "--run-dir", "r", "--no-progress",
                    cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -99,6 +123,8 @@ BAD = [
     (["--algo", "diloco", "--fragments", "2"], "use --algo streaming"),
     (["--algo", "streaming", "--codec", "fp8"], "unknown codec 'fp8'"),
     (["--link-bandwidth", "fast"], "cannot read the bandwidth 'fast'"),
+    (["--link-bandwidth", "0"], "--link-bandwidth must be positive, got '0': give none for no"),
+    (["--link-latency", "soon"], "--link-latency: cannot read the duration 'soon'"),
     (["--fragment-pattern", "random"], "is not one of strided, sequential"),
     (["--target-loss", "-1"], "--target-loss must be a finite validation loss (or 0 for none), got -1.0."),
     (["--target-loss", "nan"], "--target-loss must be a finite validation loss (or 0 for none), got nan."),
@@ -146,8 +172,9 @@ def _workers_of(cwd) -> list[int]:
 
 
 def test_killed_worker_stops_the_job(tmp_path):
-    parent = subprocess.Popen([sys.executable, "-m", "lowband.cli", "train", "--model", "nano",
-                               "--steps", "100000", "--no-progress", "--run-dir", "r"],
+    parent = subprocess.Popen([sys.executable, "-m", "lowband.cli", "train", "--algo", "ddp",
+                               "--link-bandwidth", "none", "--model", "nano", "--steps", "100000",
+                               "--no-progress", "--run-dir", "r"],
                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     events = tmp_path / "r" / "events" / "rank1.jsonl"
     deadline = time.time() + 120

@@ -15,7 +15,7 @@ from lowband.telemetry import RunDir, read_events
 
 TINY = ["--model", "nano", "--steps", "12", "--seq-len", "32", "--batch-size", "4",
         "--eval-batches", "1", "--eval-every", "4", "--link-bandwidth", "100Mbit",
-        "--sync-every", "4", "--fragments", "2", "--checkpoint-every", "4", "--no-progress"]
+        "--link-latency", "0ms", "--sync-every", "4", "--fragments", "2", "--checkpoint-every", "4", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,8 @@ def _refused(lowband_here, tmp_path, *args, says):
     (["--algos", "ddp", "--", "--target-loss", "-1"], "--target-loss must be"),
     (["--algos", "ddp", "--", "--target-loss", "nan"], "--target-loss must be"),
     (["--algos", "ddp", "--", "--target-loss", "0"], "--target-loss must be a positive"),
-    (["--algos", "ddp", "--test-hosts"], "--test-hosts shapes the hosts' link to the runs'"),
+    (["--algos", "ddp", "--test-hosts", "--", "--link-bandwidth", "none"],
+     "--test-hosts shapes the hosts' link to the runs'"),
 ])
 def test_bad_input_is_one_sentence_and_writes_nothing(lowband_here, tmp_path, args, says):
     _refused(lowband_here, tmp_path, "--dir", "cmp", *args, says=says)

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import lowband
-from lowband.testing.testbed import TestHosts
+from lowband.launch.hosts import TestHosts
 from lowband.units import parse_bandwidth
 
 RATE = "20Mbit"

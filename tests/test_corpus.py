@@ -14,8 +14,9 @@ from lowband.config import ConfigError
 from lowband.data import Batches, ShardedTokens, load_tokens, prepare, tokenizer, vocab_needed
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach a hub
-TRAIN = ["--model", "nano", "--steps", 3, "--replicas", 1, "--seq-len", 32, "--batch-size", 4,
-         "--eval-every", 0, "--eval-batches", 1, "--no-progress"]
+TRAIN = ["--algo", "ddp", "--link-bandwidth", "none", "--model", "nano", "--steps", 3,
+         "--replicas", 1, "--seq-len", 32, "--batch-size", 4, "--eval-every", 0,
+         "--eval-batches", 1, "--no-progress"]
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +121,8 @@ def test_an_interrupted_prepare_resumes_without_redoing_shards(tok, src, prepare
     assert _prepare(tok[0], src[0], out) == json.loads((out / "meta.json").read_text())  # done
     with pytest.raises(ConfigError, match="--overwrite"):  # other settings: refused, untouched
         _prepare(tok[0], src[0], out, shard_tokens=5000)
-    with pytest.raises(ConfigError, match="from other sources"):
-        _prepare(tok[0], src[0] / "a0.py", out)
+    with pytest.raises(ConfigError, match=r"was prepared from \S+src\S* \(now \S+a0.py\)"):
+        _prepare(tok[0], src[0] / "a0.py", out)  # another SRC: named
     assert _shard_bytes(out) == _shard_bytes(prepared)
     assert len(_prepare(tok[0], src[0], out, shard_tokens=5000, overwrite=True)["shards"]) > len(before) + 1
 

@@ -230,7 +230,7 @@ def common(R, S, steps, H, W=0):
     return ["--algo", "edit", "--model", "nano", "--n-layer", N_LAYER, "--replicas", R,
             "--shards", S, "--steps", steps, "--sync-every", H, "--warmup-sync-steps", W,
             "--batch-size", BATCH, "--seq-len", SEQ, "--lr", LR, "--warmup-steps", WARMUP,
-            "--grad-clip", CLIP, "--seed", SEED, "--eval-every", 0]
+            "--grad-clip", CLIP, "--seed", SEED, "--eval-every", 0, "--link-bandwidth", "none"]
 
 
 def assert_close(run, want_outer, want_local):
@@ -449,68 +449,6 @@ def test_edit_with_several_shards_a_replica_still_uses_fsdp(own_model_runs):
                                 penalty=RefPenalty(anomaly=False, clip=EDIT_CLIP))
     assert_close(run, outer, local)
 
-
-def test_aedit_straggler_syncs_by_time(train_run):
-    # the warm-up's two synchronous steps take the first steps' one-off costs out of the windows
-    run = train_run("--algo", "aedit", "--model", "nano", "--replicas", 2, "--steps", 100000,
-                    "--sync-seconds", 1.5, "--time-budget", 6, "--warmup-sync-steps", 2,
-                    "--straggler", "1:4", "--batch-size", 4, "--seq-len", 64, "--eval-every", 0)
-    syncs = [e for e in sync_events(run) if e["block"] == "root"]
-    assert len(syncs) >= 3
-    for e in syncs[:-1]:  # the last window is what was left of the time budget
-        fast, slow = e["replica_steps"]
-        assert fast >= 3 * slow, [e["replica_steps"] for e in syncs]
-    assert syncs[-1]["replica_steps"][0] >= syncs[-1]["replica_steps"][1]
-    steps = {r: max(e["step"] for e in read_events(run, ("step",)) if e["rank"] == r) for r in (0, 1)}
-    assert steps[0] >= 3 * steps[1]  # each replica's own step count is in its events
-    assert syncs[-1]["total_steps"] == steps[0] + steps[1]
-    ends = [e for e in read_events(run, ("run",)) if e["phase"] == "end"]
-    assert len(ends) == 2 and (run.root / "summary.json").exists()
-
-
-@pytest.mark.parametrize("reference", [False, True])
-def test_aedit_step_budget(train_run, reference):
-    """reference: atorch's penalty and its minimum of new steps, with windows far too short to
-    hold 60 steps, so most syncs are called off; the budget still holds."""
-    extra = (["--edit-penalty", "reference", "--aedit-min-new-steps", 60, "--sync-seconds", 0.02]
-             if reference else ["--sync-seconds", 0.3])
-    run = train_run("--algo", "aedit", "--model", "nano", "--replicas", 2, "--shards", 1,
-                    "--steps", 60, "--warmup-sync-steps", 3, "--batch-size", BATCH,
-                    "--seq-len", SEQ, "--eval-every", 0, *extra)
-    last = sync_events(run)[-1]
-    steps = {r: max(e["step"] for e in read_events(run, ("step",)) if e["rank"] == r) for r in (0, 1)}
-    assert last["total_steps"] == steps[0] + steps[1]
-    # the run ends at the first sync with R x --steps = 120 steps done; the last window is cut
-    # to the steps remaining at the previous window's rate, so it ends close to that
-    assert 120 <= last["total_steps"] <= 144
-    if reference:
-        roots = [e for e in sync_events(run) if e["block"] == "root"]
-        assert all(sum(e["replica_steps"]) >= 60 for e in roots[:-1]), roots
-        assert sum(e["skipped"] for e in roots) > 0 and len(roots) <= 2
-        assert all("per_step_norm" not in e for e in roots)  # raw norms
-
-
-
-def test_aedit_budget_holds_and_the_summary_tells_the_steps_run(train_run):
-    """The issue's case: a 2 x 30 budget with a 1 s window once ran 91 steps while summary.json
-    said 30. The budget now holds within one step per replica, and the summary tells each
-    replica's steps and their mean."""
-    for steps, window, straggler in ((30, 1.0, "1:1"), (100, 0.3, "1:3")):
-        run = train_run("--algo", "aedit", "--model", "nano", "--replicas", 2, "--steps", steps,
-                        "--sync-seconds", window, "--warmup-sync-steps", 2, "--straggler",
-                        straggler, "--batch-size", BATCH, "--seq-len", SEQ, "--eval-every", 0,
-                        name=f"run-{steps}")
-        ran = [max(e["step"] for e in read_events(run, ("step",)) if e["rank"] == r) for r in (0, 1)]
-        assert 2 * steps <= sum(ran) <= 2 * steps + 2, ran
-        summary = run.read_json(run.summary)
-        assert summary["steps"] == steps and summary["steps_run_per_replica"] == ran
-        assert summary["steps_run"] == sum(ran) / 2
-    assert ran[0] > ran[1], ran  # the straggler's windows held fewer of its steps
-    # the step events tell the lr used, the schedule at the run's global progress: the slow
-    # replica's last step came when the run was further on than the fast one's same step number
-    lrs = {r: {e["step"]: e["lr"] for e in read_events(run, ("step",)) if e["rank"] == r}
-           for r in (0, 1)}
-    assert lrs[1][ran[1]] < lrs[0][ran[1]], (lrs[1][ran[1]], lrs[0][ran[1]])
 
 ROUND_TRIP = textwrap.dedent("""
     import io, os, torch

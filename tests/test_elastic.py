@@ -15,7 +15,7 @@ from lowband.telemetry import read_events
 pytest.importorskip("torchft")
 
 SMALL = ["--model", "nano", "--seq-len", 32, "--batch-size", 4, "--eval-every", 0,
-         "--eval-batches", 1, "--no-progress"]
+         "--eval-batches", 1, "--no-progress", "--link-bandwidth", "none"]
 
 
 def train(tmp_path, name, *args):

@@ -1,5 +1,5 @@
 """`lowband launch --elastic` over three real test hosts (network namespaces on a bridge, each
-host's egress shaped to 100 Mbit/s, each with its own hostname; lowband.testing.testbed).
+host's egress shaped to 100 Mbit/s, each with its own hostname; lowband.launch.hosts).
 
 The TorchX component's elastic job (launchers/lowband_components.py) has a Lighthouse role and a
 role a replica group; each role's command runs in a host as a scheduler would run it: the
@@ -20,7 +20,7 @@ import pytest
 
 from conftest import hosts_for_a_test
 from lowband.telemetry import read_events
-from lowband.testing.testbed import TestHosts
+from lowband.launch.hosts import TestHosts
 
 pytest.importorskip("torchft")
 pytest.importorskip("torchx")
@@ -28,7 +28,8 @@ pytest.importorskip("torchx")
 QUORUM_TIMEOUT = 60
 FLAGS = ["--algo", "streaming", "--model", "nano", "--seq-len", "32", "--batch-size", "4",
          "--eval-every", "0", "--eval-batches", "1", "--steps", "24", "--sync-every", "8",
-         "--fragments", "2", "--kill", "1:10", "--quorum-timeout", str(QUORUM_TIMEOUT)]
+         "--fragments", "2", "--kill", "1:10", "--quorum-timeout", str(QUORUM_TIMEOUT),
+         "--link-bandwidth", "none"]
 RANK0 = "LOWBAND_RANK0_HOST"  # the scheduler's rank-0 host variable, as Slurm's names role 0
 
 

@@ -18,7 +18,8 @@ from lowband.models import lm_loss
 from lowband.models.gpt import GPT, gpt_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-FAST = ["--seq-len", 32, "--batch-size", 4, "--eval-every", 0, "--eval-batches", 2, "--no-progress"]
+FAST = ["--seq-len", 32, "--batch-size", 4, "--eval-every", 0, "--eval-batches", 2, "--no-progress",
+        "--link-bandwidth", "none"]
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +79,8 @@ def test_which_outer_exports_outer_pt(llama_runs, tmp_path):
 def test_a_gpt_preset_exports_as_gpt2_with_the_same_logits(tmp_path):
     from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 
-    proc = lowband("train", "--model", "nano", "--replicas", 1, "--steps", 3, "--run-dir", "r",
-                   *FAST, cwd=tmp_path)
+    proc = lowband("train", "--algo", "ddp", "--model", "nano", "--replicas", 1, "--steps", 3,
+                   "--run-dir", "r", *FAST, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert cli(["export", str(tmp_path / "r"), "-o", str(tmp_path / "gpt2")]) == 0
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2").eval()

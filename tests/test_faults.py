@@ -10,7 +10,8 @@ from lowband.telemetry import read_events
 
 def test_straggler_and_corruption(train_run):
     run = train_run("--algo", "diloco", "--model", "nano", "--steps", 12, "--sync-every", 4,
-                    "--straggler", "1:3", "--corrupt", "1:6:5", "--eval-every", 0)
+                    "--straggler", "1:3", "--corrupt", "1:6:5", "--eval-every", 0,
+                    "--link-bandwidth", "none")
     events = read_events(run)
     steps = {r: [e for e in events if e["kind"] == "step" and e["rank"] == r] for r in (0, 1)}
     slow = statistics.fmean(e["compute_s"] for e in steps[1])
@@ -37,7 +38,8 @@ def test_non_finite_pseudo_gradient_never_reaches_outer_parameters(train_run):
     import torch
 
     run = train_run("--algo", "diloco", "--model", "nano", "--steps", 8, "--sync-every", 4,
-                    "--corrupt", "1:3:1e45", "--eval-every", 0, "--codec", "fp4-e3m0")
+                    "--corrupt", "1:3:1e45", "--eval-every", 0, "--codec", "fp4-e3m0",
+                    "--link-bandwidth", "none")
     skips = [e for e in read_events(run, ("skip",))]
     assert {(e["rank"], e["what"]) for e in skips} >= {(0, "pseudo-gradient"), (1, "pseudo-gradient")}
     outer = torch.load(run.root / "outer.pt", weights_only=True)
@@ -47,7 +49,8 @@ def test_non_finite_pseudo_gradient_never_reaches_outer_parameters(train_run):
 
 
 def test_too_many_skips_stop_the_run(tmp_path):
-    proc = lowband("train", "--model", "nano", "--steps", 50, "--lr", "1e30", "--warmup-steps", 0,
-                   "--max-skips", 3, "--no-progress", cwd=tmp_path)
+    proc = lowband("train", "--algo", "ddp", "--link-bandwidth", "none", "--model", "nano",
+                   "--steps", 50, "--lr", "1e30", "--warmup-steps", 0, "--max-skips", 3,
+                   "--no-progress", cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr
     assert "4 updates in a row held NaN or inf" in proc.stderr and "Traceback" not in proc.stderr

@@ -58,7 +58,7 @@ def test_training_with_compile_and_bf16(train_runs):
     """streaming over 2 ranks: compiled blocks follow the eager run; bf16 trains as well."""
     flags = ["--algo", "streaming", "--model", "nano", "--steps", "8", "--sync-every", "4",
              "--fragments", "2", "--seq-len", "32", "--batch-size", "4", "--eval-every", "0",
-             "--lr", "1e-3"]
+             "--lr", "1e-3", "--link-bandwidth", "none"]
     runs = train_runs(eager=flags, compiled=[*flags, "--compile"],
                       bf16=[*flags, "--precision", "bf16"])
     eager, compiled, bf16 = runs["eager"], runs["compiled"], runs["bf16"]

@@ -19,7 +19,7 @@ from lowband.models import build
 from lowband.telemetry import read_events
 
 SMALL = ["--steps", 8, "--warmup-steps", 2, "--seq-len", 32, "--batch-size", 4,
-         "--eval-every", 0, "--eval-batches", 2, "--no-progress"]
+         "--eval-every", 0, "--eval-batches", 2, "--no-progress", "--link-bandwidth", "none"]
 EVERY = [("ddp", 1), ("diloco", 1), ("streaming", 1), ("zero1", 1), ("acco", 1), ("edit", 1),
          ("aedit", 1), ("edit", 2), ("streaming", 2)]  # (algo, shards), two replicas each
 
@@ -101,7 +101,7 @@ DDP_SCRIPT = textwrap.dedent('''
 
     cfg = Config(algo="ddp", model="hf:" + sys.argv[1], replicas=2, steps=10, warmup_steps=3,
                  seq_len=32, batch_size=4, eval_every=0, eval_batches=1, run_dir=sys.argv[2],
-                 progress=False)
+                 progress=False, link_bandwidth="")
     summary = train(cfg)  # lowband's ddp, leaving the process group up
     ours = torch.load(sys.argv[2] + "/model.pt", weights_only=True)
     rank = torch.distributed.get_rank()
@@ -152,7 +152,7 @@ def test_a_user_module_broadcast_is_kept_out_of_the_sync_figures(llama, tmp_path
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained("{llama}"))
         cfg = Config(algo="streaming", replicas=2, steps=4, fragments=4, sync_every=4, overlap=0,
                      seq_len=32, batch_size=4, eval_every=0, eval_batches=1,
-                     run_dir=sys.argv[1], progress=False)
+                     run_dir=sys.argv[1], progress=False, link_bandwidth="")
         train(cfg, model=model)
     ''')
     (tmp_path / "mine.py").write_text(script)

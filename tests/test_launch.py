@@ -24,7 +24,8 @@ from lowband.launch import attach, components  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPONENT = ROOT / "launchers" / "lowband_components.py"
-TINY = dict(model="nano", seq_len=32, batch_size=4, eval_every=0, eval_batches=1)
+TINY = dict(algo="ddp", link_bandwidth="none", model="nano", seq_len=32, batch_size=4,
+            eval_every=0, eval_batches=1)
 
 
 def torchx_cli(*args):

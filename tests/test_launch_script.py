@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent('''
     args = p.parse_args()
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.hf_dir))
     cfg = launch_config(algo=args.algo, steps=args.steps, sync_every=2, seq_len=32, batch_size=4,
-                        eval_every=0, eval_batches=1)
+                        eval_every=0, eval_batches=1, link_bandwidth="")
     summary = train(cfg, model=model)
     if summary is not None:
         print("MINE DONE", cfg.replicas, cfg.shards, summary["steps"])

@@ -15,8 +15,8 @@ from lowband.checkpoint import complete
 from lowband.launch.local import free_port
 from lowband.telemetry import RunDir, read_events
 
-TINY = ["--algo", "ddp", "--model", "nano", "--seq-len", "32", "--batch-size", "4",
-        "--eval-every", "0", "--eval-batches", "1", "--no-progress"]
+TINY = ["--algo", "ddp", "--link-bandwidth", "none", "--model", "nano", "--seq-len", "32",
+        "--batch-size", "4", "--eval-every", "0", "--eval-batches", "1", "--no-progress"]
 
 # Some machines (torch 2.13, gloo, a DeviceMesh, async all-reduces) abort a finished worker
 # while the interpreter tears down ("terminate called without an active exception"). This

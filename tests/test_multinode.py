@@ -3,7 +3,7 @@ run the TorchX component's node command; streaming trains across them. The bytes
 counts on the outer link must match what the veth pair carried. And a node that cannot reach the
 rendezvous, or finds nobody else there, fails with one sentence in bounded time.
 
-The two-host tests need root, `ip`, `tc` and `unshare` (lowband.testing.testbed makes the hosts)
+The two-host tests need root, `ip`, `tc` and `unshare` (lowband.launch.hosts makes the hosts)
 and are skipped without them; the lonely-node test runs anywhere.
 """
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # tiny, but with an fp32 exchange: the synced bytes dwarf the rendezvous and TCP/IP overhead
 FLAGS = ["--algo", "streaming", "--model", "nano", "--steps", "20", "--sync-every", "4",
          "--fragments", "2", "--codec", "fp32", "--seq-len", "32", "--batch-size", "4",
-         "--eval-every", "0", "--eval-batches", "1"]
+         "--eval-every", "0", "--eval-batches", "1", "--link-bandwidth", "none"]  # the veth's link
 
 
 def _bench():

@@ -58,6 +58,7 @@ def test_a_sweep_passes_sync_every_to_every_algorithm(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "lowband.cli", "train", "--algo", "ddp",
                            "--model", "nano", "--steps", "2", "--eval-every", "0",
                            "--eval-batches", "1", "--no-progress", "--sync-every", "8",
+                           "--link-bandwidth", "none",
                            "--run-dir", str(tmp_path / "run")], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -96,7 +97,8 @@ def test_a_run_config_json_and_its_directory_are_configs(tmp_path):
 
 def test_a_finished_run_repeats_from_its_record(tmp_path):
     first = lowband("train", "--algo", "diloco", "--model", "nano", "--steps", 4, "--sync-every", 2,
-                    "--eval-every", 0, "--no-progress", "--run-dir", tmp_path / "a", cwd=tmp_path)
+                    "--eval-every", 0, "--no-progress", "--link-bandwidth", "none", "--run-dir",
+                    tmp_path / "a", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     again = lowband("train", "--config", tmp_path / "a", "--no-progress", "--run-dir",
                     tmp_path / "b", cwd=tmp_path)

@@ -62,7 +62,7 @@ def test_help_says_how_the_default_is_chosen():
 def test_config_json_records_the_resolved_value(train_run):
     run = train_run("--algo", "diloco", "--model", "nano", "--n-layer", 1, "--replicas", 2,
                     "--steps", 4, "--sync-every", 2, "--batch-size", 2, "--seq-len", 32,
-                    "--eval-every", 0, "--eval-batches", 1)
+                    "--eval-every", 0, "--eval-batches", 1, "--link-bandwidth", "none")
     want = default_outer_lr(2, 2)
     assert json.loads(run.config.read_text())["outer_lr"] == want
     assert {e["outer_lr"] for e in read_events(run, ("sync",))} == {want}

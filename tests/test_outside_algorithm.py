@@ -24,7 +24,7 @@ from lowband.telemetry import read_events
 OUTSIDE = ROOT / "tests" / "outside" / "diloco_avg.py"
 WITH_IT = {"LOWBAND_ALGORITHMS": str(OUTSIDE)}
 RUN = ["--replicas", "2", "--model", "nano", "--steps", "12", "--sync-every", "4",
-       "--eval-every", "0", "--eval-batches", "1", "--no-progress"]
+       "--eval-every", "0", "--eval-batches", "1", "--no-progress", "--link-bandwidth", "none"]
 
 
 def test_an_outside_algorithm_trains_with_two_replicas_and_reads_in_the_report(tmp_path):

@@ -2,7 +2,8 @@
 
 import json
 
-COMMON = ["--model", "micro", "--steps", 120, "--lr", 1e-3, "--eval-every", 0, "--eval-batches", 8]
+COMMON = ["--model", "micro", "--steps", 120, "--lr", 1e-3, "--eval-every", 0, "--eval-batches", 8,
+          "--link-bandwidth", "none"]
 
 
 def test_streaming_fp4_within_3_percent_of_ddp(train_runs):

@@ -18,7 +18,8 @@ from lowband.plan import (ALGORITHMS, MODELS, PlanError, exchange_phases, figure
 
 EXAMPLE = ["--params", "1e9", "--n-layer", "24", "--step-time", "0.1", "--replicas", "2",
            "--algo", "streaming", "--sync-every", "96", "--fragments", "8", "--overlap", "1",
-           "--codec", "fp4-e3m0", "--target-cu", "0.9", "--steady", "--json"]
+           "--codec", "fp4-e3m0", "--target-cu", "0.9", "--steady", "--link-bandwidth", "none",
+           "--json"]
 BASE = dict(params=1e8, layers=8, step_time=0.2, replicas=4, sync_every=48, codec="bf16",
             grad_dtype="bf16")
 
@@ -451,7 +452,8 @@ def test_recipe_main_and_a_finished_run_of_every_algorithm(train_runs, capsys):
     assert out["algorithms"]["streaming"]["inputs"]["steps"] == 200  # the main job's whole run
     assert all(0 < row["cu"] <= 1 for row in out["algorithms"].values())  # its 100 Mbit/s link
     common = ["--model", "nano", "--n-layer", "2", "--seq-len", "16", "--batch-size", "2",
-              "--steps", "6", "--eval-every", "0", "--link-bandwidth", "50Mbit"]
+              "--steps", "6", "--eval-every", "0", "--link-bandwidth", "50Mbit", "--link-latency",
+              "0ms"]
     own = {"diloco": ["--sync-every", "2"], "edit": ["--sync-every", "2"],
            "acco": ["--acco-micro", "1:1", "--steps", "12"]}  # 2 micro-batches a step
     runs = train_runs(**{a: ["--algo", a, *common, *own.get(a, [])]
@@ -516,6 +518,24 @@ def test_figure():
     assert [t.name for t in fig.data] == list(ALGORITHMS)
     assert fig.layout.xaxis.type == "log"
     assert all(0 < y <= 1 for t in fig.data for y in t.y)
+    # the ticks read as bandwidths, not as plotly's counts (1B: a billion, read as bytes)
+    assert "1 Gbit/s" in fig.layout.xaxis.ticktext
+    assert all(t.endswith("bit/s") for t in fig.layout.xaxis.ticktext)
+
+
+def test_a_figure_of_runs_on_a_link_spans_their_link():
+    """The report's curves of runs on an emulated link (curves(links=...)): around that link,
+    not 100x around what the curves need (which ran to 100 Tbit/s)."""
+    pytest.importorskip("plotly")
+    from lowband.plan.api import curves
+
+    run = make_run(params=8e5, layers=4, step_time=0.07, sync_every=20, bandwidth="100mbit")
+    for algo in ("streaming", "ddp"):
+        ax = curves([(algo, algo, run)], links=[1e8]).layout.xaxis
+        lo, hi = 10 ** ax.range[0], 10 ** ax.range[1]
+        assert 1e6 <= lo < 1e8 < hi <= 1e11, (algo, lo, hi)
+        assert "100 Mbit/s" in ax.ticktext and all(t.endswith("bit/s") for t in ax.ticktext)
+        assert [lo <= v <= hi for v in ax.tickvals].count(True) >= 3
 
 
 def test_presets_match_lowband_models():

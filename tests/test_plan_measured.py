@@ -14,8 +14,8 @@ from lowband.telemetry import read_events
 
 def test_a_run_is_checked_against_its_plan_and_drawn_on_it(train_run, tmp_path):
     run = train_run("--algo", "streaming", "--sync-every", 8, "--fragments", 2, "--model", "micro",
-                    "--steps", 16, "--link-bandwidth", "100Mbit", "--eval-every", 0,
-                    name="streaming")
+                    "--steps", 16, "--link-bandwidth", "100Mbit", "--link-latency", "0ms",
+                    "--eval-every", 0, name="streaming")
     result = check_run(run.root)
     assert 0 < result["predicted_cu"] <= 1 and 0 < result["measured_cu"] <= 1, result
     # its predicted time to a loss reached after N tokens: N x its figure's factor / tokens/s
@@ -40,7 +40,7 @@ def test_planned_transfers_are_the_bytes_sent(train_run):
     run = train_run("--algo", "streaming", "--model", "nano", "--n-layer", 4, "--seq-len", 32,
                     "--batch-size", 2, "--fragments", 4, "--sync-every", 4, "--overlap", 0,
                     "--codec", "fp4-e3m0", "--replicas", 3, "--steps", 4,
-                    "--eval-every", 0)
+                    "--eval-every", 0, "--link-bandwidth", "none")
     sent, calls = Counter(), Counter()  # rank 0's outer collectives, per fragment
     for e in read_events(run, ("comm",)):
         if e["rank"] == 0 and e["group"] == "outer":
@@ -64,7 +64,7 @@ def test_plan_of_a_finished_run_reads_and_simulates_it_once(train_run, monkeypat
 
     run = train_run("--algo", "diloco", "--sync-every", 2, "--model", "nano", "--n-layer", 2,
                     "--seq-len", 16, "--batch-size", 2, "--steps", 6, "--eval-every", 0,
-                    "--link-bandwidth", "50Mbit")
+                    "--link-bandwidth", "50Mbit", "--link-latency", "0ms")
     calls = Counter()
 
     def counted(name, f):

@@ -102,8 +102,8 @@ def test_the_command_line_prints_times_figures_and_the_recommendation(capsys):
 
 
 def test_the_probe_measures_a_step_here(capsys):
-    assert main(["--model", "nano", "--n-layer", "2", "--seq-len", "16", "--batch-size", "2",
-                 "--step-time", "probe", "--link-bandwidth", "1gbit", "--json",
+    assert main(["--algo", "ddp", "--model", "nano", "--n-layer", "2", "--seq-len", "16",
+                 "--batch-size", "2", "--step-time", "probe", "--link-bandwidth", "1gbit", "--json",
                  "--compare", "none"]) == 0
     row = json.loads(capsys.readouterr().out)["algorithms"]["ddp"]
     assert 0 < row["inputs"]["step_time"] < 5

@@ -1,5 +1,6 @@
 """lowband.report: the offline HTML report and its command line."""
 
+import html
 import json
 import re
 
@@ -225,3 +226,86 @@ def test_report_data_is_strict_json_when_values_are_nan(runs, tmp_path):
     text = write_report(run, tmp_path / "nan.html").read_text(encoding="utf-8")
     block = re.search(r'id="lowband-report-data">(.*?)</script>', text, re.S).group(1)
     json.loads(block, parse_constant=lambda c: pytest.fail(f"{c} in the report's JSON"))
+
+
+def _section(text: str, section: str) -> str:
+    m = re.search(rf'<section id="{section}">(.*?)</section>', text, re.S)
+    assert m, f"the report has no #{section}"
+    return m.group(1)
+
+
+def _with(run, tmp_path, name: str, summary: dict | None = None, config: dict | None = None):
+    """A copy of a synthetic run with these summary fields added and this config.json."""
+    import shutil
+
+    copy = tmp_path / name
+    shutil.copytree(run, copy)
+    s = json.loads((copy / "summary.json").read_text())
+    (copy / "summary.json").write_text(json.dumps({**s, **(summary or {})}))
+    if config is not None:
+        (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+def test_every_summary_row_has_a_label(runs, tmp_path):
+    from lowband.dashboard.tables import LABELS, SUMMARY_COLUMNS
+
+    run = _with(runs[0], tmp_path, "labelled", {
+        "steps_run": 100, "steps_run_per_replica": [100, 100], "ddp_outer_wire_bytes": 4e9,
+        "setup_wire_bytes": 0, "run_dir": "runs/x", "my_own_field": 3})
+    table = _section(write_report(run, tmp_path / "r.html").read_text(encoding="utf-8"),
+                     "summary")
+    labels = re.findall(r"<tr><th>(.*?)</th>", table)
+    assert labels and not [t for t in labels if "_" in t]      # no raw keys
+    for key in ("compute_s", "ddp_outer_wire_bytes", "steps_run_per_replica", "steps_run"):
+        assert LABELS[key] in labels
+    assert "my own field" in labels                              # a key without a label
+    assert '<td data-key="steps_run_per_replica">100, 100</td>' in table
+    # the dashboard's summary panel takes its labels from the same table
+    assert all(label == LABELS[key] for key, label in SUMMARY_COLUMNS)
+
+
+def test_the_report_opens_with_the_headline_lowband_train_prints(runs, tmp_path):
+    from lowband.summary import comparison
+
+    run = _with(runs[0], tmp_path, "headline", {"ddp_outer_wire_bytes": 4e9, "steps_run": 100})
+    text = write_report(run, tmp_path / "r.html").read_text(encoding="utf-8")
+    summary = json.loads((run / "summary.json").read_text())
+    line = comparison(summary, "20Mbit")                  # the synthetic run's link
+    assert "x what streaming sent" in line and "s a step of sending alone" in line
+    assert _section(text, "headline") == f"<p>{html.escape(line)}.</p>"
+    assert text.index('id="headline"') < text.index('id="summary"')
+    ddp = _with(runs[0], tmp_path, "ddp", {"algorithm": "ddp", "ddp_outer_wire_bytes": 4e9},
+                config={"algo": "ddp"})
+    assert 'id="headline"' not in write_report(ddp, tmp_path / "d.html").read_text("utf-8")
+
+
+def test_the_config_shows_the_options_the_run_reads(runs, tmp_path):
+    from lowband.algorithms import ALGORITHMS
+    from lowband.config import Config
+
+    config = Config(algo="streaming").to_dict()
+    config["warmup_sync_steps"] = 5                       # an edit option, changed
+    config["meta"] = {"n_params": 123}
+    run = _with(runs[0], tmp_path, "config", config=config)
+    section = _section(write_report(run, tmp_path / "r.html").read_text("utf-8"), "config")
+    shown, folded = section.split("<details>")
+    keys = lambda part: set(re.findall(r"<tr><th>([^<]+)</th>", part))  # noqa: E731
+    streaming = {n for g in ALGORITHMS["streaming"].options for n in g.names()}
+    assert streaming <= keys(shown) and {"lr", "model", "link_bandwidth"} <= keys(shown)
+    assert "warmup_sync_steps" in keys(shown) and "meta.n_params" in keys(shown)
+    assert "edit_anomaly" in keys(folded) and "acco_micro" in keys(folded)
+    assert keys(shown) | keys(folded) == set(config) - {"meta"} | {"meta.n_params"}
+    assert re.search(r"<summary>\d+ options of other algorithms, at their defaults</summary>",
+                     folded)
+    assert '<tr class="group"><th colspan="2">fragments</th></tr>' in shown
+
+
+def test_the_spike_count_names_the_detectors_warm_up(runs, tmp_path):
+    text = write_report(runs[0], tmp_path / "r.html").read_text(encoding="utf-8")
+    cell = re.search(r'<td data-key="spikes">(.*?)</td>', _section(text, "summary")).group(1)
+    assert cell.startswith("1 ") and "warm-up" in cell and "first 20 steps" in cell
+    assert "grey band" in _section(text, "loss-section")
+    m = RunModel(runs[0]).load()
+    band = next(t for t in F.loss_figure_static([m]).data if t.name == "spike detector warm-up")
+    assert (min(band.x), max(band.x)) == (0, 19) and band.yaxis == "y2"   # steps 0 to 19

@@ -23,8 +23,9 @@ FLAGS = {  # per algorithm: a schedule with syncs both before and after the stop
     "acco": ["--acco-micro", "1:1", "--grad-accum", "2"],
     "edit": ["--sync-every", "3"],
 }
-COMMON = ["--model", "nano", "--steps", "10", "--seq-len", "32", "--batch-size", "4",
-          "--warmup-steps", "2", "--eval-every", "0", "--checkpoint-every", "3", "--no-progress"]
+COMMON = ["--model", "nano", "--link-bandwidth", "none", "--steps", "10", "--seq-len", "32",
+          "--batch-size", "4", "--warmup-steps", "2", "--eval-every", "0", "--checkpoint-every",
+          "3", "--no-progress"]
 
 
 def _same_tensors(a: dict, b: dict) -> bool:
@@ -45,7 +46,7 @@ def trained(tmp_path_factory):
     halves = [("whole", []), ("part", ["--stop-after", 5])]
     train_in_one_job(*[["--algo", algo, *FLAGS.get(algo, []), *COMMON, *stop,
                         "--run-dir", root / algo / name] for algo in ALGOS for name, stop in halves],
-                     [*COMMON[:-3], "--no-progress", "--run-dir", root / "unsaved"])
+                     ["--algo", "ddp", *COMMON[:-3], "--no-progress", "--run-dir", root / "unsaved"])
     return root
 
 
@@ -107,7 +108,8 @@ def test_resume_errors(tmp_path, trained, lowband_here):
 def test_killed_worker_then_resume(tmp_path):
     parent = subprocess.Popen([sys.executable, "-m", "lowband.cli", "train", "--algo", "streaming",
                                *FLAGS["streaming"], *COMMON[:2], "--steps", "100000",
-                               "--checkpoint-every", "2", "--no-progress", "--run-dir", "r"],
+                               "--checkpoint-every", "2", "--no-progress", "--link-bandwidth",
+                               "none", "--run-dir", "r"],
                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run = RunDir(tmp_path / "r")
     deadline = time.time() + 120

@@ -1,6 +1,6 @@
 """The slow-link benchmark's real link: two network namespaces, a veth pair, tbf at 100 Mbit/s.
 
-Creates the link with the helper the benchmark uses (lowband.testing.testbed), times a 2 MB TCP
+Creates the link with the helper the benchmark uses (lowband.launch.hosts), times a 2 MB TCP
 transfer across it (about 0.16 s at 100 Mbit/s; milliseconds when unshaped), tears it down and checks
 nothing is left. Needs root, `ip` and `tc`; skipped otherwise.
 """
@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from lowband.testing.testbed import TestHosts
+from lowband.launch.hosts import TestHosts
 
 
 def _link(rate: str = "100mbit") -> TestHosts:

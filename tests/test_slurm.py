@@ -18,8 +18,8 @@ from lowband.testing.slurm_cluster import LocalSlurm, missing_tools  # noqa: E40
 from lowband.telemetry import RunDir, read_events  # noqa: E402
 
 # one small streaming run, the same in every test that compares losses
-JOB = ["--algo", "streaming", "--model", "nano", "--fragments", "2", "--seq-len", "32",
-       "--batch-size", "4", "--eval-every", "0", "--eval-batches", "1", "--steps", "40",
+JOB = ["--link-bandwidth", "none", "--algo", "streaming", "--model", "nano", "--fragments", "2",
+       "--seq-len", "32", "--batch-size", "4", "--eval-every", "0", "--eval-batches", "1", "--steps", "40",
        "--checkpoint-every", "10"]
 
 

@@ -150,7 +150,7 @@ def test_topk_2bit_sparseloco_within_3_percent_of_fp4(train_runs):
     """Equal tokens: streaming fp4-e3m0 (Nesterov) against topk-2bit at 2% with SparseLoCo's
     outer rule (lr 1, beta 0.95), nano, 2 replicas, 200 steps (about 8 s each on 2 cores)."""
     common = ("--algo", "streaming", "--model", "nano", "--fragments", 2, "--sync-every", 10,
-              "--steps", 200, "--eval-every", 100)
+              "--steps", 200, "--eval-every", 100, "--link-bandwidth", "none")
     runs = train_runs(fp4=[*common, "--codec", "fp4-e3m0"],
                       topk=[*common, "--codec", "topk-2bit", "--outer-rule", "sparseloco",
                             "--outer-lr", 1.0, "--outer-momentum", 0.95])

@@ -13,7 +13,7 @@ from lowband.telemetry import read_events
 BATCH, SEQ, LR, WARMUP, CLIP, SEED, MU = 2, 32, 1e-3, 2, 0.5, 5, 0.9
 # the run's settings that the reference copies (with --steps, --replicas, --shards, --n-layer)
 FLAGS = ("--model", "nano", "--batch-size", BATCH, "--seq-len", SEQ, "--lr", LR, "--warmup-steps",
-         WARMUP, "--grad-clip", CLIP, "--seed", SEED, "--eval-every", 0)
+         WARMUP, "--grad-clip", CLIP, "--seed", SEED, "--eval-every", 0, "--link-bandwidth", "none")
 
 
 def reference_lr(step, steps):

@@ -13,7 +13,7 @@ from lowband.schedule import lr_at
 from lowband.telemetry import RunDir, read_events
 
 TINY = ["--model", "micro", "--seq-len", "32", "--batch-size", "4", "--eval-batches", "1",
-        "--steps", "100000", "--warmup-steps", "2", "--no-progress"]
+        "--steps", "100000", "--warmup-steps", "2", "--no-progress", "--link-bandwidth", "none"]
 
 
 def test_schedule_fits_the_budget():

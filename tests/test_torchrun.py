@@ -31,7 +31,7 @@ USER_SCRIPT = textwrap.dedent('''
 
     extra = dict(fragments=3, sync_every=3, overlap=0) if sys.argv[2] == "streaming" else {}
     cfg = Config(algo=sys.argv[2], replicas=2, steps=6, seq_len=16, batch_size=4,
-                 run_dir=sys.argv[1], progress=False, **extra)
+                 run_dir=sys.argv[1], progress=False, link_bandwidth="", **extra)
     summary = train(cfg, model=Mine())
     if summary is not None:
         print("FINAL", summary["final_loss"])
@@ -45,13 +45,16 @@ def torchrun(*args, cwd):
 
 
 def test_cli_under_torchrun(tmp_path):
-    proc = torchrun("-m", "lowband.cli", "train", "--model", "nano", "--steps", 4,
-                    "--no-progress", cwd=tmp_path)
+    proc = torchrun("-m", "lowband.cli", "train", "--algo", "ddp", "--link-bandwidth", "none",
+                    "--model", "nano", "--steps", 4, "--no-progress", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     runs = list((tmp_path / "runs").iterdir())
     assert len(runs) == 1  # both ranks agreed on one run directory
     summary = json.loads((runs[0] / "summary.json").read_text())
     assert summary["replicas"] == 2 and summary["steps"] == 4
+    # rank 0 ends its log with the report it wrote into the run directory
+    report = runs[0].relative_to(tmp_path) / "report.html"
+    assert f"report: {report}\n" in proc.stderr and (tmp_path / report).is_file()
 
 
 @pytest.mark.parametrize("algo", ["ddp", "streaming"])

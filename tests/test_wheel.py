@@ -80,7 +80,8 @@ def test_wheel_runs_from_an_empty_directory(venv):
     assert all(Path(p).is_relative_to(env_dir) for p in where[:2]), where  # the wheel's copy
     assert where[2].endswith("+cpu"), where
 
-    train = _run([bin_ / "lowband", "train", "--model", "nano", "--steps", "3", "--replicas", "1",
+    train = _run([bin_ / "lowband", "train", "--algo", "ddp", "--link-bandwidth", "none",
+                  "--model", "nano", "--steps", "3", "--replicas", "1",
                   "--seq-len", "32", "--batch-size", "4", "--eval-every", "0", "--eval-batches",
                   "1", "--no-progress", "--run-dir", "run"], cwd=empty, env=env)
     assert "run directory:" in train.stdout and (empty / "run" / "summary.json").is_file()

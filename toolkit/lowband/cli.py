@@ -20,7 +20,6 @@ def is_worker() -> bool:
 
 
 def cmd_train(argv: list[str]) -> int:
-    main_job = not argv
     argv = argv or ["--recipe", "main"]  # `lowband train` alone: the main job (workers too)
     cfg, resume = parse_train(argv)
     if is_worker():
@@ -53,8 +52,12 @@ def cmd_train(argv: list[str]) -> int:
             summary = train(cfg, resume=resume)  # its files (events, summary, weights) are closed
             if summary and not os.environ.get("LOWBAND_WORKER"):  # not `lowband train`'s own
                 # a launched job's log (stderr: the stream schedulers keep) ends with the result
+                # and the report rank 0 writes (the ranks it waits for wait at the final barrier)
+                from lowband.report import run_report
+
                 print(f"run directory: {cfg.run_dir}\n{one_line(summary)}", file=sys.stderr,
                       flush=True)
+                print(run_report(cfg.run_dir), file=sys.stderr, flush=True)
         except (ConfigError, TrainingStopped, ElasticStopped) as e:
             error = "error: " if isinstance(e, ConfigError) else ""
             print(f"lowband: {error}{e}", file=sys.stderr)
@@ -67,11 +70,15 @@ def cmd_train(argv: list[str]) -> int:
             traceback.print_exc()
             leave(1)
         leave(0)
-    return launch_local(cfg, argv, main_job, resume)
+    return launch_local(cfg, argv, resume)
 
 
-def launch_local(cfg: Config, argv: list[str], main_job: bool = False, resume: bool = False) -> int:
+def launch_local(cfg: Config, argv: list[str], resume: bool = False) -> int:
+    """Train on this machine; then print the run directory, its one line, what ddp would have
+    sent (the headline, lowband.summary.comparison) and the report written into the run
+    directory (or one sentence saying why none was)."""
     from lowband.launch.here import train_here
+    from lowband.report import run_report
 
     code, run = train_here(cfg, argv, resume)
     if code != 0:
@@ -79,25 +86,11 @@ def launch_local(cfg: Config, argv: list[str], main_job: bool = False, resume: b
     summary = run.read_json(run.summary) or {}
     print(f"run directory: {run.root}")
     print(one_line(summary))
-    _main_job_extras(cfg, run, summary, report=main_job)
-    return 0
-
-
-def _main_job_extras(cfg: Config, run, summary: dict, report: bool) -> None:
-    """Beside the run's own figures: what ddp would have sent, and (for the main job, `lowband
-    train` alone) the HTML report to open."""
-    from lowband.units import parse_bandwidth
-
-    line = comparison(summary, parse_bandwidth(cfg.link_bandwidth or 0))
+    line = comparison(summary, cfg.link_bandwidth)
     if line:
         print(line)
-    if report:
-        from lowband.report import write_report
-
-        path = write_report(run.root, run.root / "report.html")
-        print(f"report: {path}")
-    else:
-        print(f"report: lowband report {run.root} -o report.html")
+    print(run_report(run.root))
+    return 0
 
 
 COMMANDS = {"train": cmd_train}
@@ -129,17 +122,34 @@ def cmd_recipes(argv: list[str]) -> int:
 COMMANDS["recipes"] = cmd_recipes
 
 
+HELP = """usage: lowband COMMAND [OPTIONS]   (lowband COMMAND --help: a command's options)
+
+commands:
+  train    train a model across replicas: alone, the main job (below); a flag changes what it names
+  plan     predict a run's bandwidth needs and compute utilization on its link, without training
+  report   write an offline HTML report of one or more runs
+  launch   run `lowband train` (or your script) as a TorchX job: here, Slurm, Kubernetes, ...
+  recipes  list the named configurations (`lowband train --recipe NAME`)
+  prepare  tokenize text, JSONL or Parquet files into token shards for --data
+  export   write a finished run's weights as a Hugging Face model directory
+  compare  train several algorithms, recipes or configs at equal time or tokens, side by side
+
+the main job: `lowband train` (Streaming DiLoCo, 2 replicas of a 0.8M GPT, 200 steps, over an
+emulated 100 Mbit/s, 10 ms link); `lowband train --algo ddp` is its baseline over the same link,
+`lowband train --steps 20` the same job shorter, `--link-bandwidth none` without the link."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in COMMANDS:
-        if argv and argv[0] in ("-h", "--help"):
-            print(f"usage: lowband {{{','.join(COMMANDS)}}} ...  (lowband COMMAND --help for each)")
-            return 0
-        if argv and not argv[0].startswith("-"):
+    if not argv or argv[0] in ("-h", "--help"):  # `lowband` alone starts nothing: the help
+        print(HELP)
+        return 0
+    if argv[0] not in COMMANDS:
+        if not argv[0].startswith("-"):
             print(f"lowband: error: unknown command '{argv[0]}': use one of "
                   f"{', '.join(COMMANDS)}.", file=sys.stderr)
             return 2
-        argv = ["train", *argv]  # `lowband` alone (or with flags) is `lowband train`
+        argv = ["train", *argv]  # `lowband --steps 20` (flags, no command) is `lowband train`
     try:
         return COMMANDS[argv[0]](argv[1:])
     except ConfigError as e:

@@ -9,6 +9,9 @@ lists the options group by group.
 
 Every field is a `lowband train` flag (`--batch-size` for `batch_size`) and a key of a
 `--config` file (TOML, or a run's own config.json); flags given on the command line override it.
+The defaults are the main job's (streaming over an emulated 100 Mbit/s, 10 ms link: recipes.main
+changes nothing), so a flag or key changes only what it names: `--algo ddp` is the baseline over
+the same link, `--link-bandwidth none` the same run without the emulated link.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ _f = option
 class RunOptions(Options):
     title = "run"
     # what to run
-    algo: str = _f("ddp", "training algorithm")  # its help names them (_name_algorithms)
+    # the defaults are the main job's (`lowband train` alone): a flag changes what it names
+    algo: str = _f("streaming", "training algorithm")  # its help names them (_name_algorithms)
     replicas: int = _f(2, "R: replica groups, joined by the slow outer link")
     shards: int = _f(1, "S: ranks inside each replica group, joined by the fast inner link")
     # data
@@ -100,7 +104,7 @@ class RunOptions(Options):
                         ("fp32", "bf16"))
     compile: bool = _f(False, "torch.compile each block's forward (hooks and communication stay "
                        "eager)")
-    progress: bool = _f(True, "show a progress bar on rank 0")
+    progress: bool = _f(True, "show a progress bar on rank 0 (when its stderr is a terminal)")
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -172,7 +176,7 @@ class Config(*reversed(GROUPS)):
                               f"for now: --algo {self.algo} cannot lose a replica group mid-run yet.")
         for name, value in algorithm.defaults.items():
             if getattr(self, name) is None:
-                setattr(self, name, value)
+                setattr(self, name, value(self) if callable(value) else value)
         for f in dataclasses.fields(self):
             choices, value = f.metadata["choices"], getattr(self, f.name)
             if choices and value is not None and value not in choices:

@@ -14,8 +14,10 @@ from lowband.config import COMMON_GROUPS, GROUPS, ArgParser, Config, ConfigError
 
 
 TRAIN = ("Train a language model across ranks and replicas. With no arguments: the main job "
-         "(`--recipe main`: streaming DiLoCo over an emulated slow link). Flags override "
-         "--recipe or --config.")
+         "(streaming DiLoCo over an emulated 100 Mbit/s, 10 ms link), whose values are the "
+         "defaults below, so a flag changes only what it names (--algo ddp: the baseline over "
+         "the same link; --link-bandwidth none: no emulated link). Flags override --recipe or "
+         "--config.")
 
 
 def train_parser(prog: str = "lowband train", description: str = TRAIN,

@@ -46,10 +46,33 @@ def needs_extra(extra: str, what: str, *modules: str) -> None:
 
 class ArgParser(argparse.ArgumentParser):
     """argparse for lowband's commands: a bad flag raises ConfigError with one sentence, no usage
-    block; each command prints it and exits with status 2."""
+    block; each command prints it and exits with status 2. Abbreviations are refused (`--step`
+    is not taken for --steps: a flag means what it names), with the options it may have meant."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
-        raise ConfigError(f"{message} (see `{self.prog} --help`).")
+        meant = self.meant(message)
+        hint = f": did you mean {' or '.join(meant)}?" if meant else ""
+        raise ConfigError(f"{message}{hint} (see `{self.prog} --help`).")
+
+    def meant(self, message: str) -> list[str]:
+        """The options an unrecognized flag in `message` may stand for: those it begins (an
+        abbreviation), else the closest spelling."""
+        import difflib
+
+        if not message.startswith("unrecognized arguments:"):
+            return []
+        known = [s for s in self._option_string_actions if s.startswith("--")]
+        for token in message.split(":", 1)[1].split():
+            given = token.split("=", 1)[0]
+            if not given.startswith("--") or given in known:
+                continue
+            started = sorted((s for s in known if s.startswith(given)), key=len)[:3]
+            return started or difflib.get_close_matches(given, known, n=1, cutoff=0.75)
+        return []
 
 
 def option(default, help: str, choices=None, kind=None, shown=None):
@@ -79,8 +102,9 @@ class Options:
     @classmethod
     def resolve(cls, cfg, algorithm) -> None:
         """Fill a field still None whose default depends on other options (OuterOptions:
-        --outer-lr by --replicas and --sync-every); `algorithm` is the run's algorithm class.
-        Called by Config.validate after the algorithm's `defaults` and the checks of the groups
+        --outer-lr by --replicas and --sync-every), or put one in the form the run records
+        (ModelOptions: a model's local path made absolute); `algorithm` is the run's algorithm
+        class. Called by Config.validate after the algorithm's `defaults` and the checks of the groups
         before this one, just before this group's check, so the value a run used is the one
         its config.json records."""
 

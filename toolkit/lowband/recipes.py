@@ -30,32 +30,31 @@ class Recipe:
         return Config.from_dict({**self.values, **overrides}, source=f"recipe '{self.name}'")
 
 
-# a link between two sites: the emulated outer link of the main job and the comparisons
-SITE_LINK = {"link_bandwidth": "100Mbit", "link_latency": "10ms"}
-_MAIN = {"model": "micro", "replicas": 2, "steps": 200, "sync_every": 20}
+# the main job is Config's defaults (config.py), so its recipe changes nothing; the others
+# state their link: NO_LINK for a reference setting, or a benchmark row that adds its own link
+NO_LINK = {"link_bandwidth": "", "link_latency": "0ms"}
 
-main = Recipe("main", "the main job: Streaming DiLoCo (fp4, 4 fragments, overlap 1), 2 replicas "
-              "of a 0.8M GPT over an emulated 100 Mbit/s link", {"algo": "streaming", **_MAIN,
-                                                                 **SITE_LINK})
+main = Recipe("main", "the main job (lowband's defaults): Streaming DiLoCo (fp4, 4 fragments, "
+              "overlap 1, H=20), 2 replicas of a 0.8M GPT, 200 steps, over an emulated 100 "
+              "Mbit/s, 10 ms link")
 ddp = Recipe("ddp", "the baseline of the main job: data-parallel over the same link",
-             {"algo": "ddp", **{k: v for k, v in _MAIN.items() if k != "sync_every"},
-              **SITE_LINK})
+             {"algo": "ddp"})
 quickstart = Recipe("quickstart", "notebook 01: a short streaming run of a tiny GPT, no link "
                     "emulation", {"algo": "streaming", "model": "nano", "fragments": 2,
-                                  "sync_every": 10, "steps": 60, "eval_every": 20})
+                                  "sync_every": 10, "steps": 60, "eval_every": 20, **NO_LINK})
 
 # each seed algorithm as its reference sets it (see docs/fidelity.md)
 diloco_paper = Recipe(
     "diloco_paper", "DiLoCo as its paper (arXiv 2311.08105): outer Nesterov SGD lr 0.7, "
     "momentum 0.9, fp32 average every H steps (the paper's H is 500; here 50 for a CPU run)",
     {"algo": "diloco", "model": "micro", "steps": 200, "sync_every": 50, "outer_lr": 0.7,
-     "outer_momentum": 0.9})
+     "outer_momentum": 0.9, **NO_LINK})
 streaming_paper = Recipe(
     "streaming_paper", "Streaming DiLoCo as its paper (arXiv 2501.18512): strided fragments, "
     "overlap 1, alpha 0.5, fp4 E3M0 exchange, outer lr 0.7 momentum 0.9",
     {"algo": "streaming", "model": "mini", "steps": 200, "sync_every": 48, "fragments": 3,
      "fragment_pattern": "strided", "overlap": 1, "alpha": 0.5, "codec": "fp4-e3m0",
-     "outer_lr": 0.7, "outer_momentum": 0.9})
+     "outer_lr": 0.7, "outer_momentum": 0.9, **NO_LINK})
 edit_atorch = Recipe(
     "edit_atorch", "EDiT with atorch's penalty, computed as atorch does (--edit-penalty "
     "reference: a detector per replica, softmax(-norm) at temperature 1 on the raw norms), EWMA "
@@ -65,7 +64,7 @@ edit_atorch = Recipe(
     {"algo": "edit", "model": "micro", "replicas": 2, "shards": 2, "steps": 120,
      "sync_every": 10, "warmup_sync_steps": 10, "edit_penalty": "reference",
      "edit_temperature": 1.0, "edit_ewma_rate": 0.02, "edit_z": 3.0, "edit_anomaly_warmup": 10,
-     "outer_lr": 0.7, "outer_momentum": 0.8})
+     "outer_lr": 0.7, "outer_momentum": 0.8, **NO_LINK})
 aedit_atorch = Recipe(
     "aedit_atorch", "A-EDiT with atorch's settings: syncs by wall-clock time, atorch's penalty "
     "(--edit-penalty reference: raw norms, temperature 1, EWMA rate 0.02, anomaly warm-up 10), "
@@ -75,17 +74,17 @@ aedit_atorch = Recipe(
     {"algo": "aedit", "model": "micro", "replicas": 2, "steps": 120, "sync_seconds": 2.0,
      "time_budget": 120.0, "warmup_sync_steps": 10, "edit_penalty": "reference",
      "edit_temperature": 1.0, "edit_ewma_rate": 0.02, "edit_anomaly_warmup": 10,
-     "edit_step_weights": False, "aedit_min_new_steps": 10})
+     "edit_step_weights": False, "aedit_min_new_steps": 10, **NO_LINK})
 acco_authors = Recipe(
     "acco_authors", "ACCO as its authors' code: adaptive accumulation, estimate and real rounds, "
     "AdamW shards, one learning rate for both rounds, no clipping in the rounds, a budget of "
     "micro-batches (ddp's for 100 steps)",
     {"algo": "acco", "model": "micro", "replicas": 2, "steps": 100, "acco_micro": "adaptive",
-     "shard_optimizer": "adamw", "acco_clip": False})
+     "shard_optimizer": "adamw", "acco_clip": False, **NO_LINK})
 
 # the benchmarks' configurations (benchmarks/*.py start from these)
 _SLOW_LINK = {"model": "mini", "replicas": 2, "steps": 72, "batch_size": 4, "seq_len": 128,
-              "eval_every": 0}
+              "eval_every": 0, **NO_LINK}
 slow_link_ddp = Recipe("slow_link_ddp", "benchmarks/slow_link.py's ddp row (4.8M GPT, 72 steps; "
                        "the benchmark adds the link)", {"algo": "ddp", **_SLOW_LINK})
 slow_link_diloco = Recipe("slow_link_diloco", "benchmarks/slow_link.py's diloco row (H=18)",
@@ -97,7 +96,7 @@ slow_link_streaming = Recipe(
 
 _STRAGGLERS = {"model": "micro", "replicas": 2, "steps": 100, "batch_size": 8, "seq_len": 128,
                "eval_every": 0, "eval_batches": 8, "link_bandwidth": "100Mbit",
-               "straggler": "1:4"}
+               "link_latency": "0ms", "straggler": "1:4"}
 _STRAGGLER_OUTER = {"outer_lr": 1.0, "outer_momentum": 0.0}
 stragglers = {name: Recipe(f"stragglers_{name}", f"benchmarks/stragglers_and_spikes.py (a): {name} "
                            "with replica 1 four times slower over 100 Mbit/s", {**_STRAGGLERS, **v})

@@ -3,18 +3,34 @@
     lowband report runs/a runs/b -o report.html        (or write_report([...], "report.html"))
 
 The page itself is built in lowband.dashboard.export (Dashboard.export_html writes the same
-one); this module is its command line, and the names a script imports from lowband.report.
+one); this module is its command line, the report every `lowband train` writes into its run
+directory (run_report), and the names a script imports from lowband.report.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from lowband.config import ArgParser, ConfigError
 from lowband.dashboard.export import ReportError, load_runs, render_report, write_report
 from lowband.dashboard.tables import run_record
 
-__all__ = ["ReportError", "load_runs", "main", "render_report", "run_record", "write_report"]
+__all__ = ["ReportError", "load_runs", "main", "render_report", "run_record", "run_report",
+           "write_report"]
+
+
+def run_report(run_dir) -> str:
+    """The line a finished `lowband train` ends with: `report: RUN/report.html`, the report it
+    wrote of the run, or one sentence saying why it could not (the ui extra not installed)."""
+    try:
+        path = write_report(run_dir, Path(run_dir) / "report.html")
+    except ConfigError as e:  # the ui extra is not installed: needs_extra's sentence
+        return (f"report: not written: {str(e).rstrip('.')}, then `lowband report {run_dir} -o "
+                f"{Path(run_dir) / 'report.html'}`.")
+    except ReportError as e:
+        return f"report: not written: {e}"
+    return f"report: {path}"
 
 
 def main(argv: list[str] | None = None) -> int:

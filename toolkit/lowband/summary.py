@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from lowband.units import fmt_si
+from lowband.units import fmt_si, parse_bandwidth
 
 
 def summarize(cfg, ranks: list[dict]) -> dict:
@@ -93,10 +93,17 @@ def target_text(t) -> str:
         f" (best {best:.4f})" if isinstance(best, (int, float)) else "")
 
 
-def comparison(s: dict, link_bandwidth_bps: float = 0.0) -> str:
-    """What ddp would have sent over the outer link for the same model and steps (computed from
-    the parameters' sizes, summary field ddp_outer_wire_bytes) beside what the run sent."""
+def comparison(s: dict, link_bandwidth=None) -> str:
+    """The run's headline, which `lowband train` prints and its report opens with: what ddp
+    would have sent over the outer link for the same model and steps (computed from the
+    parameters' sizes, summary field ddp_outer_wire_bytes) beside what the run sent, and on an
+    emulated link (link_bandwidth: the run's --link-bandwidth, '100Mbit' or bits per second)
+    the link time that takes a step against the run's compute a step; "" for ddp itself."""
     ddp, sent = s.get("ddp_outer_wire_bytes"), s.get("outer_wire_bytes", 0)
+    try:
+        link_bandwidth_bps = parse_bandwidth(link_bandwidth or 0)
+    except ValueError:  # a record the parser cannot read: the bytes alone
+        link_bandwidth_bps = 0.0
     if not ddp or s.get("algorithm") == "ddp":
         return ""
     times = ddp / sent if sent else 0

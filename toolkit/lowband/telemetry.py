@@ -85,7 +85,7 @@ class RunDir:
             d.mkdir(parents=True, exist_ok=True)
         return self
 
-    # what a run leaves at the top of its directory (report.html: the main job's report)
+    # what a run leaves at the top of its directory (report.html: the report every run writes)
     RUN_FILES = ("config.json", "summary.json", "model.pt", "outer.pt", "report.html")
 
     def holds_run(self) -> bool:

@@ -380,14 +380,16 @@ def _broadcast_init(model: nn.Module, comm: Comm) -> None:
 
 
 def _progress(cfg: Config, rank: int, initial: int = 0):
-    """Rank 0's bar: steps of --steps, or with --time-budget seconds of it."""
+    """Rank 0's bar: steps of --steps, or with --time-budget seconds of it. Drawn only on a
+    terminal: into a redirected log it would write a line a step (it still counts there)."""
     if rank != 0 or not cfg.progress:
         return None
     from tqdm import tqdm
 
     total, unit = (math.ceil(cfg.time_budget), "s") if cfg.time_budget else (cfg.steps, "it")
     return tqdm(total=total, initial=initial, desc=f"{cfg.algo} R={cfg.replicas} S={cfg.shards}",
-                unit=unit, file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
+                unit=unit, file=sys.stderr, mininterval=0.5, dynamic_ncols=True,
+                disable=not sys.stderr.isatty())
 
 
 def _bar_at(cfg: Config, algo, clock: RunClock, step: int) -> int:

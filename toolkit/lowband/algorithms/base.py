@@ -33,7 +33,8 @@ class Algorithm:
     """One registry line (algorithms/__init__.py) plus these class attributes make an algorithm:
     `name`, `kind` (EVERY_STEP or PERIODIC), `elastic` (whether it runs --elastic), `options`
     (the option groups it reads, declared beside its code; Config inherits them all), `defaults`
-    (values of its fields left None), `summary` (one line for --help and `lowband recipes`).
+    (values of its fields left None, or functions of the config giving them), `summary` (one
+    line for --help and `lowband recipes`).
 
     An elastic algorithm takes torchft's quorums (comm.elastic, a comm/elastic.py Membership:
     join() in join, begin() before each sync) and votes on each outer update (commit()); its

@@ -76,7 +76,8 @@ class Landed:
 @dataclass
 class StreamingOptions(Options):
     title = "fragments"
-    fragments: int = option(None, "P: fragments synced in turn (diloco 1, streaming 4)", kind=int)
+    fragments: int = option(None, "P: fragments synced in turn (diloco 1, streaming 4, or the "
+                            "model's blocks where it has fewer)", kind=int)
     fragment_pattern: str = option("strided", "strided (block i -> fragment i mod P) or "
                                    "sequential", ("strided", "sequential"))
     overlap: int = option(None, "tau: steps between starting a fragment's exchange and applying "
@@ -107,7 +108,10 @@ class Streaming(Algorithm):
     kind = PERIODIC
     elastic = True
     options = (OuterOptions, ExchangeOptions, StreamingOptions)
-    defaults = {"fragments": 4, "overlap": 1, "alpha": 0.5, "codec": "fp4-e3m0"}
+    # 4 fragments, fewer for a smaller model (--model nano's 2 blocks): a model flag alone is
+    # not refused for a fragment count it did not give
+    defaults = {"fragments": lambda cfg: min(4, cfg.n_blocks()), "overlap": 1, "alpha": 0.5,
+                "codec": "fp4-e3m0"}
     summary = ("Streaming DiLoCo: fragments synced in turn, overlapped with training, "
                "quantized exchange")
     loss_fit = "diloco"

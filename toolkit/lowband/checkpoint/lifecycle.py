@@ -123,6 +123,21 @@ def decided_by_rank0(decide):
     return box[0]
 
 
+def no_checkpoint(run: RunDir) -> ConfigError:
+    return ConfigError(f"{run.root} has no checkpoint to resume from: train with "
+                       "--checkpoint-every N to write them.")
+
+
+def check_resumable(cfg: Config) -> None:
+    """`lowband train --resume`, before any worker starts and before the run directory is
+    touched: refused with one sentence when the run has no complete checkpoint (with
+    --elastic: no replica group has one). The workers then pick the newest intact one."""
+    run = RunDir(cfg.run_dir)
+    groups = range(cfg.replicas) if cfg.elastic else [None]
+    if not any(checkpoint.complete(run, g) for g in groups):
+        raise no_checkpoint(run)
+
+
 def resume_point(run: RunDir, group: int | None, required: bool = True) -> Path | None:
     """The newest checkpoint of the run (with --elastic, of this replica group) whose files
     match their checksums, chosen by rank 0; each newer, damaged one is named on rank 0's
@@ -137,8 +152,7 @@ def resume_point(run: RunDir, group: int | None, required: bool = True) -> Path 
                 any(p.parent.name != f"replica{group}" for p in run.checkpoints.glob("replica*/step-*")):
             return None
         if path is None and not damaged:
-            raise ConfigError(f"{run.root} has no checkpoint to resume from: train with "
-                              "--checkpoint-every N to write them.")
+            raise no_checkpoint(run)
         if path is None:
             bad, why = damaged[0]
             raise ConfigError(f"every checkpoint of {run.root} is damaged (the newest, {bad.name}: "

@@ -23,16 +23,29 @@ from lowband.units import parse_bandwidth, parse_duration
 @dataclass
 class LinkOptions(Options):
     title = "emulated outer link (every algorithm)"
-    link_bandwidth: str = option("", "emulate the outer link's bandwidth, e.g. 100Mbit (empty: none)")
-    link_latency: str = option("0ms", "emulated outer link latency, e.g. 20ms")
+    link_bandwidth: str = option("100Mbit", "emulate the outer link's bandwidth, e.g. 100Mbit or "
+                                 "1Gbit; none: no emulated link (nor its latency)")
+    link_latency: str = option("10ms", "emulated outer link latency, e.g. 20ms")
+
+    @classmethod
+    def resolve(cls, cfg, algorithm) -> None:
+        """No emulated link (--link-bandwidth none, or empty) is recorded as "" with no latency."""
+        if str(cfg.link_bandwidth).strip().lower() in NONE:
+            cfg.link_bandwidth, cfg.link_latency = "", "0ms"
 
     @classmethod
     def check(cls, cfg) -> None:
         try:
-            parse_bandwidth(cfg.link_bandwidth or 0)
+            bits = parse_bandwidth(cfg.link_bandwidth or 0)
+        except ValueError as e:
+            raise ConfigError(f"--link-bandwidth: {e}, or none for no emulated link.") from None
+        try:
             parse_duration(cfg.link_latency)
         except ValueError as e:
-            raise ConfigError(f"{e}.") from None
+            raise ConfigError(f"--link-latency: {e}.") from None
+        if cfg.link_bandwidth and not bits > 0:
+            raise ConfigError(f"--link-bandwidth must be positive, got {cfg.link_bandwidth!r}: "
+                              "give none for no emulated link.")
 
     @classmethod
     def build(cls, cfg) -> "Link | None":
@@ -40,6 +53,9 @@ class LinkOptions(Options):
         if not cfg.link_bandwidth:
             return None
         return Link(parse_bandwidth(cfg.link_bandwidth), parse_duration(cfg.link_latency))
+
+
+NONE = ("", "none")  # --link-bandwidth values that mean no emulated link
 
 
 class Link:

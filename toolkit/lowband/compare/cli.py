@@ -26,8 +26,7 @@ EPILOG = ("example: lowband compare --algos ddp,diloco,streaming -- --model mini
 
 
 def parser() -> ArgParser:
-    p = ArgParser(prog="lowband compare", description=DESCRIPTION, epilog=EPILOG,
-                  allow_abbrev=False, usage=USAGE)
+    p = ArgParser(prog="lowband compare", description=DESCRIPTION, epilog=EPILOG, usage=USAGE)
     p.add_argument("--recipes", metavar="NAME,NAME", help="recipes to run (`lowband recipes`)")
     p.add_argument("--configs", metavar="PATH,PATH", help="TOML files, runs' config.json or run "
                    "directories to run (as `lowband train --config PATH`)")

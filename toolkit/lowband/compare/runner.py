@@ -14,7 +14,7 @@ with the same directory continues where it stopped: an unfinished run resumes fr
 intact checkpoint, or starts over when it has none.
 
 With test_hosts (root), the runs go over a real shaped link instead of the emulated one: R test
-hosts (lowband.testing.testbed: network namespaces on veths, each host's egress shaped by tbf to
+hosts (lowband.launch.hosts: network namespaces on veths, each host's egress shaped by tbf to
 the flags' --link-bandwidth), replica i's ranks on host i, the emulated link off. This kernel
 has no netem, so that link adds no latency: --link-latency is not applied there (compare.json's
 `link` says so), and the plan's columns take the hosts' bandwidth.
@@ -136,7 +136,7 @@ def _run_all(order: list[E.Entry], ref: E.Entry, root: Path, equal: str, given: 
 def _test_hosts(runs: list[E.Entry]):
     """The test hosts the runs go over (not yet set up): one a replica, each host's egress
     shaped to the runs' --link-bandwidth; ConfigError (one sentence) where they cannot be."""
-    from lowband.testing.testbed import TestHosts
+    from lowband.launch.hosts import TestHosts
     from lowband.units import parse_bandwidth
 
     links = {e.config.link_bandwidth for e in runs}

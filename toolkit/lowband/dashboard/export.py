@@ -11,7 +11,8 @@ A `lowband compare` adds its table first (#compare: comparison.py) and opens the
 wall-clock time.
 
 For tests in a browser, the page has stable hooks: figure divs #lowband-loss,
-#lowband-bandwidth and #lowband-timeline-<i>, sections #summary, #config (#restarts for runs
+#lowband-bandwidth and #lowband-timeline-<i>, sections #headline (what ddp would have sent, as
+`lowband train` prints it: runs that are not ddp), #summary, #config (#restarts for runs
 that restarted, #membership for --elastic runs, with #failed-commits where a commit vote
 failed), and the report's numbers as JSON in <script type="application/json"
 id="lowband-report-data">.
@@ -27,10 +28,12 @@ import os
 from pathlib import Path
 
 from lowband.options import needs_extra
+from lowband.summary import comparison
 
 from .bandwidth_figure import bandwidth_spec
 from .comparison import compare_section
 from .loss_figure import loss_figure_static
+from .losses import warmup_text
 from .model import RunModel, is_run_dir
 from .specs import make_figure
 from .tables import (commits_table, config_table, elastic_text, membership_table,
@@ -92,6 +95,10 @@ vertical-align:top}
 table.grid th:first-child{text-align:left;font-weight:600;color:#444}
 table.grid thead th{border-bottom:2px solid #ccc;text-align:right}
 table.grid tr.diff td{background:#fff4d6}
+table.grid tr.group th{text-align:left;color:#777;font-weight:600;padding-top:12px;
+border-bottom:1px solid #ccc}
+details summary{cursor:pointer;color:#555;font-size:13px;margin:10px 0 4px}
+#headline p{font-size:15px;margin:8px 0}
 .ratio{color:#888;font-size:11px}
 .scroll{overflow-x:auto}
 """
@@ -115,11 +122,13 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
     failed = any(m.failed_commits() for m in models)
     restarts = restarts_table(models)
     parts = [compare_section(compare)] if compare else []
+    parts += [_headline_section(models)] if any(_headline(m) for m in models) else []
     parts += [
         f'<section id="summary"><h2>Summary</h2><div class="scroll">{summary_table(records)}'
         f"</div></section>",
         f'<section id="loss-section"><h2>Loss</h2><p class="meta">Mean over each replica\'s '
-        f"ranks; validation loss, loss spikes (EWMA z-score, z &gt; {models[0].spike_params[0]:g})"
+        f"ranks; validation loss, loss spikes (EWMA z-score, z &gt; {models[0].spike_params[0]:g};"
+        f" the grey band is {html.escape(warmup_text(models[0].spike_params[2]))})"
         f" and outer syncs (vertical lines)"
         + ("; replica groups joining and leaving the quorum (dashed purple lines)"
            if elastic else "")
@@ -183,6 +192,19 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
         "</p></header><main>" + "".join(parts) + "</main>"
         f'<script type="application/json" id="lowband-report-data">{data_json}</script>'
         "</body></html>\n")
+
+
+def _headline(m: RunModel) -> str:
+    """The sentence `lowband train` printed beside the run's one line (lowband.summary.comparison):
+    how many times fewer bytes than ddp it sent, and on its link the link time ddp's would take a
+    step against its compute a step; "" for ddp and for a run without a summary."""
+    return comparison(m.summary or {}, m.config.get("link_bandwidth")) if m.summary else ""
+
+
+def _headline_section(models: list[RunModel]) -> str:
+    lines = [(f"<b>{html.escape(m.name)}</b>: " if len(models) > 1 else "")
+             + html.escape(_headline(m)) + "." for m in models if _headline(m)]
+    return '<section id="headline">' + "".join(f"<p>{line}</p>" for line in lines) + "</section>"
 
 
 def _membership_section(models: list[RunModel]) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .commits import commit_text, reported_text
+from .losses import warmup_text
 from .model import RunModel
 from .restarts import restart_text
 from .specs import make_figure
@@ -75,6 +76,7 @@ def loss_spec(models: list[RunModel], xaxis: str = "step", max_points: int = 200
             x=m.val_x(xaxis), y=m.val_series()[1], legendgroup=group,
             line=dict(color=run_color if multi else "#222", width=2),
             marker=dict(size=6, symbol="circle")))
+        traces.append(_warmup_trace(m, xaxis, prefix, group))
         spikes = m.detected_spikes()[-max_marks:]
         z = m.spike_params[0]
         traces.append(dict(
@@ -104,6 +106,26 @@ def loss_spec(models: list[RunModel], xaxis: str = "step", max_points: int = 200
                   annotations=[] if any(m.replicas for m in models)
                   else [empty_note("no step events yet")])
     return traces, layout
+
+
+def _warmup_trace(m: RunModel, xaxis: str, prefix: str, group) -> dict:
+    """A grey band over the first steps, which the spike detector does not judge (its warm-up:
+    an early jump there is no spike), by the first replica's steps; a band of no points for a
+    run without steps. Its five points stay where x is unknown, as the report's x-axis buttons
+    need every axis's traces to have the same points."""
+    warmup = m.spike_params[2]
+    xs: list = []
+    if m.replicas and warmup > 0:
+        rep = min(m.replicas)
+        rs = m.replicas[rep]
+        first, last = 0, min(warmup, len(rs.steps)) - 1
+        x0, x1 = (m.x_of(xaxis, rs.steps[i], rs.t[i], rep, rs.tokens[i], rs.clock[i])
+                  for i in (first, last))
+        xs = [x0, x1, x1, x0, x0]
+    return dict(type="scatter", mode="lines", name=f"{prefix}spike detector warm-up", x=xs,
+                y=[0, 0, 1, 1, 0] if xs else [], yaxis="y2", fill="toself",
+                fillcolor="rgba(120,120,120,0.10)", line=dict(width=0), hoverinfo="text",
+                text=[warmup_text(warmup)] * len(xs), legendgroup=group)
 
 
 def _sync_traces(m: RunModel, xaxis: str, max_marks: int, prefix: str, group, color: str):

@@ -61,6 +61,11 @@ class SpikeDetector:
         return z, spike
 
 
+def warmup_text(warmup: int) -> str:
+    """What the spike count leaves out: the points before the detector has its statistics."""
+    return f"the detector's warm-up: each replica's first {warmup} steps are not judged"
+
+
 def detect_spikes(losses, z: float = 5.0, alpha: float = 0.05, warmup: int = 20) -> list[int]:
     """Indices of the points in a loss series that SpikeDetector flags."""
     det = SpikeDetector(z, alpha, warmup)

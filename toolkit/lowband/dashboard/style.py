@@ -71,6 +71,8 @@ def fmt_value(key: str, v) -> str:
         return "–"
     if isinstance(v, bool):
         return "yes" if v else "no"
+    if isinstance(v, (list, tuple)):  # steps_run_per_replica: one value per replica
+        return ", ".join(fmt_value(key, x) for x in v) or "–"
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         if isinstance(v, float) and not math.isfinite(v):
             return "–"

@@ -8,48 +8,76 @@ import html
 import json
 import math
 
+from .losses import warmup_text
 from .membership import groups_text
 from .model import RunModel
 from .restarts import lost_steps
 from .style import fmt_bytes, fmt_value
 
+# every number a run's summary or stats give, by its key: the label of its row in the report's
+# summary table and of its column in the dashboard's summary panel (a key without one, a field
+# of an algorithm from outside, reads with spaces for its underscores: label())
+LABELS = {
+    "status": "status", "algorithm": "algorithm", "replicas": "replicas",
+    "shards": "shards per replica", "step": "step", "steps": "steps",
+    "steps_run": "steps run (mean over replicas)",
+    "steps_run_per_replica": "steps run by each replica",
+    "micro_batches_per_step": "micro-batches per step and rank", "tokens": "tokens",
+    "wall_s": "wall time", "tokens_per_s": "tokens/s", "compute_s": "compute time per rank",
+    "compute_utilization": "compute utilization", "outer_wire_bytes": "outer bytes (wire)",
+    "ddp_outer_wire_bytes": "outer bytes ddp would have sent",
+    "inner_wire_bytes": "inner bytes (wire)", "setup_wire_bytes": "setup bytes (wire, once)",
+    "peak_outer_payload_bytes": "peak outer payload", "bytes_per_token": "outer bytes/token",
+    "peak_outer_bytes_per_s": "outer peak bandwidth",
+    "mean_outer_bytes_per_s": "outer mean bandwidth (busiest link)",
+    "link_capacity_bytes_per_s": "outer link capacity", "anomalies": "anomalous syncs",
+    "spikes": "loss spikes", "loss": "loss", "val_loss": "val loss", "final_loss": "final loss",
+    "final_val_loss": "final validation loss", "run_dir": "run directory",
+    # summary.json's `elastic` (--elastic runs)
+    "elastic.groups_finished": "replica groups finished",
+    "elastic.restarts": "replica group restarts",
+    # summary.json's `target` (--target-loss)
+    "target.loss": "target val loss", "target.elapsed_s": "time to target",
+    "target.tokens": "tokens to target", "target.outer_bytes": "outer bytes to target",
+    "target.step": "step at target",
+}
+
+
+def label(key: str) -> str:
+    """The human label of a summary or stats key."""
+    return LABELS.get(key) or key.replace("_", " ").replace(".", ": ")
+
+
+def _labelled(*keys: str) -> list[tuple[str, str]]:
+    return [(key, LABELS[key]) for key in keys]
+
+
 # the dashboard's summary panel
-SUMMARY_COLUMNS = [
-    ("status", "status"), ("step", "step"), ("tokens_per_s", "tokens/s"),
-    ("compute_utilization", "compute util."), ("bytes_per_token", "outer bytes/token"),
-    ("peak_outer_bytes_per_s", "outer peak"), ("anomalies", "anomalies"), ("spikes", "spikes"),
-    ("loss", "loss"), ("val_loss", "val loss"),
-]
+SUMMARY_COLUMNS = _labelled("status", "step", "tokens_per_s", "compute_utilization",
+                            "bytes_per_token", "peak_outer_bytes_per_s", "anomalies", "spikes",
+                            "loss", "val_loss")
 STATUS_COLORS = {"running": "#2ca02c", "finished": "#1f77b4", "stalled": "#d62728",
                  "waiting": "#888", "ended": "#1f77b4", "failed": "#d62728",
                  "cancelled": "#ff7f0e"}
 
 # the report's summary table
-SUMMARY_ROWS = [
-    ("status", "status"), ("algorithm", "algorithm"), ("replicas", "replicas"),
-    ("shards", "shards per replica"), ("steps", "steps"), ("tokens", "tokens"),
-    ("wall_s", "wall time"), ("tokens_per_s", "tokens/s"),
-    ("compute_utilization", "compute utilization"), ("outer_wire_bytes", "outer bytes (wire)"),
-    ("inner_wire_bytes", "inner bytes (wire)"),
-    ("peak_outer_payload_bytes", "peak outer payload"), ("bytes_per_token", "outer bytes/token"),
-    ("peak_outer_bytes_per_s", "outer peak bandwidth"),
-    ("mean_outer_bytes_per_s", "outer mean bandwidth (busiest link)"),
-    ("link_capacity_bytes_per_s", "outer link capacity"), ("anomalies", "anomalous syncs"),
-    ("spikes", "loss spikes"), ("final_loss", "final loss"),
-    ("final_val_loss", "final validation loss"),
-]
+SUMMARY_ROWS = _labelled(
+    "status", "algorithm", "replicas", "shards", "steps", "tokens", "wall_s", "tokens_per_s",
+    "compute_utilization", "outer_wire_bytes", "ddp_outer_wire_bytes", "inner_wire_bytes",
+    "peak_outer_payload_bytes", "bytes_per_token", "peak_outer_bytes_per_s",
+    "mean_outer_bytes_per_s", "link_capacity_bytes_per_s", "anomalies", "spikes", "final_loss",
+    "final_val_loss")
 # summary.json's `elastic` (--elastic runs), shown as rows of their own when a run has it
-ELASTIC_ROWS = [("elastic.groups_finished", "replica groups finished"),
-                ("elastic.restarts", "replica group restarts")]
+ELASTIC_ROWS = _labelled("elastic.groups_finished", "elastic.restarts")
 # summary.json's `target` (--target-loss), rows of their own when a run has it; older runs
 # and runs without a target show "–"
-TARGET_ROWS = [("target.loss", "target val loss"), ("target.elapsed_s", "time to target"),
-               ("target.tokens", "tokens to target"),
-               ("target.outer_bytes", "outer bytes to target"), ("target.step", "step at target")]
+TARGET_ROWS = _labelled("target.loss", "target.elapsed_s", "target.tokens",
+                        "target.outer_bytes", "target.step")
 # rows where a comparison with the first run is worth a ratio
-RATIO_ROWS = {"wall_s", "tokens_per_s", "outer_wire_bytes", "inner_wire_bytes",
-              "peak_outer_payload_bytes", "bytes_per_token", "peak_outer_bytes_per_s",
-              "mean_outer_bytes_per_s", "target.elapsed_s", "target.tokens", "target.outer_bytes"}
+RATIO_ROWS = {"wall_s", "tokens_per_s", "outer_wire_bytes", "ddp_outer_wire_bytes",
+              "inner_wire_bytes", "peak_outer_payload_bytes", "bytes_per_token",
+              "peak_outer_bytes_per_s", "mean_outer_bytes_per_s", "target.elapsed_s",
+              "target.tokens", "target.outer_bytes"}
 
 
 def summary_html(stats: list[dict], extra: list[str] | None = None) -> str:
@@ -93,6 +121,7 @@ def run_record(m: RunModel) -> dict:
     rec = dict(stats)
     rec["final_loss"] = stats["loss"]
     rec["final_val_loss"] = stats["val_loss"]
+    rec["spike_warmup"] = m.spike_params[2]
     for key in ("replicas", "shards", "steps"):
         v = summary.get(key, m.config.get(key))
         if v is not None:
@@ -131,23 +160,26 @@ def summary_table(records: list[dict]) -> str:
     head = "".join(f"<th>{html.escape(n)}</th>" for n in names)
     keys = [k for k, _ in SUMMARY_ROWS]
     extra = sorted({k for r in records for k in r} - set(keys)
-                   - {"name", "loss", "val_loss", "step", *NESTED})
+                   - {"name", "loss", "val_loss", "step", "spike_warmup", *NESTED})
     nested = [row for name, (rows, _) in NESTED.items()
               if any(isinstance(r.get(name), dict) for r in records) for row in rows]
     rows = []
-    for key, label in SUMMARY_ROWS + nested + [(k, k) for k in extra]:
+    for key, text in SUMMARY_ROWS + nested + [(k, label(k)) for k in extra]:
         cells = []
         base = _value(records[0], key)
         for i, r in enumerate(records):
             v = _value(r, key)
             name = key.split(".", 1)[0] if "." in key else None
-            text = html.escape(NESTED[name][1](key, r.get(name)) if name in NESTED
+            cell = html.escape(NESTED[name][1](key, r.get(name)) if name in NESTED
                                else fmt_value(key, v))
             if (i and key in RATIO_ROWS and isinstance(v, (int, float))
                     and isinstance(base, (int, float)) and base and math.isfinite(v)):
-                text += f' <span class="ratio">×{v / base:.3g}</span>'
-            cells.append(f'<td data-key="{html.escape(key)}">{text}</td>')
-        rows.append(f"<tr><th>{html.escape(label)}</th>{''.join(cells)}</tr>")
+                cell += f' <span class="ratio">×{v / base:.3g}</span>'
+            if key == "spikes" and r.get("spike_warmup"):
+                note = html.escape(warmup_text(r["spike_warmup"]))
+                cell += f' <span class="ratio">({note})</span>'
+            cells.append(f'<td data-key="{html.escape(key)}">{cell}</td>')
+        rows.append(f"<tr><th>{html.escape(text)}</th>{''.join(cells)}</tr>")
     return (f'<table class="grid"><thead><tr><th></th>{head}</tr></thead>'
             f"<tbody>{''.join(rows)}</tbody></table>")
 
@@ -263,21 +295,63 @@ def _grid(cls: str, head: list[str], rows: list[str]) -> str:
 
 
 def config_table(models: list[RunModel]) -> str:
-    """Every run's config.json side by side, nested keys flattened; rows that differ marked."""
+    """Every run's config.json side by side, nested keys flattened, under the title of each
+    option group: the groups every algorithm reads, those of the runs' algorithms, and the
+    options of other algorithms a run changed; the other algorithms' options left at their
+    defaults are folded away below. Rows that differ between runs are marked."""
     flat = [_flatten(m.config) for m in models]
-    keys = sorted({k for f in flat for k in f})
+    if not any(flat):
+        return (f'<table class="grid"><tbody><tr><td colspan="{len(models) + 1}">no config.json'
+                "</td></tr></tbody></table>")
     head = "".join(f"<th>{html.escape(m.name)}</th>" for m in models)
-    rows = []
+    shown, folded = _config_sections(models, flat)
+    table = (f'<table class="grid config"><thead><tr><th></th>{head}</tr></thead><tbody>'
+             + "".join(_config_rows(title, keys, flat) for title, keys in shown)
+             + "</tbody></table>")
+    if folded:
+        table += (f"<details><summary>{len(folded)} options of other algorithms, at their "
+                  f'defaults</summary><table class="grid config"><tbody>'
+                  f"{_config_rows('', folded, flat)}</tbody></table></details>")
+    return table
+
+
+def _config_sections(models: list[RunModel], flat: list[dict]) -> tuple[list, list]:
+    """([(group title, keys shown)], the keys folded away): an option group's keys in its
+    declared order, the keys of no group (the run's measurements, `meta`) last."""
+    from lowband.algorithms import ALGORITHMS
+    from lowband.config import COMMON_GROUPS, GROUPS, fields
+
+    default = {f.name: f.default for f in fields()}
+    read = set(COMMON_GROUPS)
+    for m in models:
+        algo = m.config.get("algo")
+        read.update(ALGORITHMS[algo].options if algo in ALGORITHMS else GROUPS)
+    shown, folded, placed = [], [], set()
+    for group in GROUPS:
+        names = [n for n in group.names() if any(n in f for f in flat)]
+        placed.update(names)
+        if group not in read:
+            changed = [n for n in names if any(f.get(n, default[n]) != default[n] for f in flat)]
+            folded += [n for n in names if n not in changed]
+            names = changed
+        if names:
+            shown.append((group.title, names))
+    rest = [k for k in dict.fromkeys(k for f in flat for k in f) if k not in placed]
+    if rest:
+        shown.append(("recorded by the run", rest))
+    return shown, folded
+
+
+def _config_rows(title: str, keys: list[str], flat: list[dict]) -> str:
+    rows = [f'<tr class="group"><th colspan="{len(flat) + 1}">{html.escape(title)}</th></tr>'
+            if title else ""]
     for k in keys:
         values = [f.get(k) for f in flat]
-        differs = len(models) > 1 and len({json.dumps(v, sort_keys=True) for v in values}) > 1
+        differs = len(flat) > 1 and len({json.dumps(v, sort_keys=True) for v in values}) > 1
         cls = ' class="diff"' if differs else ""
         rows.append(f"<tr{cls}><th>{html.escape(k)}</th>"
                     + "".join(f"<td>{_cell(v)}</td>" for v in values) + "</tr>")
-    if not rows:
-        rows.append(f'<tr><td colspan="{len(models) + 1}">no config.json</td></tr>')
-    return (f'<table class="grid"><thead><tr><th></th>{head}</tr></thead>'
-            f"<tbody>{''.join(rows)}</tbody></table>")
+    return "".join(rows)
 
 
 # summary.json's nested fields shown as rows of their own: their rows and how a cell reads

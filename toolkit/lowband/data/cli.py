@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=cores(), metavar="N",
                    help="tokenizing processes (default: the cores, %(default)s here)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                   help="a progress bar on stderr (default: on)")
+                   help="a progress bar on stderr, when it is a terminal (default: on)")
     p.add_argument("--overwrite", action="store_true", help="prepare DIR again when it holds "
                    "another preparation (other sources, tokenizer or settings)")
     return p

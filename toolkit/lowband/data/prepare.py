@@ -255,8 +255,15 @@ class _ShardWriter:
 
 
 def _sources(files: list[Path], root: Path) -> list[dict]:
-    return [{"path": f.name if f == root else str(f.relative_to(root)), "bytes": f.stat().st_size,
-             "mtime_ns": f.stat().st_mtime_ns} for f in files]
+    """Each source file by its path under root, size and contents' sha256: a file merely
+    touched (its mtime moved) is the same source."""
+    out = []
+    for f in files:
+        with open(f, "rb") as data:
+            digest = hashlib.file_digest(data, "sha256").hexdigest()
+        out.append({"path": f.name if f == root else str(f.relative_to(root)),
+                    "bytes": f.stat().st_size, "sha256": digest})
+    return out
 
 
 def _identity(files: list[Path], root: Path, tok: TokenizerRef, text_field: str,
@@ -266,6 +273,32 @@ def _identity(files: list[Path], root: Path, tok: TokenizerRef, text_field: str,
             "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "tokenizer_sha256": tok.sha256,
             "text_field": text_field, "shard_tokens": shard_tokens, "source": str(root.resolve()),
             "sources": _sources(files, root)}
+
+
+# what differs, in the words of prepare's arguments (the rest follow from the tokenizer)
+_SETTINGS = {"source": "from {} (now {})", "text_field": "with --text-field {} (now {})",
+             "shard_tokens": "with --shard-tokens {} (now {})"}
+
+
+def _difference(prior: dict, ident: dict) -> str:
+    """How a directory's preparation (`prior`) differs from this one's, the first difference
+    named: 'with --shard-tokens 6000 (now 5000)', 'with another tokenizer', 'from other
+    sources (a0.py changed)'."""
+    for key, words in _SETTINGS.items():
+        if prior.get(key) != ident[key]:
+            return words.format(prior.get(key), ident[key])
+    if any(prior.get(k) != ident[k] for k in ident if k != "sources"):
+        return "with another tokenizer"
+    before = {s["path"]: s for s in prior.get("sources") or []}
+    now = {s["path"]: s for s in ident["sources"]}
+    for path in sorted(before.keys() | now.keys()):
+        if path not in now or path not in before:
+            return f"from other sources ({path} is {'gone' if path in before else 'new'})"
+        if "sha256" not in before[path]:
+            return "by an older lowband, which did not record its sources' contents"
+        if before[path] != now[path]:
+            return f"from other sources ({path} changed)"
+    return "from other sources"
 
 
 def _read_json(path: Path) -> dict | None:
@@ -289,9 +322,8 @@ def prepare_files(files: list[Path], root: Path, out: Path, tok: TokenizerRef, *
         if out.exists() and any(out.iterdir()):
             raise ConfigError(f"'{out}' holds other files: give a new or empty directory.")
     elif not overwrite and {k: prior.get(k) for k in ident} != ident:
-        raise ConfigError(f"'{out}' was prepared from other sources, with another tokenizer or "
-                          "other settings: pass --overwrite to prepare it again, or give another "
-                          "-o directory.")
+        raise ConfigError(f"'{out}' was prepared {_difference(prior, ident)}: pass --overwrite "
+                          "to prepare it again, or give another -o directory.")
     elif not overwrite and meta is not None:
         return meta  # done before, identically
     elif overwrite:  # only what a preparation writes is removed
@@ -316,7 +348,7 @@ def prepare_files(files: list[Path], root: Path, out: Path, tok: TokenizerRef, *
     first, skip = state["next_unit"], state["skip"]
     writer = _ShardWriter(out, np.dtype(ident["dtype"]), shard_tokens, state)
     bar = tqdm(total=sum(sizes), initial=sum(sizes[:first]), unit="B", unit_scale=True,
-               desc="tokenizing", file=sys.stderr, disable=not progress,
+               desc="tokenizing", file=sys.stderr, disable=not (progress and sys.stderr.isatty()),
                mininterval=0.5, dynamic_ncols=True)
     workers = max(1, min(workers or cores(), len(units) - first))
     try:

@@ -23,7 +23,9 @@ The package, by part: component.py (the TorchX component), job.py (launch()), ha
 attach(), the process-wide TorchX runner), cli.py (`lowband launch`), node.py (the node
 agent) and env.py (what a launched script reads of its layout); without TorchX, here.py runs a
 plain `lowband train` on this machine (for `lowband compare` too): local.py starts its R x S
-workers and supervise.py runs `lowband train --elastic` on one machine (lighthouse.py: a launched elastic job's Lighthouse role). Every public
+workers (on this machine, or on hosts.py's test hosts: network namespaces joined by a link shaped
+by tc) and supervise.py runs `lowband train --elastic` on one machine (lighthouse.py: a launched
+elastic job's Lighthouse role). Every public
 name imports from here; the submodules import each other, never this file.
 """
 

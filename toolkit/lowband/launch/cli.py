@@ -16,7 +16,7 @@ from lowband.summary import one_line
 
 
 def launch_parser() -> argparse.ArgumentParser:
-    p = ArgParser(prog="lowband launch", allow_abbrev=False, description=(
+    p = ArgParser(prog="lowband launch", description=(
         "Run `lowband train` as a TorchX job: local_cwd here, or slurm, kubernetes, ... Every "
         "flag not listed here is a `lowband train` flag, passed through (e.g. --algo streaming "
         "--replicas 4 --model mini). By default each node holds one replica group (nnodes = "

@@ -19,7 +19,7 @@ def train_here(cfg: Config, argv: list[str], resume: bool = False, hosts=None
                ) -> tuple[int, RunDir]:
     """Run `lowband train ARGV` (cfg: its validated config) on this machine: (exit status, its
     run directory). 0: finished, summary.json written; 130: interrupted; otherwise the cause is
-    on stderr already. hosts: test hosts (lowband.testing.testbed) to run replica i on host i
+    on stderr already. hosts: test hosts (lowband.launch.hosts) to run replica i on host i
     (not with --elastic)."""
     from lowband.data import load_corpus, vocab_needed
     from lowband.models import check_vocab
@@ -28,6 +28,10 @@ def train_here(cfg: Config, argv: list[str], resume: bool = False, hosts=None
         raise ValueError("an elastic run starts its groups on this machine, not on test hosts")
     if cfg.elastic:  # asked here, before the run directory is made
         needs_extra(*TORCHFT)
+    if resume:  # refused here, not by workers started for it (which would rewrite its logs)
+        from lowband.checkpoint.lifecycle import check_resumable
+
+        check_resumable(cfg)
     for note in cfg.ignored():
         print(f"lowband: note: {note}", file=sys.stderr)
     # the corpus is read (and cached) once, before the workers and before the run directory is

@@ -133,6 +133,9 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
     from torchx.runner.config import apply
     from torchx.specs.api import InvalidRunConfigException
 
+    known = _get_runner().scheduler_backends()
+    if scheduler not in known:
+        raise ConfigError(f"unknown scheduler '{scheduler}': use one of {', '.join(known)}.")
     local = scheduler in LOCAL_SCHEDULERS
     _refuse_objects({**options, "algo": algo, "config": config}, [*flags, *script_args])
     if script is not None:

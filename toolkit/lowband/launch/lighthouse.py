@@ -17,7 +17,8 @@ from lowband.telemetry import RunDir
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m lowband.launch lighthouse")
+    p = argparse.ArgumentParser(prog="python -m lowband.launch lighthouse",
+                                allow_abbrev=False)
     p.add_argument("--port", type=int, default=29510)
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument("--replicas", type=int, required=True, help="the run's replica groups")

@@ -2,7 +2,7 @@
 
 Workers get torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1,
 MASTER_PORT), so the worker code path is the same as under torchrun or TorchX. With `hosts`
-(lowband.testing.testbed's test hosts: network namespaces joined by a shaped link), replica i's
+(lowband.launch.hosts's test hosts: network namespaces joined by a shaped link), replica i's
 ranks run on host i instead, meeting at host 0's address over the hosts' link. Rank 0 writes
 to this terminal; the other ranks write to <run>/logs/rank<r>.log. If any worker exits with an
 error, the others are terminated (then killed) and the job exits with that worker's status.

@@ -50,6 +50,9 @@ def names() -> str:
 def spec(name: str) -> ModelSource:
     """The record of a model name; ConfigError (one sentence) for an unknown or unusable one."""
     record = _kind(name).spec(name)
+    if record is None and name and Path(name).expanduser().exists():  # hf: forgotten
+        raise ConfigError(f"unknown model '{name}': for a Hugging Face model saved there, give "
+                          f"--model {hf.HF}{name}.")
     if record is None:
         raise ConfigError(f"unknown model '{name}': use one of {names()}.")
     return record
@@ -103,6 +106,14 @@ class ModelOptions(Options):
     d_model: int = option(0, "override the preset's width (0 keeps the preset)")
     vocab_size: int = option(0, "override the vocabulary size (0: 256 for bytes, the preset's "
                              "otherwise)")
+
+    @classmethod
+    def resolve(cls, cfg, algorithm) -> None:
+        """A model read from local files is recorded by its absolute path (hf:/abs/dir), so the
+        run's config.json names it from any directory (`lowband export RUN` elsewhere)."""
+        path = files(cfg.model)
+        if path is not None and path.exists():
+            cfg.model = _kind(cfg.model).prefix + str(path.resolve())
 
     @classmethod
     def check(cls, cfg) -> None:

@@ -268,10 +268,11 @@ def figure(target_cu: float = 0.9, algorithms=ALGORITHMS, points: int = 60, band
     return fig
 
 
-def curves(lines, target_cu: float = 0.9, points: int = 60, bandwidths=None):
+def curves(lines, target_cu: float = 0.9, points: int = 60, bandwidths=None, links=()):
     """A plotly Figure of CU against bandwidth (log x axis): one curve per (label, algorithm,
     Run) of `lines`, the target as a dashed line; by default the x axis spans 100x around the
-    bandwidths they need."""
+    bandwidths they need, or with `links` (the bandwidths of runs to draw on it) 10x around
+    those and the needs, within 1/100 to 1000x the links."""
     needs_extra("ui", "the planner's figure", "plotly")
     import plotly.graph_objects as go
 
@@ -279,12 +280,24 @@ def curves(lines, target_cu: float = 0.9, points: int = 60, bandwidths=None):
     if bandwidths is None:
         need = [b for _, a, run in lines if (b := _required(a, run, target))] or [1e9]
         lo, hi = min(need) / 100, max(need) * 100
+        links = [b for b in links if 0 < b < math.inf]
+        if links:
+            lo = max(min(need + list(links)) / 10, min(links) / 100)
+            hi = min(max(need + list(links)) * 10, max(links) * 1000)
         bandwidths = [lo * (hi / lo) ** (i / (points - 1)) for i in range(points)]
     fig = go.Figure()
     for label, alg, run in lines:
         fig.add_trace(go.Scatter(x=list(bandwidths), name=label, mode="lines",
                                  y=[_simulate(alg, run, b).cu for b in bandwidths]))
     fig.add_hline(y=target, line_dash="dash", annotation_text=f"target CU {target:g}")
-    fig.update_layout(xaxis=dict(type="log", title="bandwidth (bit/s)"),
+    fig.update_layout(xaxis=bandwidth_axis(min(bandwidths), max(bandwidths)),
                       yaxis=dict(title="compute utilization", range=[0, 1.05]))
     return fig
+
+
+def bandwidth_axis(lo: float, hi: float) -> dict:
+    """A log x axis from lo to hi bit/s with a tick at each power of ten labelled in bit/s
+    units (10 Mbit/s, 1 Gbit/s), where plotly's own labels (10M, 1B) read as counts or bytes."""
+    ticks = [10.0 ** k for k in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)]
+    return dict(type="log", title="bandwidth", range=[math.log10(lo), math.log10(hi)],
+                tickvals=ticks, ticktext=[fmt_bandwidth(t) for t in ticks])

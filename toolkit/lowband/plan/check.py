@@ -95,7 +95,7 @@ def measured_figure(run_dirs, warmup_steps: int = 3):
         points.append((name, cfg["algo"], run.bandwidth, planned, summary["compute_utilization"]))
     if not points:
         return None
-    fig = curves(list(lines.values()))
+    fig = curves(list(lines.values()), links=[bits for _, _, bits, _, _ in points])
     for name, algo, bits, planned, cu in points:
         for what, y, symbol in (("planned", planned, "circle-open"), ("measured", cu, "diamond")):
             fig.add_scatter(x=[bits], y=[y], mode="markers", marker=dict(size=11, symbol=symbol),

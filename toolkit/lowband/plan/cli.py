@@ -17,7 +17,8 @@ from lowband.plan.api import config_of, plan_configs
 from lowband.plan import probe
 from lowband.plan.calibrate import reads
 from lowband.plan.check import check_run, measured
-from lowband.plan.inputs import PlanError, fmt_bandwidth, fmt_bytes, fmt_count, fmt_seconds, modeled
+from lowband.plan.inputs import (PlanError, _number, fmt_bandwidth, fmt_bytes, fmt_count,
+                                  fmt_seconds, modeled)
 
 EXAMPLE = ("lowband plan --recipe main --step-time 50ms; lowband plan --config RUN_DIR; "
            "lowband plan --params 1e9 --n-layer 24 --step-time 0.1 --algo streaming "
@@ -71,6 +72,9 @@ def run_plan(argv: list[str]) -> tuple[dict, bool]:
     ConfigError on bad input."""
     args = vars(_parser().parse_args(argv))
     own = {k: args.pop(k, default) for k, default in OWN.items()}
+    for key in ("params", "flops_per_step", "flops"):  # named at once, not after a probe
+        if own[key] is not None:
+            _number(own[key], key.replace("_", "-"))
     finished = _finished(args.get("config"))
     cfg, _ = config_of_args(args, here=False, file_here=True)
     extra, taken, as_run = {}, None, False

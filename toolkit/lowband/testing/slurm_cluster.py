@@ -8,7 +8,7 @@ and N slurmd nodes, all Debian's packages, all run as root from one state direct
     python -m lowband.testing.slurm_cluster down
 
 `up` is idempotent: a cluster already up from the same directory is left as it is. With --link,
-each slurmd runs in a network namespace of its own (lowband.testing.testbed.TestHosts) whose
+each slurmd runs in a network namespace of its own (lowband.launch.hosts.TestHosts) whose
 egress is shaped to that rate, so a job's nodes really talk over a slow link; the controller
 stays in this namespace, joined to the hosts' bridge. `down` stops only what `up` started (the pids it
 recorded, the lines it added to /etc/hosts, the test hosts) and keeps the state directory's logs.
@@ -63,7 +63,7 @@ class LocalSlurm:
         return {"SLURM_CONF": str(self.conf)}
 
     def hosts(self):
-        from lowband.testing.testbed import TestHosts
+        from lowband.launch.hosts import TestHosts
 
         return TestHosts(HOST_PREFIX, SUBNET, self.link or "100mbit", "128kb", "100ms",
                          host="n", hostnames=True, n=self.n, uplink=f"{SUBNET}.254")
@@ -346,7 +346,8 @@ def _wait_port(host: str, port: int, timeout: float, what: str, log: Path, pid: 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lowband.testing.slurm_cluster", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("command", choices=("up", "down", "env", "status"))
     p.add_argument("--root", default=str(DEFAULT_ROOT), help="state directory")
     p.add_argument("--nodes", type=int, default=2)
