@@ -28,7 +28,7 @@ import os
 from pathlib import Path
 
 from lowband.options import needs_extra
-from lowband.summary import comparison
+from lowband.summary import comparison, fault_text
 
 from .bandwidth_figure import bandwidth_spec
 from .comparison import compare_section
@@ -217,6 +217,8 @@ def _membership_section(models: list[RunModel]) -> str:
                  "groups finished: "
                  f"{html.escape(elastic_text('elastic.groups_finished', el))}"] \
             if isinstance(el, dict) else []
+        if fault_text(m.summary or {}):  # the terminal's words: deaths, restarts, heals, redone
+            parts.append(html.escape(fault_text(m.summary)))
         if m.failed_commits():
             parts.append(f"uncommitted syncs: {len(m.failed_commits())} (commit vote failed, "
                          "outer update skipped)")
