@@ -82,10 +82,11 @@ def one_line(s: dict) -> str:
 
 def fault_text(s: dict) -> str:
     """What faults cost an --elastic run (summary.json's `elastic`), "" without any: "2 group
-    deaths, 2 restarts, 1 heal of group 1, 5 steps redone (group 0 died after step 25,
-    restarted from step 20: steps 21–25 redone; group 1 died after step 26, restarted from step
-    20: steps 21–26 lost)": lost steps are those of a lost life after its checkpoint that its
-    group did not train again (a live peer's state, further on, replaced the checkpoint's)."""
+    deaths, 2 restarts, 1 heal of group 1, 4 steps redone (group 0 died after step 24,
+    restarted from step 20: steps 21–24 redone; group 1 died after step 25, restarted from step
+    20: steps 21–25 lost)". A life died after the last step it recorded; its lost steps are
+    those after its checkpoint that its group did not train again (a live peer's state, further
+    on, replaced the checkpoint's)."""
     el = s.get("elastic")
     lives = el.get("lost_work") if isinstance(el, dict) else None
     if not isinstance(lives, list) or not lives:

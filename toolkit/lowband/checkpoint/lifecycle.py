@@ -30,7 +30,7 @@ class Start:
 def begin(cfg: Config, topo, resume: bool = False) -> Start:
     """The run directory, the resume point and the attempt of this start. resume: continue
     cfg.run_dir from its latest checkpoint; a relaunch (`relaunched`) continues it too."""
-    restart = not resume and decided_by_rank0(lambda: restarted_group(cfg, topo))
+    restart = cfg.elastic and not resume and decided_by_rank0(lambda: restarted_group(cfg, topo))
     resume = resume or restart or decided_by_rank0(lambda: relaunched(cfg))
     start = Start(resolve_run_dir(cfg, resume))
     if restart:
@@ -49,11 +49,11 @@ def begin(cfg: Config, topo, resume: bool = False) -> Start:
 
 
 def restarted_group(cfg: Config, topo) -> bool:
-    """With --elastic: this start is a replica group started again after it died (by `lowband
+    """(--elastic) This start is a replica group started again after it died (by `lowband
     train`'s supervisor or its node agent's torchrun), as this rank's events in the run say. It
     continues from its newest intact checkpoint when it has one (a live peer that trained
     further replaces that state in the first quorum); without one it starts afresh and heals."""
-    return bool(cfg.elastic and cfg.run_dir and attempts_before(RunDir(cfg.run_dir), topo.rank) > 0)
+    return bool(cfg.run_dir and attempts_before(RunDir(cfg.run_dir), topo.rank) > 0)
 
 
 def group(cfg: Config, topo) -> int | None:
