@@ -90,7 +90,7 @@ def test_a_killed_group_restarts_and_heals_from_a_live_peer(tmp_path):
     assert restarted == list(range(1, 10)) + list(range(13, 25))  # killed in step 10; healed to 12
     summary = json.loads((run / "summary.json").read_text())
     assert summary["elastic"]["restarts"] == {"1": 1} and summary["elastic"]["heals"] == {"1": 1}
-    assert summary["elastic"]["lost_work"] == [{"group": 1, "died_after": 10, "resumed_from": 0,
+    assert summary["elastic"]["lost_work"] == [{"group": 1, "died_after": 9, "resumed_from": 0,
                                                 "redone": None}]
     assert "1 group death, 1 restart, 1 heal of group 1, 0 steps redone" in proc.stdout
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())

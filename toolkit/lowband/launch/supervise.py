@@ -165,6 +165,7 @@ def elastic_record(cfg, run: RunDir, finished: list[int]) -> dict:
         mine = [e["step"] for e in steps if e["replica"] == g]
         lost.append({"group": g, "died_after": mine[-1] if mine else 0, "resumed_from": None,
                      "redone": None})
+    lost.sort(key=lambda life: life["group"])  # (each group's lives stay in time order)
     return {"groups_finished": finished,
             "restarts": {str(g): n for g, n in sorted(Counter(e["replica"] for e in restarts).items())},
             "heals": {str(g): n for g, n in sorted(heals.items())}, "lost_work": lost}
