@@ -135,7 +135,7 @@ def test_groups_killed_one_after_the_other_continue_from_their_checkpoints(tmp_p
     assert f", {redone} steps redone (" in line and line.count("restarted from step 20") == 2
     assert "GET /checkpoint" not in proc.stdout + proc.stderr
     report = (run / "report.html").read_text()
-    assert "2 group deaths, 2 restarts" in report and 'id="restarts"' in report
+    assert "2 group deaths, 2 restarts" in report and "<th>group</th><th>healed to step</th>" in report
 
 
 def test_each_groups_restart_says_what_it_redid_or_lost(tmp_path):

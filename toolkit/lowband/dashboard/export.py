@@ -148,7 +148,10 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
                      "attempt that continued a run after a crash or a Slurm requeue: the step it "
                      "resumed from (0: it started over) and the steps of the lost attempt it "
                      "redid. The lost attempt's events are left out of every figure and number."
-                     f'</p><div class="scroll">{restarts}</div></section>')
+                     + (" An --elastic replica group restarts alone: its row names it, and the "
+                        "step a live peer healed it to, after which it redid none."
+                        if "<th>group</th>" in restarts else "")
+                     + f'</p><div class="scroll">{restarts}</div></section>')
     if elastic:
         parts.append(_membership_section(models))
     plan = _plan_section([m.run_dir for m in models if m.finished])
