@@ -88,10 +88,11 @@ def fault_text(s: dict) -> str:
     those after its checkpoint that its group did not train again (a live peer's state, further
     on, replaced the checkpoint's)."""
     el = s.get("elastic")
-    lives = el.get("lost_work") if isinstance(el, dict) else None
-    if not isinstance(lives, list) or not lives:
+    if not isinstance(el, dict):
         return ""
-    heals = el.get("heals") or {}
+    lives, heals = el.get("lost_work") or [], el.get("heals") or {}
+    if not lives and not heals:  # (a group that started late heals too, with no death)
+        return ""
     n_heals, redone, parts = sum(heals.values()), 0, []
     for life in lives:
         g, died, start, again = (life.get(k) for k in ("group", "died_after", "resumed_from", "redone"))
@@ -113,7 +114,7 @@ def fault_text(s: dict) -> str:
               _count(restarts, "restart", "restarts"),
               _count(n_heals, "heal", "heals") + (f" of {healed}" if n_heals else ""),
               _count(redone, "step redone", "steps redone")]
-    return f"{', '.join(counts)} ({'; '.join(parts)})"
+    return ", ".join(counts) + (f" ({'; '.join(parts)})" if parts else "")
 
 
 def _steps(first: int, last: int) -> str:
