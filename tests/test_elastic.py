@@ -79,13 +79,134 @@ def test_a_killed_group_restarts_and_heals_from_a_live_peer(tmp_path):
     assert sorted(records) == [0, 1, 2]
     assert len({r["outer_sha256"] for r in records.values()}) == 1  # bitwise equal
     for g in (0, 2):  # the survivors ran every step once, without a gap
-        steps = [e["step"] for e in read_events(run, ("step",)) if e["replica"] == g]
-        assert steps == list(range(1, 25)), (g, steps)
+        steps = [e for e in read_events(run, ("step",)) if e["replica"] == g]
+        assert [e["step"] for e in steps] == list(range(1, 25)), (g, steps)
+        # their quorums inside steps (all but the first) are waits, not compute: the one of
+        # step 12 waited for group 1 to start again
+        waits = sum([e["wait_s"] for e in read_events(run, ("membership",)) if e["rank"] == g][1:])
+        assert waits > 0.5 and sum(e["compute_s"] for e in steps) <= \
+            sum(e["step_s"] for e in steps) - waits + 1e-3
     restarted = [e["step"] for e in read_events(run, ("step",)) if e["replica"] == 1]
     assert restarted == list(range(1, 10)) + list(range(13, 25))  # killed in step 10; healed to 12
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["elastic"]["restarts"] == {"1": 1}
+    assert summary["elastic"]["restarts"] == {"1": 1} and summary["elastic"]["heals"] == {"1": 1}
+    assert summary["elastic"]["lost_work"] == [{"group": 1, "died_after": 9, "resumed_from": 0,
+                                                "redone": None}]
+    assert "1 group death, 1 restart, 1 heal of group 1, 0 steps redone" in proc.stdout
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+    logs = "".join(p.read_text() for p in (run / "logs").glob("*.log"))  # torchft's HTTP server
+    assert "GET /checkpoint" not in proc.stdout + proc.stderr + logs   # served the heal quietly
+
+
+def test_groups_killed_one_after_the_other_continue_from_their_checkpoints(tmp_path):
+    """Group 0 is killed in step 25 and, while it restarts, group 1 in step 26: no live peer
+    has trained past their step-20 checkpoints, so each continues from its own (a `run`
+    event: resume at step 20, a restart), never from fresh weights, and a group that trained
+    never takes a fresh one's state. Each redoes the steps of its lost life after step 20 (or,
+    where the other trained on first, heals from it at step 30); both end bitwise equal, and
+    summary.json, the terminal line and the report say what was lost and redone."""
+    run, proc = train(tmp_path, "r", "--algo", "diloco", "--replicas", 2, "--steps", 60,
+                      "--sync-every", 10, "--checkpoint-every", 10, "--elastic",
+                      "--kill", "0:25,1:26")
+    firsts = [e for e in read_events(run, ("run",)) if e["phase"] != "end"]
+    restarts = [(e["replica"], e["phase"], e["step"], e["attempt"]) for e in firsts if e.get("restart")]
+    assert sorted(restarts) == [(0, "resume", 20, 1), (1, "resume", 20, 1)], firsts
+    heals = [e for e in read_events(run, ("membership",)) if e["healed"]]
+    assert all(e["step"] == 30 for e in heals), heals  # only ever from a group that trained on
+    records = groups(run)
+    assert len({r["outer_sha256"] for r in records.values()}) == 1
+    assert len({r["model_sha256"] for r in records.values()}) == 1
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["run_dir"] == str(run)
+    assert summary["elastic"]["restarts"] == {"0": 1, "1": 1}
+    lives = sorted(summary["elastic"]["lost_work"], key=lambda x: x["group"])
+    redone = 0
+    for g, died in ((0, 24), (1, 25)):  # killed in steps 25 and 26: their last records
+        life = lives[g]
+        assert (life["group"], life["died_after"], life["resumed_from"]) == (g, died, 20), life
+        steps = [e["step"] for e in read_events(run, ("step",)) if e["replica"] == g]
+        if any(e["replica"] == g for e in heals):  # the other trained on first: it redoes none
+            assert life["redone"] is None and steps == list(range(1, 21)) + list(range(31, 61))
+        else:
+            assert life["redone"] == [21, died] and steps == list(range(1, 61)), (life, steps)
+            redone += died - 20
+    line = next(x for x in proc.stdout.splitlines() if "group deaths" in x)  # the final line
+    assert len(heals) < 2 and f"; 2 group deaths, 2 restarts, {len(heals)} heal" in line, line
+    assert f", {redone} steps redone (" in line and line.count("restarted from step 20") == 2
+    assert "GET /checkpoint" not in proc.stdout + proc.stderr
+    report = (run / "report.html").read_text()
+    assert "2 group deaths, 2 restarts" in report and "<th>group</th><th>healed to step</th>" in report
+
+
+def test_each_groups_restart_says_what_it_redid_or_lost(tmp_path):
+    """The records of the case above, written by hand (in-process): each group's restart is a
+    row of its own (both are attempt 1 from step 20); group 0 redoes steps 21-25, group 1 heals
+    to step 30 from group 0 and so loses steps 21-26; summary.json's `elastic` and its line
+    say the same."""
+    from lowband.config import Config
+    from lowband.dashboard.model import RunModel
+    from lowband.dashboard.restarts import restart_text
+    from lowband.dashboard.tables import restarts_table
+    from lowband.launch.supervise import write_summary
+    from lowband.summary import fault_text
+    from lowband.telemetry import EventWriter, RunDir
+
+    rd = RunDir(tmp_path / "r").create()
+    w = {g: EventWriter(rd, g, g) for g in (0, 1)}
+    t = iter(range(1000))
+
+    def steps(g, first, last):
+        for s in range(first, last + 1):
+            w[g].emit("step", t=next(t), step=s, loss=3.0, tokens=s, step_s=0.1, compute_s=0.1)
+
+    def quorum(g, step, healed):
+        w[g].emit("membership", t=next(t), step=step, quorum_id=step, size=2, members=[0, 1],
+                  joined=[0, 1], left=[], healed=healed, wait_s=0.1)
+
+    for g in (0, 1):
+        w[g].emit("run", t=next(t), phase="start", world=1, step=0, attempt=0)
+        quorum(g, 0, False)
+        steps(g, 1, 20)
+    kept = {g: rd.event_file(g).stat().st_size for g in (0, 1)}
+    steps(0, 21, 25)
+    steps(1, 21, 26)
+    w[0].emit("run", t=next(t), phase="resume", world=1, step=20, attempt=1, restart=True,
+              events_kept=kept[0])
+    quorum(0, 20, False)
+    steps(0, 21, 30)
+    w[1].emit("run", t=next(t), phase="resume", world=1, step=20, attempt=1, restart=True,
+              events_kept=kept[1])
+    quorum(1, 30, True)
+    steps(1, 31, 32)
+    steps(0, 31, 32)
+    m = RunModel(rd.root).load()
+    assert [restart_text(r) for r in m.restarts()] == [
+        "group 0: attempt 1 resumed from step 20 (steps 21–25 of the lost attempt redone)",
+        "group 1: attempt 1 resumed from step 20 (healed to step 30 from a live peer: steps "
+        "21–26 of the lost attempt lost)"]
+    table = restarts_table([m])
+    assert "<th>group</th><th>healed to step</th>" in table
+    assert "<td>0</td><td>–</td><td>1</td><td>21–25</td>" in table
+    assert "<td>1</td><td>30</td><td>1</td><td>–</td>" in table
+    rd.groups.mkdir()
+    for g in (0, 1):  # the groups' records, as their first ranks write them at the end
+        rank = {"tokens": 32, "steps": 32, "wall_s": 1.0, "compute_s": 0.5, "loss": 3.0,
+                "val_loss": 3.1, "replica": g, "shard": 0, "outer_wire": 0, "inner_wire": 0,
+                "peak_outer": 0}
+        (rd.groups / f"replica{g}.json").write_text(json.dumps({"ranks": [rank],
+                                                                 "ddp_one_step": 8}))
+    # the launcher named the run directory itself (no --run-dir): the workers' config has none
+    summary = write_summary(Config(algo="diloco", replicas=2, elastic=True, run_dir=""), rd)
+    assert summary["run_dir"] == str(rd.root)
+    record = summary["elastic"]
+    assert record["restarts"] == {"0": 1, "1": 1} and record["heals"] == {"1": 1}
+    assert record["lost_work"] == [
+        {"group": 0, "died_after": 25, "resumed_from": 20, "redone": [21, 25]},
+        {"group": 1, "died_after": 26, "resumed_from": 20, "redone": None}]
+    assert fault_text({"elastic": record}) == (
+        "2 group deaths, 2 restarts, 1 heal of group 1, 5 steps redone (group 0 died after step "
+        "25, restarted from step 20: steps 21–25 redone; group 1 died after step 26, restarted "
+        "from step 20: steps 21–26 lost)")
 
 
 def test_elastic_ddp_heals_a_killed_group_before_its_next_step(tmp_path):

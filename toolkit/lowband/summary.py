@@ -77,7 +77,52 @@ def one_line(s: dict) -> str:
                "steps, " if "micro_batches_per_step" in s else "") +
             f"outer link {fmt_si(s.get('outer_wire_bytes', 0), 'B')}, "
             f"compute utilization {100 * s.get('compute_utilization', 0):.0f}%"
-            + target_text(s.get("target")))
+            + target_text(s.get("target")) + (f"; {faults}" if (faults := fault_text(s)) else ""))
+
+
+def fault_text(s: dict) -> str:
+    """What faults cost an --elastic run (summary.json's `elastic`), "" without any: "2 group
+    deaths, 2 restarts, 1 heal of group 1, 4 steps redone (group 0 died after step 24,
+    restarted from step 20: steps 21–24 redone; group 1 died after step 25, restarted from step
+    20: steps 21–25 lost)". A life died after the last step it recorded; its lost steps are
+    those after its checkpoint that its group did not train again (a live peer's state, further
+    on, replaced the checkpoint's)."""
+    el = s.get("elastic")
+    if not isinstance(el, dict):
+        return ""
+    lives, heals = el.get("lost_work") or [], el.get("heals") or {}
+    if not lives and not heals:  # (a group that started late heals too, with no death)
+        return ""
+    n_heals, redone, parts = sum(heals.values()), 0, []
+    for life in lives:
+        g, died, start, again = (life.get(k) for k in ("group", "died_after", "resumed_from", "redone"))
+        text = f"group {g} died after step {died}"
+        if start is None:
+            parts.append(text + ", not restarted")
+            continue
+        text += f", restarted from step {start}" if start else ", restarted afresh"
+        notes = []
+        if again:
+            redone += again[1] - again[0] + 1
+            notes.append(f"{_steps(*again)} redone")
+        if start and died >= (again[1] if again else start) + 1:  # a peer's state came first
+            notes.append(f"{_steps((again[1] if again else start) + 1, died)} lost")
+        parts.append(text + (f": {', '.join(notes)}" if notes else ""))
+    restarts = sum(1 for life in lives if life.get("resumed_from") is not None)
+    healed = ", ".join(f"group {g}" for g in heals)
+    counts = [_count(len(lives), "group death", "group deaths"),
+              _count(restarts, "restart", "restarts"),
+              _count(n_heals, "heal", "heals") + (f" of {healed}" if n_heals else ""),
+              _count(redone, "step redone", "steps redone")]
+    return ", ".join(counts) + (f" ({'; '.join(parts)})" if parts else "")
+
+
+def _steps(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first}–{last}"
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
 def target_text(t) -> str:

@@ -30,7 +30,7 @@ from lowband import topology as topo_mod
 from lowband.algorithms import ALGORITHMS
 from lowband.algorithms.ddp import outer_wire_bytes as ddp_outer_wire_bytes
 from lowband.comm import Comm
-from lowband.comm.elastic import Membership, load_manager_state, manager_state, replica_of_env
+from lowband.comm.elastic import Membership, replica_of_env
 from lowband.comm.link import LinkOptions
 from lowband.config import Config
 from lowband.data import Batches, load_corpus, record_tokenizer, vocab_needed
@@ -112,7 +112,7 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from, attempt):
         compile_blocks(blocks)
     comm = Comm(topo, events, LinkOptions.build(cfg))
     if cfg.elastic:
-        comm.elastic = Membership(topo, cfg, events)
+        comm.elastic = Membership(topo, cfg, comm)
     if user_model:
         _broadcast_init(model, comm)
 
@@ -135,7 +135,6 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from, attempt):
         checkpoint.load(resume_from[0], model, optimizer, algo, topo.replica, resume_from[1])
         done = Progress(**resume_from[1]["progress"])
         comm.totals.restore(resume_from[1]["comm"])
-        load_manager_state(comm.elastic, resume_from[1].get("manager"))
         torch.set_rng_state(resume_from[1]["rng"])
     # one run event a rank: where this process starts (a resumed run continues the same files)
     events.emit("run", phase="start" if resume_from is None else "resume", world=topo.world,
@@ -331,8 +330,7 @@ class Progress:
 def _checkpoint(run, events, model, optimizer, algo, topo, comm, cfg, done, elapsed, faults):
     progress = {**done.__dict__, "wall_s": elapsed}
     extra = {"progress": progress, "comm": comm.totals.state(), "rng": torch.get_rng_state(),
-             "events_offset": run.event_file(topo.rank).stat().st_size,
-             "manager": manager_state(comm.elastic)}  # --elastic: the torchft Manager's step
+             "events_offset": run.event_file(topo.rank).stat().st_size}
     path = checkpoint.save(run, done.step, model, optimizer, algo, topo.replica, extra,
                            cfg.keep_checkpoints, crash_before_rename=faults.crash_checkpoint == done.step,
                            group=lifecycle.group(cfg, topo))

@@ -234,6 +234,9 @@ class AEDiT(EDiT):
         super().join(step)
         self.rejoining = self.healed_step is not None
 
+    def quorum_progress(self, step):
+        return self.total  # the run's steps at the last sync (a group's own step counts differ)
+
     def _progress(self, step: int) -> float:
         """The run's global progress in steps of --steps, `step` steps of this replica's done:
         the step number during the warm-up syncs, then all replicas' steps (this one's window

@@ -103,6 +103,12 @@ class Algorithm:
         --elastic: take part in the first quorum; a group behind the others heals there from
         a live peer (healed_step) and joins the sync in progress."""
 
+    def quorum_progress(self, step: int) -> int:
+        """--elastic: what this group has trained, `step` inner steps done, as a number every
+        group in the same sync agrees on (comm/elastic.py: torchft heals from the highest): the
+        inner step."""
+        return step
+
     def should_stop(self, step: int) -> bool:
         """Consulted by the trainer before each step (`step` steps done): True ends the loop.
         A run is --steps long; aedit, whose replicas run different numbers of steps, decides."""

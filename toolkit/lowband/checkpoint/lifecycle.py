@@ -30,10 +30,13 @@ class Start:
 def begin(cfg: Config, topo, resume: bool = False) -> Start:
     """The run directory, the resume point and the attempt of this start. resume: continue
     cfg.run_dir from its latest checkpoint; a relaunch (`relaunched`) continues it too."""
-    resume = resume or decided_by_rank0(lambda: relaunched(cfg))
+    restart = cfg.elastic and not resume and decided_by_rank0(lambda: restarted_group(cfg, topo))
+    resume = resume or restart or decided_by_rank0(lambda: relaunched(cfg))
     start = Start(resolve_run_dir(cfg, resume))
+    if restart:
+        start.attempt["restart"] = True
     if resume:
-        path = resume_point(start.run, group(cfg, topo), required=resume is True)
+        path = resume_point(start.run, group(cfg, topo), required=resume is True and not restart)
         if path is not None:  # the events after the checkpoint belong to a lost attempt
             start.resume_from = (path, checkpoint.read_rank_state(path, dist.get_rank()))
             start.attempt["events_kept"] = start.resume_from[1]["events_offset"]
@@ -43,6 +46,14 @@ def begin(cfg: Config, topo, resume: bool = False) -> Start:
     if slurm_restarts():
         start.attempt["slurm_restart"] = slurm_restarts()
     return start
+
+
+def restarted_group(cfg: Config, topo) -> bool:
+    """(--elastic) This start is a replica group started again after it died (by `lowband
+    train`'s supervisor or its node agent's torchrun), as this rank's events in the run say. It
+    continues from its newest intact checkpoint when it has one (a live peer that trained
+    further replaces that state in the first quorum); without one it starts afresh and heals."""
+    return bool(cfg.run_dir and attempts_before(RunDir(cfg.run_dir), topo.rank) > 0)
 
 
 def group(cfg: Config, topo) -> int | None:

@@ -8,10 +8,11 @@ each quorum. lowband writes no quorum, heartbeat or rendezvous protocol of its o
 
 One outer sync (diloco, streaming):
   begin(step)      Manager.start_quorum, synchronous: who takes part. A group behind the others
-                   (restarted, or dropped from a quorum) receives the algorithm's state from a
-                   live peer here (torchft's HTTP checkpoint transport; `register`) and loads it:
-                   model, inner optimizer, the algorithm's state_dict() (outer parameters and
-                   momentum...), the step.
+                   (restarted, or dropped from a quorum: it has trained less, _set_quorum_step)
+                   receives the algorithm's state from a live peer here (torchft's HTTP
+                   checkpoint transport; `register`) and loads it: model, inner optimizer, the
+                   algorithm's state_dict() (outer parameters and momentum...), the step. Its
+                   time is a wait of the step, not compute.
   average(x, ...)  the mean over the groups that take part with what they trained: a group
                    healed in this quorum holds a copy of its source's state, so it sends weight
                    0 (and zeros) and the mean divides by the summed weights
@@ -41,16 +42,6 @@ TORCHFT = ("elastic", "--elastic", "torchft")  # needs_extra's (extra, what, mod
 def quiet_rust() -> None:
     """torchft's Rust side logs every quorum at info: warnings only, unless RUST_LOG says."""
     os.environ.setdefault("RUST_LOG", "warn")
-
-
-def manager_state(elastic: "Membership | None") -> dict | None:
-    """The torchft Manager's step for a checkpoint (None without --elastic)."""
-    return None if elastic is None else elastic.manager.state_dict()
-
-
-def load_manager_state(elastic: "Membership | None", state: dict | None) -> None:
-    if elastic is not None and state is not None:
-        elastic.manager.load_state_dict(state)
 
 
 @dataclass
@@ -93,7 +84,7 @@ def replica_of_env() -> int | None:
 class Membership:
     """This rank's torchft Manager and the process group it reconfigures (see module doc)."""
 
-    def __init__(self, topo, cfg, events):
+    def __init__(self, topo, cfg, comm):
         quiet_rust()
         logging.getLogger("torchft").setLevel(logging.ERROR)  # and its Python side warns of NCCL
         needs_extra(*TORCHFT)
@@ -104,7 +95,7 @@ class Membership:
         if not lighthouse:
             raise ConfigError(f"--elastic needs a Lighthouse: run it through `lowband train "
                               f"--elastic` or `lowband launch --elastic`, or set {LIGHTHOUSE_ENV}.")
-        self.topo, self.events = topo, events
+        self.topo, self.comm, self.events = topo, comm, comm.events
         timeout = timedelta(seconds=cfg.elastic_timeout)
         self.pg = ProcessGroupGloo(timeout=timeout)
         self._heal = None  # (bytes, seconds, step) of the state received in the last quorum
@@ -115,10 +106,12 @@ class Membership:
             rank=topo.shard, world_size=topo.shards, store_addr=os.environ["MASTER_ADDR"],
             store_port=int(os.environ["MASTER_PORT"]), lighthouse_addr=lighthouse,
             replica_id=f"replica{topo.replica}", init_sync=False)
+        _quiet_checkpoint_server(self.manager)
         self.members: tuple[int, ...] = ()
         self.quorum_id = -1
         self.at = 0  # the inner step of the quorum this group is in (begin's)
         self.healed_now = self.peer_in_sync = self._joining = False
+        self._progress = lambda step: step  # the algorithm's (register)
 
     def register(self, algo) -> None:
         """What a live group hands a joining one (the trainer registers its algorithm once):
@@ -132,6 +125,7 @@ class Membership:
             algo.healed_step, self.peer_in_sync = state["step"], state["in_sync"]
             self._heal = (_nbytes(state), time.perf_counter() - t0, state["step"])
 
+        self._progress = algo.quorum_progress
         self.manager.register_state_dict_fn("lowband", load, lambda: {
             "algorithm": algo.heal_state(), "step": self.at, "in_sync": not self._joining})
 
@@ -154,6 +148,7 @@ class Membership:
         (its state is now a live peer's, the step included)."""
         t0 = time.perf_counter()
         self._heal, self.at = None, step
+        self._set_quorum_step(step)
         try:
             self.manager.start_quorum()
         except Exception as e:  # the Lighthouse is gone, or no quorum within --quorum-timeout
@@ -164,6 +159,9 @@ class Membership:
                                  "gone or too few groups are alive, so this group stops; start "
                                  "the run again.") from None
         self.healed_now = self._heal is not None
+        waited = time.perf_counter() - t0
+        if not self._joining:  # inside a step: a wait, not compute (the trainer subtracts it)
+            self.comm.wait_s += waited
         members, quorum = self._members(), getattr(self.manager, "_quorum_id", -1)
         if quorum != self.quorum_id:  # a new quorum: somebody left, joined or was replaced
             joined = sorted(set(members) - set(self.members)) if self.members else list(members)
@@ -174,9 +172,22 @@ class Membership:
             self.events.emit("membership", step=step, quorum_id=quorum, size=len(members),
                              members=list(members), joined=joined,
                              left=sorted(set(self.members) - set(members)),
-                             healed=self.healed_now, wait_s=time.perf_counter() - t0, **extra)
+                             healed=self.healed_now, wait_s=waited, **extra)
             self.members, self.quorum_id = members, quorum
         return self.healed_now
+
+    def _set_quorum_step(self, step: int) -> None:
+        """The step this group brings to the quorum, from which torchft heals: every group whose
+        step is below the quorum's highest receives the state of a group at the highest. It is
+        what the group has trained (the algorithm's quorum_progress: the inner step, restored
+        from a checkpoint by a restarted group), twice, plus one in a sync: a group in its first
+        quorum (fresh, or restored from its checkpoint) at the same progress as groups already in
+        a sync heals from them, and a fresh group never hands its state to one that trained.
+        torchft's own count of commits would not do: a restored group's equals that of the
+        groups that trained on since its checkpoint and have not synced yet."""
+        progress = int(self._progress(step))
+        self.manager.load_state_dict({"step": 2 * progress + (0 if self._joining else 1),
+                                      "batches_committed": self.manager.batches_committed()})
 
     def _members(self) -> tuple[int, ...]:
         """The replica groups of the current quorum (torchft numbers a group's rank k in it as
@@ -257,6 +268,15 @@ class Membership:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def _quiet_checkpoint_server(manager) -> None:
+    """torchft serves a healing group the state over HTTP (http.server), which writes an access
+    line per request to stderr (`"GET /checkpoint/4/full HTTP/1.1" 200 -`): on replica group
+    0's first rank that is the terminal. Its heals are membership events already."""
+    server = getattr(getattr(manager, "_checkpoint_transport", None), "_server", None)
+    if server is not None:
+        server.RequestHandlerClass.log_message = lambda *args: None
 
 
 def _nbytes(state) -> int:

@@ -28,7 +28,7 @@ import os
 from pathlib import Path
 
 from lowband.options import needs_extra
-from lowband.summary import comparison
+from lowband.summary import comparison, fault_text
 
 from .bandwidth_figure import bandwidth_spec
 from .comparison import compare_section
@@ -148,7 +148,10 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
                      "attempt that continued a run after a crash or a Slurm requeue: the step it "
                      "resumed from (0: it started over) and the steps of the lost attempt it "
                      "redid. The lost attempt's events are left out of every figure and number."
-                     f'</p><div class="scroll">{restarts}</div></section>')
+                     + (" An --elastic replica group restarts alone: its row names it, and the "
+                        "step a live peer healed it to, after which it redid none."
+                        if "<th>group</th>" in restarts else "")
+                     + f'</p><div class="scroll">{restarts}</div></section>')
     if elastic:
         parts.append(_membership_section(models))
     plan = _plan_section([m.run_dir for m in models if m.finished])
@@ -217,6 +220,8 @@ def _membership_section(models: list[RunModel]) -> str:
                  "groups finished: "
                  f"{html.escape(elastic_text('elastic.groups_finished', el))}"] \
             if isinstance(el, dict) else []
+        if fault_text(m.summary or {}):  # the terminal's words: deaths, restarts, heals, redone
+            parts.append(html.escape(fault_text(m.summary)))
         if m.failed_commits():
             parts.append(f"uncommitted syncs: {len(m.failed_commits())} (commit vote failed, "
                          "outer update skipped)")

@@ -106,7 +106,7 @@ class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits, Restar
         self.run_events: list[dict] = []
         self._members: dict = {}                 # (replica, quorum) -> what its ranks said
         self._commits: dict = {}                 # (step, fragment) -> failed votes' reports
-        self._restarts: dict = {}                # (attempt, step) -> what its ranks said
+        self._restarts: dict = {}                # (attempt, step, group) -> its ranks' words
         self.max_step_s = 0.0
         self.files_mtime: float | None = None
         self._cache: dict = {}

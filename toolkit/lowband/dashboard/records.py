@@ -103,8 +103,9 @@ class FailedCommit(NamedTuple):
 
 
 class Restart(NamedTuple):
-    """An attempt that continued the run after a crash or a Slurm requeue: its ranks' `run`
-    events (phase resume, or start over in place with events_kept) merged."""
+    """An attempt that continued the run after a crash or a Slurm requeue, or with --elastic a
+    replica group's restart from its checkpoint: its ranks' `run` events (phase resume, or
+    start over in place with events_kept) merged."""
     t: float                      # the earliest rank's run event
     step: int | None              # the step it resumed at (0: started over)
     attempt: int | None           # 1, 2, ...: the attempts before it
@@ -112,6 +113,8 @@ class Restart(NamedTuple):
     slurm_restart: int | None     # SLURM_RESTART_COUNT, when Slurm requeued the job
     replica: int                  # a replica that resumed (for its tokens and steps)
     reports: tuple[tuple[int, float], ...]   # (rank, t) of each rank's run event
+    group: int | None = None      # --elastic: the replica group restarted alone (None: the run)
+    healed_to: int | None = None  # that group's first quorum gave it a live peer's later step
 
 
 def sync_label(event: dict) -> str:

@@ -265,18 +265,23 @@ def commits_table(models: list[RunModel]) -> str:
 
 
 def restarts_table(models: list[RunModel]) -> str:
-    """The attempts that continued a run after a crash or a Slurm requeue, one row each: ""
-    when no run has any."""
+    """The attempts that continued a run after a crash or a Slurm requeue, one row each (with
+    --elastic a replica group's restart from its checkpoint: its group, and the step a live
+    peer healed it to, which leaves it no lost steps to redo): "" when no run has any."""
     runs = [(m, m.restarts()) for m in models]
     if not any(records for _, records in runs):
         return ""
     multi = len(models) > 1
-    head = (["run"] if multi else []) + ["resumed from step", "time", "attempt",
-                                         "lost steps redone", "Slurm requeue"]
+    groups = any(r.group is not None for _, records in runs for r in records)  # --elastic
+    head = (["run"] if multi else []) + ["resumed from step", "time"] + (
+        ["group", "healed to step"] if groups else []) + ["attempt", "lost steps redone",
+                                                          "Slurm requeue"]
     rows = []
     for m, records in runs:
         for r in records:
-            cells = _when(m, r, multi) + [
+            cells = _when(m, r, multi) + ([
+                "all" if r.group is None else str(r.group),
+                "–" if r.healed_to is None else f"{r.healed_to:,}"] if groups else []) + [
                 "–" if r.attempt is None else str(r.attempt), lost_steps(r) or "–",
                 "–" if r.slurm_restart is None else str(r.slurm_restart)]
             rows.append("<tr>" + "".join(f"<td>{x}</td>" for x in cells) + "</tr>")

@@ -4,11 +4,13 @@ job of its own (S local workers, launch.local.LocalJob), restarted when it dies.
 The Lighthouse is torchft's own program (`torchft_lighthouse`), a process of its own whose
 output goes to RUN/logs/lighthouse.log; every worker finds it through TORCHFT_LIGHTHOUSE, and
 its group through LOWBAND_REPLICA (comm/elastic.py). A group that dies (a killed node, a crash)
-is started again, up to --max-restarts times: it heals from a live peer at the others' next
-sync and trains on. A group that refuses its input (status 2) or stops on purpose (3: no
-quorum, as when the Lighthouse is lost) stops the whole job: the others would meet it too. When
+is started again, up to --max-restarts times: it continues from its newest intact checkpoint
+(checkpoint/lifecycle.py: restarted_group), or afresh without one, heals from a live peer that
+trained further at the others' next sync, and trains on. A group that refuses its input (status
+2) or stops on purpose (3: no quorum, as when the Lighthouse is lost) stops the whole job: the
+others would meet it too. When
 every group has finished or is lost for good, the groups' records (RUN/groups/) become
-summary.json.
+summary.json, with what the faults cost (elastic_record).
 """
 
 from __future__ import annotations
@@ -125,16 +127,45 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
 
 
 def write_summary(cfg, run: RunDir) -> dict:
-    """summary.json from the groups that finished, with how many times each was restarted
-    (its lives: the `run` events with phase start of its first rank, less one)."""
+    """summary.json from the groups that finished, with what faults cost them (`elastic`)."""
     records = [run.read_json(p) for p in sorted(run.groups.glob("replica*.json"))]
     records = [r for r in records if r]
     ranks = [rank for r in records for rank in r["ranks"]]
     summary = summarize(cfg, ranks)
+    summary["run_dir"] = str(run.root)  # (the launcher may have named it: cfg's is empty then)
     add_ddp_bytes(summary, records[0]["ddp_one_step"], len(records))
-    lives = Counter(e["replica"] for e in read_events(run, ("run",))
-                    if e.get("phase") == "start" and e["rank"] % cfg.shards == 0)
-    summary["elastic"] = {"groups_finished": sorted({r["replica"] for r in ranks}),
-                          "restarts": {str(g): n - 1 for g, n in sorted(lives.items()) if n > 1}}
+    summary["elastic"] = elastic_record(cfg, run, sorted({r["replica"] for r in ranks}))
     write_json_atomic(run.summary, summary)
     return summary
+
+
+def elastic_record(cfg, run: RunDir, finished: list[int]) -> dict:
+    """summary.json's `elastic`, from the events of each group's first rank: the groups that
+    finished; the times each was restarted (its `run` events marked restart); its heals (its
+    membership events, healed: a live peer's state received); and `lost_work`, one entry a
+    life lost: the group, the step its life died after, the step its next life began at (its
+    newest checkpoint's, 0 without one; None: lost for good) and the steps of the lost life
+    it trained again (`redone`, [first, last]; None when a peer's state came first)."""
+    events = [e for e in read_events(run, ("run", "membership", "step"))
+              if e["rank"] % cfg.shards == 0 and "replica" in e]
+    restarts = [e for e in events if e["kind"] == "run" and e.get("restart")]
+    heals = Counter(e["replica"] for e in events if e["kind"] == "membership" and e.get("healed"))
+    steps = [e for e in events if e["kind"] == "step"]
+    lost = []
+    for r in restarts:
+        g, t = r["replica"], r["t"]
+        before = [e["step"] for e in steps if e["replica"] == g and e["t"] < t]
+        died = r.get("superseded_to", before[-1] if before else 0)
+        later = [e["t"] for e in restarts if e["replica"] == g and e["t"] > t]
+        again = sorted({e["step"] for e in steps if e["replica"] == g and t < e["t"] < min(
+            later, default=float("inf")) and r["step"] < e["step"] <= died})
+        lost.append({"group": g, "died_after": died, "resumed_from": r["step"],
+                     "redone": [again[0], again[-1]] if again else None})
+    for g in sorted(set(range(cfg.replicas)) - set(finished)):
+        mine = [e["step"] for e in steps if e["replica"] == g]
+        lost.append({"group": g, "died_after": mine[-1] if mine else 0, "resumed_from": None,
+                     "redone": None})
+    lost.sort(key=lambda life: life["group"])  # (each group's lives stay in time order)
+    return {"groups_finished": finished,
+            "restarts": {str(g): n for g, n in sorted(Counter(e["replica"] for e in restarts).items())},
+            "heals": {str(g): n for g, n in sorted(heals.items())}, "lost_work": lost}
