@@ -57,10 +57,12 @@ def planned(run_dir, tokens: float | None, link: str | None = None) -> dict:
     the bandwidth of the real link it ran over (test hosts), else its emulated one's. None where
     the plan cannot read the run or no figure applies."""
     from lowband.plan import PlanError, check_run, predict_to_target
+    from lowband.plan.check import measured
 
     try:
-        c = check_run(run_dir, link=link)
-        p = predict_to_target(run_dir, tokens, link=link) if tokens else {}
+        taken = measured(run_dir, link=link)  # the run's events, read once for both
+        c = check_run(run_dir, taken=taken)
+        p = predict_to_target(run_dir, tokens, taken=taken) if tokens else {}
     except (PlanError, KeyError, ValueError):
         return {"measured": None, "cu": None, "seconds": None, "fit": None}
     return {"measured": c["measured_cu"], "cu": c["predicted_cu"], "seconds": p.get("seconds"),

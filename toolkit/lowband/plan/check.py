@@ -60,12 +60,13 @@ def check_run(run_dir, warmup_steps: int = 3, link: str | None = None, *, taken=
 
 
 def predict_to_target(run_dir, tokens: float, warmup_steps: int = 3,
-                      link: str | None = None) -> dict:
+                      link: str | None = None, *, taken=None) -> dict:
     """The plan's time for a finished run's setup to reach the loss another run (ddp's) reached
     after `tokens` tokens: those tokens times the tokens its loss at equal tokens costs
     (plan/loss.py), at its planned tokens/s (its measured compute a step, its planned CU).
-    seconds is None where no published figure applies to its algorithm."""
-    cfg, _, took = measured(run_dir, warmup_steps, link)
+    seconds is None where no published figure applies to its algorithm. link: as measured()'s;
+    taken: measured(run_dir, warmup_steps, link) where the caller has it already."""
+    cfg, _, took = taken or measured(run_dir, warmup_steps, link)
     c = config_of(cfg)
     run = run_of(c, **took)  # its own row only: no ddp variant, no recommendation
     row = plan(algorithms=(c.algo,), run=run)["algorithms"][c.algo]
