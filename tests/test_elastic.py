@@ -321,25 +321,33 @@ def test_bad_elastic_input_gives_one_sentence(tmp_path, lowband_here, args, word
     assert code == 2 and words in stderr and len(stderr.strip().splitlines()) == 1, stderr
 
 
-def test_launch_elastic_runs_a_lighthouse_role_and_a_restarting_role_a_group():
+def test_launch_elastic_runs_a_lighthouse_job_that_submits_a_requeued_job_a_group():
     pytest.importorskip("torchx")
     import lowband
 
     h = lowband.launch(scheduler="slurm", replicas=2, shards=2, algo="streaming", elastic=True,
                        max_restarts=2, model="micro", run_dir="/shared/runs/e", start=False)
     script = str(h.dryrun_info)
-    assert script.count("#SBATCH hetjob") == 2  # lighthouse, group0, group1
+    # no heterogeneous job: the Lighthouse's own (not requeued), which writes a batch script a
+    # group and hands them to the Lighthouse; each group's is requeued, its srun not
+    # --kill-on-bad-exit (launch/slurm.py)
+    assert "hetjob" not in script and script.count("--kill-on-bad-exit") == 1
+    assert "#SBATCH --job-name=lighthouse-0 --ntasks-per-node=1" in script
+    assert "--no-requeue" in script.split("#SBATCH --job-name=group0-0")[0]
     assert ("python3 -m lowband.launch lighthouse --port 29510 --min-replicas 1 --run-dir "
-            "/shared/runs/e --replicas 2") in script
-    assert script.count("TORCHFT_LIGHTHOUSE=http://${SLURM_JOB_NODELIST_HET_GROUP_0:=localhost}"
-                        ":29510 python3 -m lowband.launch torchrun") == 2
+            "/shared/runs/e --replicas 2 --slurm-groups \"$groups\"") in script
     for g in (0, 1):
+        assert f"cat > \"$groups\"/group{g}-0.sh <<'LOWBAND_GROUP_SCRIPT'" in script
+        assert f"#SBATCH --job-name=group{g}-0 --requeue " in script
         assert f"LOWBAND_REPLICA={g}," in script
+    assert script.count("TORCHFT_LIGHTHOUSE=http://${LOWBAND_LIGHTHOUSE_HOST:-"
+                        "${SLURM_JOB_NODELIST_HET_GROUP_0:=localhost}}:29510 python3 -m "
+                        "lowband.launch torchrun") == 2
     assert script.count("torchrun --max_restarts 2 ") == 2
     assert script.count("--nnodes 1 --nproc_per_node 2") == 2
     assert script.count(" --elastic") == 2 and script.count("--model micro") == 2
 
 
-# The elastic TorchX component run for real by a scheduler (the Lighthouse role, a role a group,
-# a killed group restarted by its torchrun and healed): tests/test_slurm.py, on a real Slurm
-# cluster (its local_cwd twin was dropped to keep CI within its time).
+# The elastic TorchX component run for real by a scheduler (the Lighthouse's job, a job a group,
+# a killed group restarted by its torchrun and healed, a node lost for good): tests/test_slurm.py,
+# on a real Slurm cluster (its local_cwd twin was dropped to keep CI within its time).

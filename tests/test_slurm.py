@@ -1,7 +1,8 @@
 """lowband on a real Slurm cluster: Debian's slurmctld, two slurmd nodes, slurmdbd on MariaDB (so
 sacct answers, as TorchX needs), munge, started here by lowband.testing.slurm_cluster (root, the
 packages installed: .ci/run installs them). Each job is a heterogeneous TorchX job of two nodes
-(three for the elastic one: Slurm gives each component of a heterogeneous job its own node)."""
+(Slurm gives each component of a heterogeneous job its own node); the elastic one is a job for
+the Lighthouse and one for each of its three groups (launch/slurm.py), with a spare node."""
 
 import json
 import os
@@ -31,7 +32,7 @@ def cluster(tmp_path_factory):
         pytest.skip("the local Slurm cluster needs root")
     if missing_tools():
         pytest.skip(f"Slurm's Debian packages are not installed ({', '.join(missing_tools())})")
-    slurm = LocalSlurm(nodes=3)  # an elastic job: the Lighthouse and two groups, a node each
+    slurm = LocalSlurm(nodes=5)  # an elastic job: the Lighthouse, three groups and a spare node
     was_up = slurm.is_up()
     slurm.up()
     here = tmp_path_factory.mktemp("slurm-jobs")
@@ -161,14 +162,55 @@ def test_a_requeued_job_resumes_from_its_checkpoint(cluster, finished):
     assert h.summary()["final_loss"] == plain.summary()["final_loss"]  # resume is bitwise
 
 
-def test_an_elastic_job_restarts_a_killed_group_on_the_cluster(cluster):
-    killed = launch_cli("--wait", "--run-dir", "runs/elastic", "--", *JOB[:-4], "--steps", "20",
-                        "--elastic", "--checkpoint-every", "10", "--kill", "1:10")
-    assert killed.returncode == 0, killed.stdout + killed.stderr
-    summary = json.loads(Path("runs/elastic/summary.json").read_text())
-    # group 1 was SIGKILLed in step 10 (before its checkpoint of step 10), restarted by its
-    # agent afresh, healed from group 0
-    el = summary["elastic"]
-    assert (el["groups_finished"], el["restarts"], el["heals"]) == ([0, 1], {"1": 1}, {"1": 1})
-    assert el["lost_work"] == [{"group": 1, "died_after": 9, "resumed_from": 0, "redone": None}]
-    assert Path("runs/elastic/logs/group1.log").is_file()
+def test_an_elastic_job_survives_a_node_lost_for_good(cluster):
+    """--elastic on Slurm: the Lighthouse's job and a Slurm job a group (launch/slurm.py). Group
+    1's worker is SIGKILLed in step 10 (--kill: its agent restarts it); group 2's node is lost for
+    good mid-run: its slurmd and every process of its job SIGKILLed (LocalSlurm.lose_node), then
+    marked DOWN as a node health check would (Slurm's own SlurmdTimeout would take 30 s more).
+    Slurm fails and requeues that job alone, the Lighthouse lifts the requeue's hold, and the
+    group starts on the spare node, continues from its checkpoint and heals from a live peer."""
+    import lowband
+
+    slurm = LocalSlurm(nodes=5)
+    h = lowband.launch([*JOB[:-4], "--steps", "1200", "--checkpoint-every", "20", "--elastic",
+                        "--kill", "1:10"], scheduler="slurm", replicas=3, cpu=2, memMB=2000,
+                       run_dir="runs/elastic")
+    wait_for(lambda: len([e for e in steps_of(h.run_dir, 2) if e["kind"] == "step"]) >= 30,
+             timeout=150, what="group 2's step 30")
+    jobs = dict(line.split() for line in subprocess.run(
+        ["squeue", "-h", "-o", "%j %i"], capture_output=True, text=True).stdout.splitlines())
+    node = subprocess.run(["squeue", "-h", "-j", jobs["group2-0"], "-o", "%N"],
+                          capture_output=True, text=True).stdout.strip()
+    assert slurm.lose_node(node) == [jobs["group2-0"]]  # the Lighthouse is elsewhere
+    lost_at = [e["step"] for e in steps_of(h.run_dir, 2) if e["kind"] == "step"][-1]
+    try:
+        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=lost"],
+                       check=True)
+        assert h.wait(240) == "succeeded", h.logs(tail=20)
+    finally:
+        slurm.revive_node(node)  # (ReturnToService=2: back once its slurmd registers)
+        wait_for(slurm.is_up, timeout=60, what=f"{node} back")
+    el = h.summary()["elastic"]
+    assert el["groups_finished"] == [0, 1, 2] and el["restarts"] == {"1": 1, "2": 1}
+    assert el["heals"].get("1") == 1 and el["heals"].get("2", 0) >= 1, el
+    one, two = el["lost_work"]  # group 1 killed in step 10, before its first checkpoint
+    assert one == {"group": 1, "died_after": 9, "resumed_from": 0, "redone": None}
+    assert two["group"] == 2 and lost_at - 1 <= two["died_after"] <= lost_at + 1
+    assert two["resumed_from"] == 20 * (two["died_after"] // 20)  # its newest checkpoint
+    runs = [e for e in read_events(h.run_dir, ("run",)) if e["rank"] == 2]
+    assert [(e["phase"], e.get("restart"), e.get("slurm_restart")) for e in runs] == [
+        ("start", None, None), ("resume", True, 1), ("end", None, None)]
+    history = subprocess.run(["sacct", "-n", "-X", "-D", "-P", "-j", jobs["group2-0"], "-o",
+                              "State,NodeList"], capture_output=True, text=True).stdout.split()
+    assert history[0] == f"NODE_FAIL|{node}" and history[-1].startswith("COMPLETED|"), history
+    assert history[-1] != f"COMPLETED|{node}"  # placed on the spare node
+    # group 0 ran every step once, group 1 (healed at a sync after its kill) none twice; all
+    # three end with the same outer parameters
+    kept = {r: [e["step"] for e in read_events(h.run_dir, ("step",)) if e["rank"] == r]
+            for r in (0, 1)}
+    assert kept[0] == list(range(1, 1201)) and kept[1] == sorted(set(kept[1]))
+    outer = {json.loads(p.read_text())["outer_sha256"] for p in (h.run_dir / "groups").iterdir()}
+    assert len(outer) == 1
+    said = Path(f"slurm-{h.app_id}-lighthouse-0.err").read_text()
+    assert f"replica group 2 lost its node: Slurm requeued job {jobs['group2-0']}" in said
+    assert Path("runs/elastic/logs/group2.log").is_file()

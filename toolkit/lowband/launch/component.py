@@ -166,14 +166,15 @@ def _elastic(flags, script, algo, replicas, shards, run_dir, config, name, image
     writes summary.json from the groups' records when they are done); role 1 + g is replica
     group g, `shards` processes on one node whose agent restarts them when one dies. Every role
     finds the Lighthouse through the scheduler's rank-0 host variable, which names role 0's
-    first node. (On Slurm, TorchX runs the roles as one heterogeneous step with
-    --kill-on-bad-exit: a node lost for good ends the job; a process that dies is restarted.)"""
+    first node. (On Slurm, `lowband launch` submits each group as a requeued job of its own, so
+    a node lost for good takes only its group, which comes back: launch/slurm.py.)"""
     if script:
         raise ValueError("--elastic runs `lowband train --elastic`: a script cannot be made "
                          "elastic from outside; drop one of them.")
     if "--elastic" not in flags and not _resumes(flags):
         flags = (*flags, "--elastic")
-    address = f"http://$${{{macros.rank0_env}:=localhost}}:{port}"
+    # (on Slurm each group is a job of its own, told the Lighthouse's node: launch/slurm.py)
+    address = f"http://$${{LOWBAND_LIGHTHOUSE_HOST:-$${{{macros.rank0_env}:=localhost}}}}:{port}"
     lighthouse = specs.Role(
         name="lighthouse", image=image, entrypoint="python3",
         args=["-m", "lowband.launch", "lighthouse", "--port", str(port), "--min-replicas",

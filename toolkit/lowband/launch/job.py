@@ -186,6 +186,10 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
     except (InvalidRunConfigException, ValueError, KeyError) as e:
         raise ConfigError(f"TorchX's {scheduler} scheduler refused the job ({e}): give its run "
                           "options with cfg= (--scheduler-args K=V,...) or in .torchxconfig.")
+    if scheduler == "slurm" and layout.get("elastic"):  # a Slurm job a group (launch/slurm.py)
+        from lowband.launch.slurm import elastic_request
+
+        info.request = elastic_request(info.request)
     handle = LaunchHandle(runner, info, local_run_dir, scheduler, app.roles[0].num_replicas)
     return handle.start() if start else handle
 

@@ -2,16 +2,20 @@
 --elastic): torchft's Lighthouse, serving the replica groups' quorums, that also ends the job.
 When every group has written its record (RUN/groups/, on the shared filesystem) it writes
 summary.json and exits; a group lost for good never writes one, so once the first record is
-there the others get --wait seconds before the summary is written from those that finished."""
+there the others get --wait seconds before the summary is written from those that finished.
+On Slurm (--slurm-groups) it also submits the groups' jobs and watches them (launch/slurm.py):
+once none is left, it stops waiting."""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
 
 from lowband.faults import lighthouse_kill_asked
+from lowband.launch.slurm import GROUPS_ARG, GroupJobs
 from lowband.launch.supervise import lighthouse, write_summary
 from lowband.telemetry import RunDir
 
@@ -25,24 +29,41 @@ def main(argv: list[str]) -> int:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--wait", type=float, default=600.0,
                    help="seconds the other groups get once the first has finished")
+    p.add_argument(GROUPS_ARG, metavar="DIR", help="Slurm: submit the groups' batch scripts "
+                   "in DIR as jobs of their own (launch/slurm.py)")
     a = p.parse_args(argv)
     server = lighthouse(a.min_replicas, port=a.port)
     print(f"lowband: lighthouse at {server.address()} for {a.replicas} replica groups",
           file=sys.stderr, flush=True)
     run = RunDir(a.run_dir)
-    first_done = None
+    first_done, jobs = None, None
+    # a cancelled job's SIGTERM: cancel the group jobs on the way out (finally)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
+        if a.slurm_groups:
+            jobs = GroupJobs(a.slurm_groups, a.port)
         while True:
             done = len(list(run.groups.glob("replica*.json"))) if run.groups.is_dir() else 0
             if done and first_done is None:
                 first_done = time.monotonic()
             if done >= a.replicas or (first_done and time.monotonic() - first_done > a.wait):
                 break
+            if jobs is not None and not jobs.alive():  # every group job ended
+                time.sleep(2.0)  # (a record written just before its job ended)
+                if not (run.groups.is_dir() and any(run.groups.glob("replica*.json"))):
+                    print("lowband: every replica group's Slurm job ended without a record, so "
+                          f"the run has no result: see {run.logs}.", file=sys.stderr)
+                    return 1
+                break
             if lighthouse_kill_asked(run.root):  # --kill lighthouse:STEP: as if this host were lost
                 print("lowband: the Lighthouse is stopped (--kill lighthouse).", file=sys.stderr)
                 return 1
             time.sleep(1.0)
+        if jobs is not None:
+            jobs.end()
     finally:
+        if jobs is not None:  # (at once, when the job is cancelled or fails)
+            jobs.cancel()
         server.shutdown()
     from lowband.config import Config
 

@@ -49,9 +49,11 @@ class LocalSlurm:
     in partition `debug`; with `link` (a tc rate, e.g. "100mbit") each node is a test host."""
 
     def __init__(self, root: str | os.PathLike = DEFAULT_ROOT, nodes: int = 2, cpus: int = 2,
-                 mem_mb: int = 8000, link: str | None = None):
+                 mem_mb: int = 8000, link: str | None = None, slurmd_timeout: int = 30):
         self.root = Path(root).resolve()
         self.n, self.cpus, self.mem_mb, self.link = nodes, cpus, mem_mb, link
+        # seconds without an answer before slurmctld declares a node down (and fails its jobs)
+        self.slurmd_timeout = slurmd_timeout
         self.names = [f"{HOST_PREFIX}-n{i}" for i in range(nodes)]
         self.conf = self.root / "etc" / "slurm.conf"
         self.state_file = self.root / "started.json"
@@ -115,7 +117,7 @@ MailProg=/bin/true
 JobRequeue=1
 ReturnToService=2
 SlurmctldTimeout=30
-SlurmdTimeout=30
+SlurmdTimeout={self.slurmd_timeout}
 InactiveLimit=0
 MinJobAge=300
 KillWait=5
@@ -154,6 +156,7 @@ StorageLoc=slurm_acct_db
         """Whether this cluster (the same nodes and link) runs and every node is up."""
         started = self._started()
         if started.get("nodes") != self.names or started.get("link") != self.link or \
+                started.get("slurmd_timeout", 30) != self.slurmd_timeout or \
                 not self.conf.exists() or not _alive(started.get("pids", {})):
             return False
         out = self._client("sinfo", "-h", "-o", "%T", check=False)
@@ -173,7 +176,8 @@ StorageLoc=slurm_acct_db
         self.down()  # a half-started or crashed cluster of ours
         self._write_configs()
         pids: dict[str, int] = {}
-        self._record(pids=pids, nodes=self.names, link=self.link)
+        self._record(pids=pids, nodes=self.names, link=self.link,
+                     slurmd_timeout=self.slurmd_timeout)
         env = {**os.environ, **self.env()}
         r = self.root
         key = r / "munge" / "munge.key"
@@ -199,17 +203,12 @@ StorageLoc=slurm_acct_db
         _wait_port("127.0.0.1", PORTS["slurmctld"], 60, "slurmctld", r / "log" / "slurmctld.log",
                    pids["slurmctld"])
         if self.link:
-            hosts = self.hosts().setup()
-            for i, name in enumerate(self.names):
-                (r / "spool" / name).mkdir(parents=True, exist_ok=True)
-                p = hosts.popen(i, ["sh", "-c", _CGROUPS + 'exec slurmd -D -N "$0"', name], env,
-                                r / "log" / f"{name}.out")
-                pids[name] = p.pid
+            self.hosts().setup()
         else:
             self._add_etc_hosts()
-            for name in self.names:
-                (r / "spool" / name).mkdir(parents=True, exist_ok=True)
-                pids[name] = self._daemon(["slurmd", "-D", "-N", name], name, env)
+        for name in self.names:
+            (r / "spool" / name).mkdir(parents=True, exist_ok=True)
+            pids[name] = self._slurmd(name, env)
         self._record(pids=pids)
         deadline = time.monotonic() + timeout
         while not self.is_up():
@@ -219,6 +218,48 @@ StorageLoc=slurm_acct_db
                                    f"(sinfo: {info or 'no answer'}); see the logs in {r / 'log'}.")
             time.sleep(0.5)
         return self
+
+    def lose_node(self, name: str) -> list[str]:
+        """Node `name` lost for good, as a machine that dies: its slurmd and every process of
+        the job steps on it (their slurmstepd and all below) SIGKILLed at once, so nothing
+        answers for it. Slurm notices after SlurmdTimeout. The job ids it ran."""
+        jobs = self._client("squeue", "-h", "-w", name, "-o", "%A").stdout.split()
+        tree: dict[int, list[int]] = {}
+        steps = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            tree.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(pid))
+            if cmd.startswith("slurmstepd: [") and cmd[13:].split(".")[0].split("]")[0] in jobs:
+                steps.append(int(pid))
+        doomed, todo = [], [self._started()["pids"][name], *steps]
+        while todo:
+            pid = todo.pop()
+            doomed.append(pid)
+            todo += tree.get(pid, [])
+        for pid in doomed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return jobs
+
+    def revive_node(self, name: str) -> None:
+        """Start node `name`'s slurmd again (after lose_node): Slurm returns it to service."""
+        pids = self._started()["pids"]
+        pids[name] = self._slurmd(name, {**os.environ, **self.env()})
+        self._record(pids=pids)
+
+    def _slurmd(self, name: str, env: dict) -> int:
+        """Node `name`'s slurmd (on its test host, with --link): its pid."""
+        if self.link:
+            return self.hosts().popen(self.names.index(name), [
+                "sh", "-c", _CGROUPS + 'exec slurmd -D -N "$0"', name], env,
+                self.root / "log" / f"{name}.out").pid
+        return self._daemon(["slurmd", "-D", "-N", name], name, env)
 
     def _daemon(self, cmd: list[str], name: str, env: dict) -> int:
         with open(self.root / "log" / f"{name}.out", "ab") as out:
