@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
                 first_done = time.monotonic()
             if done >= a.replicas or (first_done and time.monotonic() - first_done > a.wait):
                 break
-            if jobs is not None and not jobs.alive():  # every group job ended
+            if jobs is not None and not jobs.alive(late=first_done is not None):  # all ended
                 time.sleep(2.0)  # (a record written just before its job ended)
                 if not (run.groups.is_dir() and any(run.groups.glob("replica*.json"))):
                     print("lowband: every replica group's Slurm job ended without a record, so "

@@ -102,9 +102,11 @@ class GroupJobs:
             print(f"lowband: replica group {len(self.ids) - 1} is Slurm job {self.ids[-1]} "
                   f"(the Lighthouse: {host}:{port})", file=sys.stderr, flush=True)
 
-    def alive(self) -> list[str]:
+    def alive(self, late: bool = False) -> list[str]:
         """The group jobs Slurm still has (pending, requeued or running); those that ended are
-        gone from squeue. Releases a requeued one's hold on the way."""
+        gone from squeue. A requeued one's hold is lifted on the way, unless `late` (a group
+        has finished: the run's model is done, and a group back now has no live peer left to
+        heal from, so it would train the whole run again alone): then it is cancelled."""
         out = subprocess.run(["squeue", "-h", "-j", ",".join(self.ids), "-o", "%i %T %r"],
                              capture_output=True, text=True, timeout=60)
         if out.returncode:  # the controller did not answer this time: take them as alive
@@ -112,7 +114,14 @@ class GroupJobs:
         rows = [line.split() for line in out.stdout.splitlines() if line.strip()]
         for job, state, reason in (r[:3] for r in rows if len(r) >= 3):
             if state == "PENDING" and reason == "BeginTime" and job in self.ids:
-                self.release(job)
+                if late:
+                    print(f"lowband: replica group {self.ids.index(job)} lost its node after "
+                          "another group had finished; it is not started again.",
+                          file=sys.stderr, flush=True)
+                    subprocess.run(["scancel", job], capture_output=True, timeout=60)
+                    rows = [r for r in rows if r[0] != job]
+                else:
+                    self.release(job)
         return [r[0] for r in rows]
 
     def release(self, job: str) -> None:
