@@ -172,7 +172,7 @@ def test_an_elastic_job_survives_a_node_lost_for_good(cluster):
     import lowband
 
     slurm = LocalSlurm(nodes=5)
-    h = lowband.launch([*JOB[:-4], "--steps", "1200", "--checkpoint-every", "20", "--elastic",
+    h = lowband.launch([*JOB[:-4], "--steps", "800", "--checkpoint-every", "20", "--elastic",
                         "--kill", "1:10"], scheduler="slurm", replicas=3, cpu=2, memMB=2000,
                        run_dir="runs/elastic")
     wait_for(lambda: len([e for e in steps_of(h.run_dir, 2) if e["kind"] == "step"]) >= 30,
@@ -208,7 +208,7 @@ def test_an_elastic_job_survives_a_node_lost_for_good(cluster):
     # three end with the same outer parameters
     kept = {r: [e["step"] for e in read_events(h.run_dir, ("step",)) if e["rank"] == r]
             for r in (0, 1)}
-    assert kept[0] == list(range(1, 1201)) and kept[1] == sorted(set(kept[1]))
+    assert kept[0] == list(range(1, 801)) and kept[1] == sorted(set(kept[1]))
     outer = {json.loads(p.read_text())["outer_sha256"] for p in (h.run_dir / "groups").iterdir()}
     assert len(outer) == 1
     said = Path(f"slurm-{h.app_id}-lighthouse-0.err").read_text()
