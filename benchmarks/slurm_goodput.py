@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the requeued job's checkpoint interval, in steps")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
+    a.json = os.path.abspath(a.json) if a.json else ""  # (the jobs run in a scratch directory)
     cluster = LocalSlurm(nodes=5, slurmd_timeout=10)
     why = ("needs root" if os.geteuid() != 0 else
            f"needs Slurm's packages ({', '.join(missing_tools())} missing)" if missing_tools()

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import argparse
 import signal
+import subprocess
 import sys
 import time
-from pathlib import Path
 
 from lowband.faults import lighthouse_kill_asked
 from lowband.launch.slurm import GROUPS_ARG, GroupJobs
 from lowband.launch.supervise import lighthouse, write_summary
-from lowband.telemetry import RunDir
+from lowband.telemetry import RunDir, read_events
 
 
 def main(argv: list[str]) -> int:
@@ -41,11 +41,17 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         if a.slurm_groups:
-            jobs = GroupJobs(a.slurm_groups, a.port)
+            try:
+                jobs = GroupJobs(a.slurm_groups, a.port)
+            except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+                print(f"lowband: error: {e}; the run cannot start.", file=sys.stderr)
+                return 1
         while True:
             done = len(list(run.groups.glob("replica*.json"))) if run.groups.is_dir() else 0
             if done and first_done is None:
                 first_done = time.monotonic()
+                if jobs is not None:
+                    drop_stragglers(run, jobs)
             if done >= a.replicas or (first_done and time.monotonic() - first_done > a.wait):
                 break
             if jobs is not None and not jobs.alive(late=first_done is not None):  # all ended
@@ -65,9 +71,29 @@ def main(argv: list[str]) -> int:
         if jobs is not None:  # (at once, when the job is cancelled or fails)
             jobs.cancel()
         server.shutdown()
-    from lowband.config import Config
-
-    cfg = Config.from_file(str(Path(a.run_dir) / "config.json"))
-    cfg.run_dir = a.run_dir
+    cfg = run_config(run)
     write_summary(cfg, run)
     return 0
+
+
+def run_config(run: RunDir):
+    from lowband.config import Config
+
+    cfg = Config.from_file(str(run.root / "config.json"))
+    cfg.run_dir = str(run.root)
+    return cfg
+
+
+def drop_stragglers(run: RunDir, jobs) -> None:
+    """A group has finished: a group left out of its last quorum (lost, and not back in time to
+    heal) has no live peer left and would train on alone; its Slurm job is cancelled, and the
+    summary leaves it out."""
+    cfg = run_config(run)
+    first = int(sorted(run.groups.glob("replica*.json"))[0].stem[len("replica"):])
+    quorums = [e for e in read_events(run, ("membership",)) if e["rank"] == first * cfg.shards]
+    if not quorums:
+        return
+    for g in sorted(set(range(cfg.replicas)) - set(quorums[-1]["members"])):
+        if not (run.groups / f"replica{g}.json").exists():
+            jobs.cancel_group(g, f"it was not in group {first}'s last quorum (step "
+                                 f"{quorums[-1]['step']}), so no live peer is left to heal it")

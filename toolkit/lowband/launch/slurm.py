@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-LIGHTHOUSE_HOST = "LOWBAND_LIGHTHOUSE_HOST"  # the Lighthouse's node, in each group job's environment
+LIGHTHOUSE_HOST = "LOWBAND_LIGHTHOUSE_HOST"  # the Lighthouse's node, in each group job's env
 GROUPS_ARG = "--slurm-groups"
 _END = "LOWBAND_GROUP_SCRIPT"  # the here-document's delimiter
 
@@ -65,7 +65,7 @@ def _group_script(replica) -> str:
 
 
 def _lighthouse_script(request) -> str:
-    (first, lighthouse), *groups = request.replicas.items()
+    (_, lighthouse), *groups = request.replicas.items()
     sbatch, srun = lighthouse.materialize()
     # a lost Lighthouse ends the run (docs/elastic.md); a requeued one would start the groups twice
     sbatch = [a for a in sbatch if a != "--requeue"] + ["--no-requeue"]
@@ -115,10 +115,8 @@ class GroupJobs:
         for job, state, reason in (r[:3] for r in rows if len(r) >= 3):
             if state == "PENDING" and reason == "BeginTime" and job in self.ids:
                 if late:
-                    print(f"lowband: replica group {self.ids.index(job)} lost its node after "
-                          "another group had finished; it is not started again.",
-                          file=sys.stderr, flush=True)
-                    subprocess.run(["scancel", job], capture_output=True, timeout=60)
+                    self.cancel_group(self.ids.index(job), "it lost its node after another "
+                                      "group had finished")
                     rows = [r for r in rows if r[0] != job]
                 else:
                     self.release(job)
@@ -131,6 +129,11 @@ class GroupJobs:
         print(f"lowband: replica group {self.ids.index(job)} lost its node: Slurm requeued job "
               f"{job}, which starts again as soon as a node is free; the others train on.",
               file=sys.stderr, flush=True)
+
+    def cancel_group(self, g: int, why: str) -> None:
+        print(f"lowband: replica group {g} is cancelled (Slurm job {self.ids[g]}): {why}.",
+              file=sys.stderr, flush=True)
+        subprocess.run(["scancel", self.ids[g]], capture_output=True, timeout=60)
 
     def end(self, grace_s: float = 30.0) -> None:
         """The run is done: the group jobs get `grace_s` seconds to end on their own (a group

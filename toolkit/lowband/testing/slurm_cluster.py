@@ -217,6 +217,18 @@ StorageLoc=slurm_acct_db
                 raise ClusterError(f"the Slurm nodes did not come up within {timeout:g} s "
                                    f"(sinfo: {info or 'no answer'}); see the logs in {r / 'log'}.")
             time.sleep(0.5)
+        # jobs of an earlier life of this cluster, kept in its saved state (their processes
+        # were stopped with it): they would hold nodes, and names, of their own
+        stale = self._client("squeue", "-h", "-o", "%i", check=False).stdout.split()
+        if stale:
+            self._client("scancel", *stale, check=False)
+            while self._client("squeue", "-h", "-o", "%i", check=False).stdout.split() or \
+                    not self.is_up():
+                if time.monotonic() > deadline + 60:
+                    raise ClusterError(f"jobs of an earlier run of this cluster ("
+                                       f"{', '.join(stale)}) did not end when cancelled; see "
+                                       f"the logs in {r / 'log'}.")
+                time.sleep(0.5)
         return self
 
     def lose_node(self, name: str) -> list[str]:
@@ -224,18 +236,27 @@ StorageLoc=slurm_acct_db
         the job steps on it (their slurmstepd and all below) SIGKILLed at once, so nothing
         answers for it. Slurm notices after SlurmdTimeout. The job ids it ran."""
         jobs = self._client("squeue", "-h", "-w", name, "-o", "%A").stdout.split()
+        self._kill_steps(lambda job: job in jobs, [self._started()["pids"][name]])
+        return jobs
+
+    def _kill_steps(self, chosen, more: list[int] = ()) -> None:
+        """SIGKILL this cluster's slurmstepd processes whose job id is chosen(id), the pids in
+        `more`, and every process below them (a slurmstepd is a session of its own, which
+        stopping its slurmd leaves running)."""
         tree: dict[int, list[int]] = {}
-        steps = []
+        roots = list(more)
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 stat = Path(f"/proc/{pid}/stat").read_text()
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                tree.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(pid))
+                if cmd.startswith("slurmstepd: [") and chosen(cmd[13:].split(".")[0]) and \
+                        f"SLURM_CONF={self.conf}\0".encode() in \
+                        Path(f"/proc/{pid}/environ").read_bytes():
+                    roots.append(int(pid))
             except OSError:
                 continue
-            tree.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(pid))
-            if cmd.startswith("slurmstepd: [") and cmd[13:].split(".")[0].split("]")[0] in jobs:
-                steps.append(int(pid))
-        doomed, todo = [], [self._started()["pids"][name], *steps]
+        doomed, todo = [], roots
         while todo:
             pid = todo.pop()
             doomed.append(pid)
@@ -245,7 +266,6 @@ StorageLoc=slurm_acct_db
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        return jobs
 
     def revive_node(self, name: str) -> None:
         """Start node `name`'s slurmd again (after lose_node): Slurm returns it to service."""
@@ -304,6 +324,8 @@ StorageLoc=slurm_acct_db
                 ["slurmctld", "slurmdbd", "mariadbd", "munged"]:
             if name in pids:
                 _stop(pids[name])
+        if pids:  # the job steps the nodes' slurmd left running
+            self._kill_steps(lambda job: True)
         if started.get("link"):
             self.hosts().teardown()
         try:
