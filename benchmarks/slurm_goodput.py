@@ -119,7 +119,13 @@ def analyze(rows: dict, tokens_per_step: int) -> dict:
         r["summary"] = json.loads((run / "summary.json").read_text())
         if name == "elastic":
             ran = len(read_events(run, ("step",))) * tokens_per_step
-            r["lost"] = lost_tokens(run, 1, tokens_per_step)
+            # lost_tokens counts the lives that were followed by another; a last life lost
+            # for good (cancelled: back too late to heal) loses its steps since its last sync
+            syncs = {e["step"] for e in read_events(run, ("sync",)) if e["rank"] == 1}
+            gone = [w["died_after"] for w in r["summary"]["elastic"]["lost_work"]
+                    if w["resumed_from"] is None]
+            r["lost"] = lost_tokens(run, 1, tokens_per_step) + sum(
+                (d - max([x for x in syncs if x <= d] or [0])) * tokens_per_step for d in gone)
             r["useful_tokens"] = ran - r["lost"]
         else:
             r["useful_tokens"] = r["summary"]["tokens"]
@@ -147,7 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-every", type=int, default=100,
                    help="the requeued job's checkpoint interval, in steps")
     p.add_argument("--json", default="")
+    p.add_argument("--reanalyze", default="", help="a JSON this script wrote: analyze its runs "
+                   "again")
     a = p.parse_args(argv)
+    if a.reanalyze:
+        rows = json.loads(Path(a.reanalyze).read_text())["rows"]
+        analyze(rows, a.batch_size * a.seq_len)
+        return 0
     a.json = os.path.abspath(a.json) if a.json else ""  # (the jobs run in a scratch directory)
     cluster = LocalSlurm(nodes=5, slurmd_timeout=10)
     why = ("needs root" if os.geteuid() != 0 else
