@@ -9,8 +9,10 @@ answer for SlurmdTimeout) and fails the job on it.
   elastic   `lowband launch -s slurm --elastic`: a Slurm job a group (launch/slurm.py); the lost
             group's job alone is requeued and started on a free node, heals from a live peer;
             the others train on. No checkpoints (a group heals from its peers).
-  requeue   the plain job (TorchX's heterogeneous job, `--requeue`): Slurm requeues the whole
-            job, which resumes from its newest checkpoint (--checkpoint-every) on the nodes left
+  requeue   the plain job (TorchX's heterogeneous job, `--requeue`), requeued whole at the
+            fault (`scontrol requeue`: Slurm's own requeue on NODE_FAIL leaves a heterogeneous
+            job's components stuck in 22.05); it resumes from its newest checkpoint
+            (--checkpoint-every) on the nodes left
 Slurm holds a requeued job for two minutes (its BeginTime): the hold is lifted at once in both
 (lowband's Lighthouse does it for its groups; this script for the requeued job), so neither pays
 it. The lost node is started again once the job runs again, ready for the next fault.
