@@ -91,7 +91,8 @@ def fault_text(s: dict) -> str:
     if not isinstance(el, dict):
         return ""
     lives, heals = el.get("lost_work") or [], el.get("heals") or {}
-    if not lives and not heals:  # (a group that started late heals too, with no death)
+    lighthouse = el.get("lighthouse_restarts") or 0
+    if not lives and not heals and not lighthouse:  # (a group that started late heals too)
         return ""
     n_heals, redone, parts = sum(heals.values()), 0, []
     for life in lives:
@@ -114,6 +115,8 @@ def fault_text(s: dict) -> str:
               _count(restarts, "restart", "restarts"),
               _count(n_heals, "heal", "heals") + (f" of {healed}" if n_heals else ""),
               _count(redone, "step redone", "steps redone")]
+    if lighthouse:
+        counts.append(_count(lighthouse, "Lighthouse restart", "Lighthouse restarts"))
     return ", ".join(counts) + (f" ({'; '.join(parts)})" if parts else "")
 
 

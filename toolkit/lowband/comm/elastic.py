@@ -24,6 +24,7 @@ bytes and seconds).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -36,6 +37,10 @@ import torch
 from lowband.options import ConfigError, Options, needs_extra, option
 
 LIGHTHOUSE_ENV, REPLICA_ENV = "TORCHFT_LIGHTHOUSE", "LOWBAND_REPLICA"
+LIFE_ENV = "LOWBAND_LIGHTHOUSE_LIFE"  # a file: how often the launcher restarted the Lighthouse
+LIFE = 1_000_000  # quorum ids of the Lighthouse's life n: n x LIFE + torchft's quorum id
+RETRY_S = 0.5  # while the Lighthouse is unreachable, torchft asks it again this often
+TIEBREAK = 1 << 20  # a group's quorum step: its progress's number (below) x TIEBREAK + tiebreak
 TORCHFT = ("elastic", "--elastic", "torchft")  # needs_extra's (extra, what, module)
 
 
@@ -98,20 +103,23 @@ class Membership:
         self.topo, self.comm, self.events = topo, comm, comm.events
         timeout = timedelta(seconds=cfg.elastic_timeout)
         self.pg = ProcessGroupGloo(timeout=timeout)
-        self._heal = None  # (bytes, seconds, step) of the state received in the last quorum
+        self._heal = None  # (bytes, seconds, step, source group) of the state received in the last quorum
         self.manager = Manager(
             pg=self.pg, load_state_dict=None, state_dict=None,
             min_replica_size=cfg.min_replicas, use_async_quorum=False, timeout=timeout,
             quorum_timeout=timedelta(seconds=cfg.quorum_timeout), connect_timeout=timeout,
-            rank=topo.shard, world_size=topo.shards, store_addr=os.environ["MASTER_ADDR"],
+            quorum_retries=max(1, int(cfg.quorum_timeout / RETRY_S)), rank=topo.shard, world_size=topo.shards, store_addr=os.environ["MASTER_ADDR"],
             store_port=int(os.environ["MASTER_PORT"]), lighthouse_addr=lighthouse,
             replica_id=f"replica{topo.replica}", init_sync=False)
         _quiet_checkpoint_server(self.manager)
+        self.manager._client = LighthouseLives(self.manager._client, os.environ.get(LIFE_ENV))
+        self.life = 0  # the Lighthouse's life of this group's last quorum
         self.members: tuple[int, ...] = ()
         self.quorum_id = -1
         self.at = 0  # the inner step of the quorum this group is in (begin's)
         self.healed_now = self.peer_in_sync = self._joining = False
         self._progress = lambda step: step  # the algorithm's (register)
+        self._tiebreak = lambda: 0
 
     def register(self, algo) -> None:
         """What a live group hands a joining one (the trainer registers its algorithm once):
@@ -123,11 +131,14 @@ class Membership:
             t0 = time.perf_counter()
             algo.load_heal_state(state["algorithm"])
             algo.healed_step, self.peer_in_sync = state["step"], state["in_sync"]
-            self._heal = (_nbytes(state), time.perf_counter() - t0, state["step"])
+            self._heal = (_nbytes(state), time.perf_counter() - t0, state["step"], state["replica"])
 
         self._progress = algo.quorum_progress
+        if self.topo.shards == 1:  # (a rank's record covers its slice: its group's would differ)
+            self._tiebreak = algo.quorum_tiebreak
         self.manager.register_state_dict_fn("lowband", load, lambda: {
-            "algorithm": algo.heal_state(), "step": self.at, "in_sync": not self._joining})
+            "algorithm": algo.heal_state(), "step": self.at, "in_sync": not self._joining,
+            "replica": self.topo.replica})
 
     def join(self, step: int) -> bool:
         """The first quorum, before the first step (`step` done: 0, or a checkpoint's). True
@@ -167,14 +178,25 @@ class Membership:
             joined = sorted(set(members) - set(self.members)) if self.members else list(members)
             extra = {}
             if self.healed_now:  # this group: restarted or behind, now a live peer's copy
+                extra = {"heal_bytes": self._heal[0], "heal_s": self._heal[1],
+                         "heal_from": self._heal[3], "step_before": step}
                 step = self._heal[2]
-                extra = {"heal_bytes": self._heal[0], "heal_s": self._heal[1]}
+            life = quorum // LIFE
+            if self.members and life != self.life:  # it rode out the Lighthouse's restart
+                extra["lighthouse_restarted"] = True
             self.events.emit("membership", step=step, quorum_id=quorum, size=len(members),
                              members=list(members), joined=joined,
                              left=sorted(set(self.members) - set(members)),
                              healed=self.healed_now, wait_s=waited, **extra)
-            self.members, self.quorum_id = members, quorum
+            self.members, self.quorum_id, self.life = members, quorum, life
         return self.healed_now
+
+    def sync_fields(self, outer: torch.Tensor) -> dict:
+        """What an elastic run's `sync` event adds: the quorum it committed in and a digest of
+        this rank's new outer parameters (the first 16 hex digits of their bytes' sha256), so
+        that the members' states can be compared after every sync."""
+        data = outer.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+        return {"quorum_id": self.quorum_id, "outer_digest": hashlib.sha256(data).hexdigest()[:16]}
 
     def _set_quorum_step(self, step: int) -> None:
         """The step this group brings to the quorum, from which torchft heals: every group whose
@@ -184,9 +206,13 @@ class Membership:
         quorum (fresh, or restored from its checkpoint) at the same progress as groups already in
         a sync heals from them, and a fresh group never hands its state to one that trained.
         torchft's own count of commits would not do: a restored group's equals that of the
-        groups that trained on since its checkpoint and have not synced yet."""
+        groups that trained on since its checkpoint and have not synced yet. Below that, the
+        algorithm's quorum_tiebreak (S=1): groups as far on whose synced states differ heal the
+        one from the other."""
         progress = int(self._progress(step))
-        self.manager.load_state_dict({"step": 2 * progress + (0 if self._joining else 1),
+        tiebreak = self._tiebreak() % TIEBREAK
+        self.manager.load_state_dict({"step": (2 * progress + (0 if self._joining else 1)) * TIEBREAK
+                                      + tiebreak,
                                       "batches_committed": self.manager.batches_committed()})
 
     def _members(self) -> tuple[int, ...]:
@@ -288,6 +314,50 @@ def _nbytes(state) -> int:
     if isinstance(state, (list, tuple)):
         return sum(_nbytes(v) for v in state)
     return 0
+
+
+class LighthouseLives:
+    """torchft's client of this group's Manager, renumbering the quorums by the Lighthouse's
+    life. A restarted Lighthouse (launch/supervise.py) counts its quorum ids from 1 again, and
+    torchft names a quorum's process group by its id alone (keys torchft/<id>/ in the store the
+    groups meet at, still holding the old life's keys): the old ids would meet stale addresses,
+    or be taken for the quorum a group is already in. The launcher writes the life (n, in the
+    file LIFE_ENV names) a second after the old Lighthouse died and before the new one listens,
+    so a quorum answered by life n reads n when it returns; without the file (`lowband launch`)
+    the life is 0 and the ids are torchft's."""
+
+    def __init__(self, client, path: str | None):
+        self._client, self._path = client, path
+
+    def _quorum(self, *args, **kwargs):
+        result = self._client._quorum(*args, **kwargs)
+        return Renumbered(result, lighthouse_life(self._path) * LIFE + result.quorum_id)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+class Renumbered:
+    """A torchft quorum result with another quorum id."""
+
+    def __init__(self, result, quorum_id: int):
+        self._result, self.quorum_id = result, quorum_id
+
+    def __getattr__(self, name):
+        return getattr(self._result, name)
+
+
+def lineage_tiebreak(digests: list[str]) -> int:
+    """A quorum tiebreak (algorithms/base.py) from the digests of a state's parts."""
+    return int(hashlib.sha256("|".join(digests).encode()).hexdigest()[:5], 16)
+
+
+def lighthouse_life(path) -> int:
+    """The Lighthouse's life: 0 for the first, n after n restarts (LIFE_ENV's file)."""
+    try:
+        return int(open(path).read().strip() or 0) if path else 0
+    except (OSError, ValueError):
+        return 0
 
 
 class Reported:

@@ -7,8 +7,9 @@ its group through LOWBAND_REPLICA (comm/elastic.py). A group that dies (a killed
 is started again, up to --max-restarts times: it continues from its newest intact checkpoint
 (checkpoint/lifecycle.py: restarted_group), or afresh without one, heals from a live peer that
 trained further at the others' next sync, and trains on. A group that refuses its input (status
-2) or stops on purpose (3: no quorum, as when the Lighthouse is lost) stops the whole job: the
-others would meet it too. When
+2) or stops on purpose (3: no quorum within --quorum-timeout) stops the whole job: the others
+would meet it too. A Lighthouse that dies is started again on its port (restart_lighthouse);
+the groups' quorums wait for it. When
 every group has finished or is lost for good, the groups' records (RUN/groups/) become
 summary.json, with what the faults cost (elastic_record).
 """
@@ -24,7 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from lowband.comm.elastic import LIGHTHOUSE_ENV, REPLICA_ENV, TORCHFT, quiet_rust
+from lowband.comm.elastic import (LIFE_ENV, LIGHTHOUSE_ENV, REPLICA_ENV, TORCHFT,
+                                  lighthouse_life, quiet_rust)
 from lowband.faults import lighthouse_kill_asked
 from lowband.launch.local import LocalJob, describe_exit, free_port, last_line
 from lowband.options import ConfigError, missing_extra, needs_extra
@@ -44,13 +46,14 @@ def lighthouse(min_replicas: int, join_timeout_s: float = 10.0, port: int = 0):
 
 
 def lighthouse_process(min_replicas: int, log: Path, join_timeout_s: float = 10.0,
-                       ready_s: float = 30.0) -> tuple[subprocess.Popen, str]:
-    """torchft's Lighthouse program on a free local port, and its address once it answers."""
+                       ready_s: float = 30.0, port: int = 0) -> tuple[subprocess.Popen, str]:
+    """torchft's Lighthouse program on `port` (0: a free local one), and its address once it
+    answers."""
     exe = shutil.which("torchft_lighthouse") or str(Path(sys.executable).with_name("torchft_lighthouse"))
     if not Path(exe).exists():
         extra, what, _ = TORCHFT
         raise missing_extra(extra, what, "torchft_lighthouse")
-    port = free_port()
+    port = port or free_port()
     quiet_rust()
     with open(log, "ab") as out:
         proc = subprocess.Popen([exe, "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}",
@@ -75,7 +78,7 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
     lives = {g: 0 for g in range(cfg.replicas)}
 
     def start(g: int) -> LocalJob:
-        env = {LIGHTHOUSE_ENV: address, REPLICA_ENV: str(g)}
+        env = {LIGHTHOUSE_ENV: address, REPLICA_ENV: str(g), LIFE_ENV: str(life_file(run))}
         return LocalJob(argv, cfg.shards, run, env, log_prefix=f"replica{g}-", terminal=g == 0,
                         node=(g * cfg.shards, cfg.world))
 
@@ -86,6 +89,12 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
                 print("lowband: the Lighthouse was killed (--kill lighthouse).", file=sys.stderr,
                       flush=True)
                 server.kill()
+            if server.poll() is not None:
+                server = restart_lighthouse(cfg, run, address)
+                if server is None:
+                    for job in jobs.values():
+                        job.stop()
+                    return 3
             for g, job in list(jobs.items()):
                 result = job.poll()
                 if result is None:
@@ -124,6 +133,31 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
                           f"{run.logs} and start it again.")
     write_summary(cfg, run)
     return 0
+
+
+def life_file(run: RunDir) -> Path:
+    """How often the Lighthouse was restarted (comm/elastic.py: LighthouseLives)."""
+    return run.logs / "lighthouse-life"
+
+
+def restart_lighthouse(cfg, run: RunDir, address: str) -> subprocess.Popen | None:
+    """A new Lighthouse on the dead one's port, its life written first (None: it did not start:
+    the job stops). The pause lets every quorum the old one answered reach its group before
+    the file says the next life, and lets the old port go."""
+    life = lighthouse_life(life_file(run)) + 1
+    time.sleep(1.0)
+    write_json_atomic(life_file(run), life)
+    try:
+        server, _ = lighthouse_process(cfg.min_replicas, run.logs / "lighthouse.log",
+                                       port=int(address.rsplit(":", 1)[1]))
+    except ConfigError:
+        print(f"lowband: the Lighthouse stopped and a new one did not start on {address} (see "
+              f"{run.logs / 'lighthouse.log'}), so the groups stop; `lowband train --resume "
+              f"{run.root}` continues them from their checkpoints.", file=sys.stderr, flush=True)
+        return None
+    print(f"lowband: the Lighthouse stopped; a new one serves {address} (restart {life}), and "
+          "the groups' quorums wait for it.", file=sys.stderr, flush=True)
+    return server
 
 
 def write_summary(cfg, run: RunDir) -> dict:
@@ -166,6 +200,6 @@ def elastic_record(cfg, run: RunDir, finished: list[int]) -> dict:
         lost.append({"group": g, "died_after": mine[-1] if mine else 0, "resumed_from": None,
                      "redone": None})
     lost.sort(key=lambda life: life["group"])  # (each group's lives stay in time order)
-    return {"groups_finished": finished,
+    return {"groups_finished": finished, "lighthouse_restarts": lighthouse_life(life_file(run)),
             "restarts": {str(g): n for g, n in sorted(Counter(e["replica"] for e in restarts).items())},
             "heals": {str(g): n for g, n in sorted(heals.items())}, "lost_work": lost}
