@@ -19,7 +19,10 @@ One outer sync (diloco, streaming):
   commit()         Manager.should_commit: the vote. False (a peer died mid-exchange, too few
                    groups) leaves the outer state as it was: the update is skipped everywhere.
 Every quorum change is a `membership` event (quorum id and size, who joined and left, heal
-bytes and seconds).
+bytes and seconds, the heal's source). A Lighthouse that dies is started again by the launcher:
+torchft asks it again every RETRY_S within --quorum-timeout, and LighthouseLives keeps the new
+one's quorum ids apart from the old one's. A group's quorum step carries a tiebreak
+(_set_quorum_step) so that groups as far on with different outer states heal one from the other.
 """
 
 from __future__ import annotations
