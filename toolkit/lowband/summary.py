@@ -82,11 +82,11 @@ def one_line(s: dict) -> str:
 
 def fault_text(s: dict) -> str:
     """What faults cost an --elastic run (summary.json's `elastic`), "" without any: "2 group
-    deaths, 2 restarts, 1 heal of group 1, 4 steps redone (group 0 died after step 24,
-    restarted from step 20: steps 21–24 redone; group 1 died after step 25, restarted from step
-    20: steps 21–25 lost)". A life died after the last step it recorded; its lost steps are
-    those after its checkpoint that its group did not train again (a live peer's state, further
-    on, replaced the checkpoint's)."""
+    deaths, 2 restarts, 1 heal of group 1, 4 steps redone, 1.2 k tokens trained and lost (group
+    0 died after step 24, restarted from step 20: steps 21–24 redone; group 1 died after step
+    25, restarted from step 20: steps 21–25 lost)". A life died after the last step it
+    recorded; its lost steps are those after its checkpoint that its group did not train again
+    (a live peer's state, further on, replaced the checkpoint's)."""
     el = s.get("elastic")
     if not isinstance(el, dict):
         return ""
@@ -114,6 +114,8 @@ def fault_text(s: dict) -> str:
               _count(restarts, "restart", "restarts"),
               _count(n_heals, "heal", "heals") + (f" of {healed}" if n_heals else ""),
               _count(redone, "step redone", "steps redone")]
+    if el.get("tokens_lost"):
+        counts.append(f"{fmt_si(el['tokens_lost'])} tokens trained and lost")
     return ", ".join(counts) + (f" ({'; '.join(parts)})" if parts else "")
 
 

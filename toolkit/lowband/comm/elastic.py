@@ -16,8 +16,10 @@ One outer sync (diloco, streaming):
   average(x, ...)  the mean over the groups that take part with what they trained: a group
                    healed in this quorum holds a copy of its source's state, so it sends weight
                    0 (and zeros) and the mean divides by the summed weights
-  commit()         Manager.should_commit: the vote. False (a peer died mid-exchange, too few
-                   groups) leaves the outer state as it was: the update is skipped everywhere.
+  commit()         Manager.should_commit: the vote, this group's own (torchft's vote joins a
+                   group's ranks, not the groups). False (a peer died mid-exchange, too few
+                   groups) leaves this group's outer state as it was: it skipped the update
+                   that groups whose vote passed applied, so it is behind and heals later.
 Every quorum change is a `membership` event (quorum id and size, who joined and left, heal
 bytes and seconds).
 """

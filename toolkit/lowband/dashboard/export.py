@@ -238,8 +238,11 @@ def _membership_section(models: list[RunModel]) -> str:
             "<style>table.grid.membership td,table.grid.membership thead th{text-align:left}"
             "table.grid.membership tr.healed td{background:#f4ecf7}</style>"
             + (f'<h3 id="failed-commits">Failed commit votes</h3><p class="meta">One row per '
-               "outer sync whose commit vote failed (a peer died mid-exchange, or the quorum was "
-               "below --min-replicas): its outer update was skipped everywhere, and the "
+               "outer sync whose commit vote failed in some replica group (a peer died "
+               "mid-exchange, or the quorum was below --min-replicas). Each group votes for "
+               "itself: the groups named skipped its outer update, the others applied it, and "
+               "a group that skipped one takes a live peer's state at a later quorum. When "
+               "every group skipped it, the "
                "fragment's next sync carried what this one would have.</p>"
                f'<div class="scroll">{commits}</div><style>table.grid.commits td,'
                "table.grid.commits thead th{text-align:left}</style>" if commits else "")

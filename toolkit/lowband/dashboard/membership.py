@@ -66,7 +66,8 @@ def _facts(rec: Membership, first: bool) -> dict:
     for g in rec.joined:
         facts[(g, "join")] = None
     if rec.healed:
-        facts[(q, "heal")] = f"group {q} healed from a live peer" + (f" ({heal})" if heal else "")
+        why = "; ".join(x for x in (heal, rec.behind) if x)
+        facts[(q, "heal")] = f"group {q} healed from a live peer" + (f" ({why})" if why else "")
     return facts
 
 
@@ -112,7 +113,7 @@ class MembershipChanges:
         return self._cached("membership", self._membership)
 
     def _membership(self) -> list[Membership]:
-        out, seen = [], set()
+        out, seen, since = [], set(), {}
         for s in sorted(self._members.values(), key=lambda s: (s.t, s.replica)):
             heal_b = [b for b, _ in s.heal.values() if b is not None]
             heal_s = [x for _, x in s.heal.values() if x is not None]
@@ -121,9 +122,22 @@ class MembershipChanges:
                              s.members, s.joined, s.left, s.healed,
                              sum(heal_b) if heal_b else None, max(heal_s) if heal_s else None,
                              s.wait_s, tuple(sorted(s.ranks)), "")
+            if rec.healed and s.replica not in rec.joined:
+                rec = rec._replace(behind=self._behind(rec, since.get(s.replica)))
             out.append(rec._replace(change=_words(_facts(rec, s.replica not in seen))))
             seen.add(s.replica)
+            since[s.replica] = s.t
         return out
+
+    def _behind(self, rec: Membership, since: float | None) -> str:
+        """Why a group that did not just (re)start healed: its commit vote had failed in a sync
+        since its previous quorum (it skipped an update the others applied), or it had trained
+        less than the others (dropped from a quorum, or slow)."""
+        failed = [c for c in self.failed_commits() if rec.replica in c.replicas
+                  and (since is None or c.t > since) and c.t <= rec.t]
+        if failed:
+            return f"behind: its commit vote failed at step {failed[-1].step}"
+        return "behind: it had trained less than the others"
 
     def membership_marks(self) -> list[MembershipMark]:
         """One mark per quorum change of the run, every group's view of it merged: "group 1

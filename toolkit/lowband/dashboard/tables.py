@@ -246,8 +246,8 @@ def membership_table(models: list[RunModel]) -> str:
 
 
 def commits_table(models: list[RunModel]) -> str:
-    """The outer syncs of --elastic runs whose commit vote failed (their outer update skipped
-    everywhere), one row per step and fragment: "" when no run has any."""
+    """The outer syncs of --elastic runs whose commit vote failed in some group (those groups
+    skipped their outer update), one row per step and fragment: "" when no run has any."""
     runs = [(m, m.failed_commits()) for m in models]
     if not any(records for _, records in runs):
         return ""

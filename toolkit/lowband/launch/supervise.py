@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from lowband.checkpoint.lifecycle import RESTART_COUNT
 from lowband.comm.elastic import LIGHTHOUSE_ENV, REPLICA_ENV, TORCHFT, quiet_rust
 from lowband.faults import lighthouse_kill_asked
 from lowband.launch.local import LocalJob, describe_exit, free_port, last_line
@@ -75,7 +76,8 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
     lives = {g: 0 for g in range(cfg.replicas)}
 
     def start(g: int) -> LocalJob:
-        env = {LIGHTHOUSE_ENV: address, REPLICA_ENV: str(g)}
+        # the group's lives, as torchrun counts them (checkpoint/lifecycle.py: restarted_group)
+        env = {LIGHTHOUSE_ENV: address, REPLICA_ENV: str(g), RESTART_COUNT: str(lives[g])}
         return LocalJob(argv, cfg.shards, run, env, log_prefix=f"replica{g}-", terminal=g == 0,
                         node=(g * cfg.shards, cfg.world))
 
@@ -133,10 +135,30 @@ def write_summary(cfg, run: RunDir) -> dict:
     ranks = [rank for r in records for rank in r["ranks"]]
     summary = summarize(cfg, ranks)
     summary["run_dir"] = str(run.root)  # (the launcher may have named it: cfg's is empty then)
-    add_ddp_bytes(summary, records[0]["ddp_one_step"], len(records))
     summary["elastic"] = elastic_record(cfg, run, sorted({r["replica"] for r in ranks}))
+    count_every_life(summary, cfg, run, ranks)
+    group_step = cfg.grad_accum * cfg.batch_size * cfg.seq_len * cfg.shards
+    add_ddp_bytes(summary, records[0]["ddp_one_step"], cfg.replicas, cfg.replicas * group_step)
     write_json_atomic(run.summary, summary)
     return summary
+
+
+def count_every_life(summary: dict, cfg, run: RunDir, ranks: list[dict]) -> None:
+    """`tokens`, `tokens_per_s`, `steps_run` and `steps_run_per_replica` (one entry a group)
+    count what every life of every group trained: the step events of each group's first rank,
+    a lost life's included (a group's ranks' totals cover only its last life and the
+    checkpoint it went on from; a healed group's skipped steps were never trained). Tokens
+    trained but thrown away (by a life that died, after the step its group went on from; all of
+    a group lost for good) are `elastic.tokens_lost`."""
+    group_step = cfg.grad_accum * cfg.batch_size * cfg.seq_len * cfg.shards
+    steps = [run.count_events(g * cfg.shards, "step") for g in range(cfg.replicas)]
+    kept = sum(r["tokens"] for r in ranks)
+    summary["tokens"] = sum(steps) * group_step
+    summary["tokens_per_s"] = summary["tokens"] / summary["wall_s"] if summary["wall_s"] > 0 else 0.0
+    summary["steps_run_per_replica"] = steps
+    mean = sum(steps) / len(steps)
+    summary["steps_run"] = int(mean) if mean == int(mean) else round(mean, 2)
+    summary["elastic"]["tokens_lost"] = summary["tokens"] - kept
 
 
 def elastic_record(cfg, run: RunDir, finished: list[int]) -> dict:
