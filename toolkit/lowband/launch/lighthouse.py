@@ -25,8 +25,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--wait", type=float, default=600.0,
                    help="seconds the other groups get once the first has finished")
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                   help="seconds without a group's heartbeat before it is left out of a quorum")
     a = p.parse_args(argv)
-    server = lighthouse(a.min_replicas, port=a.port)
+    if not a.heartbeat_timeout > 0:
+        p.error("--heartbeat-timeout must be positive seconds.")
+    server = lighthouse(a.min_replicas, port=a.port, heartbeat_timeout_s=a.heartbeat_timeout)
     print(f"lowband: lighthouse at {server.address()} for {a.replicas} replica groups",
           file=sys.stderr, flush=True)
     run = RunDir(a.run_dir)
