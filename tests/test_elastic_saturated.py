@@ -51,9 +51,11 @@ def test_no_group_leaves_a_quorum_while_exchanges_fill_the_link(hosts, tmp_path)
     assert "lighthouse at http://lbz-h0:29510" in lighthouse  # groups 1, 2 reach it over the link
 
     found = bench.figures(r["run"], tmp_path / "heartbeats.jsonl", HEARTBEAT_TIMEOUT)
-    # the premise: every group's three exchanges saturated its link for over three timeouts
-    assert len(found["exchange_s"]) == 9, found
+    # the premise: every group's three exchanges filled its link for over three timeouts (each
+    # group sent its 4.4 MB at no less than 60% of the 10 Mbit/s)
+    assert len(found["exchange_s"]) == 9 and len(found["exchange_wire_bytes"]) == 1, found
     assert min(found["exchange_s"]) >= 3 * HEARTBEAT_TIMEOUT, found
+    assert found["exchange_wire_bytes"][0] * 8 / max(found["exchange_s"]) > 0.6 * 10e6, found
     # no group dropped: one quorum of all three, from the first to the last sync
     members = read_events(RunDir(r["run"]), ("membership",))
     assert {e["replica"] for e in members} == {0, 1, 2}, members
@@ -73,3 +75,14 @@ def test_no_group_leaves_a_quorum_while_exchanges_fill_the_link(hosts, tmp_path)
     assert max(ages["p90"].values()) < HEARTBEAT_TIMEOUT / 2, found
     assert max(found["heartbeat_age_before_quorum_s"].values()) < HEARTBEAT_TIMEOUT, found
     assert found["fewest_heartbeating"] == 3, found  # from the first quorum to the last
+
+
+def test_the_lighthouse_refuses_a_heartbeat_timeout_that_is_not_positive(tmp_path, capsys):
+    from lowband.launch.lighthouse import main
+
+    for value in ("0", "-1", "soon"):
+        with pytest.raises(SystemExit) as e:
+            main(["--heartbeat-timeout", value, "--replicas", "2", "--run-dir", str(tmp_path / "r")])
+        assert e.value.code == 2
+        assert f"--heartbeat-timeout: must be positive seconds, got '{value}'" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
