@@ -13,12 +13,20 @@ heartbeats every 100 ms over it. A poller on host 0 reads the Lighthouse's statu
 gaps it sees are the Lighthouse's own view.
 
 Figures (JSON on stdout): each outer exchange's seconds (the `comm` events of the outer link:
-diloco waits for its exchange, so start to end is the transfer), the heartbeat timeout, the
-largest heartbeat gap of each group while the exchanges ran, each quorum's members, the groups
-that left a quorum, and the exit codes.
+diloco waits for its exchange, so start to end is the transfer), the heartbeat ages the
+Lighthouse showed while exchanges ran, the most bytes queued in each shaper, each quorum's
+members and who left or healed (membership events), and the Lighthouse's own quorum decisions
+(its log: the groups asking and heartbeating at each).
 
     sudo python benchmarks/saturated_link.py [--rate 10mbit] [--heartbeat-timeout 1]
         [--model micro] [--steps 30] [--sync-every 10] [--tbf-latency 100ms]
+
+The hosts' own shaping keeps the queue short (TCP holds little in the sender's own qdisc). A
+real site link's queue forms in a router: `--router-queue 4s` shapes the bridge's port into each
+host to --rate with that much buffer (htb and a byte FIFO), `--nic-rate 1gbit` leaves the hosts'
+own egress fast, `--cc cubic` sets loss-based TCP on the hosts' routes (this machine's default
+is BBR, which keeps queues short), and `--lighthouse-band` gives TCP to and from the
+Lighthouse's port its own class in that router (docs/elastic.md's recipe).
 
 Needs root, `ip`, `tc`, `unshare`, torchft and torchx; the hosts are always removed.
 """
@@ -40,11 +48,12 @@ from lowband.telemetry import RunDir, read_events
 
 RANK0 = "LOWBAND_RANK0_HOST"  # the scheduler's rank-0 host variable, as Slurm's names role 0
 PORT = 29510  # the component's Lighthouse port on host 0
+SUBNET = "10.213.20"
 
 
 def make_hosts(rate: str = "10mbit", latency: str = "100ms") -> TestHosts:
     """lbz-h0, -h1, -h2 (10.213.20.1-3) on a bridge in lbz-hsw, each with its own hostname."""
-    return TestHosts("lbz", "10.213.20", rate, "128kb", latency, hostnames=True, n=3)
+    return TestHosts("lbz", SUBNET, rate, "128kb", latency, hostnames=True, n=3)
 
 
 def flags(model: str = "micro", steps: int = 30, sync_every: int = 10,
@@ -83,7 +92,8 @@ def role_commands(argv: list[str], run_dir: Path, host0: str, heartbeat_timeout:
 # and the bytes queued in each host's tbf (argv[4:]: namespace=device ...)
 _POLLER = r"""
 import json, re, subprocess, sys, time, urllib.request
-url, out, until = f"http://127.0.0.1:{sys.argv[1]}/status", open(sys.argv[2], "w"), float(sys.argv[3])
+url = f"http://127.0.0.1:{sys.argv[1]}/status"
+out, until = open(sys.argv[2], "w"), float(sys.argv[3])
 devs = [a.split("=") for a in sys.argv[4:]]
 scale = {"s": 1.0, "ms": 1e-3, "µs": 1e-6, "us": 1e-6, "ns": 1e-9}
 while time.time() < until:
@@ -106,9 +116,9 @@ while time.time() < until:
 
 def run(hosts: TestHosts, out: Path, argv: list[str], heartbeat_timeout: float,
         deadline_s: float = 120, queues: tuple = ()) -> dict:
-    """Run the roles on the hosts with the poller (which also reads the tbf backlog of each
-    (namespace, device) in `queues`, a `tc` process each every 50 ms); the exit codes (None: still running when the
-    deadline came), the logs' tails and the run directory."""
+    """Run the roles on the hosts with the poller (which also reads the backlog of each
+    (namespace, device) in `queues`: a `tc` process each every 50 ms); the exit codes (None:
+    still running when the deadline came), the logs' tails and the run directory."""
     run_dir = out / "run"
     roles = role_commands(argv, run_dir, hosts.names[0], heartbeat_timeout)
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])
@@ -121,8 +131,8 @@ def run(hosts: TestHosts, out: Path, argv: list[str], heartbeat_timeout: float,
             env["RUST_LOG"] = "torchft::lighthouse=info"
         procs[name] = hosts.popen(host, cmd, env, out / f"{name}.out", cwd=out)
     t0 = time.time()
-    poller = hosts.popen(0, [sys.executable, "-c", _POLLER, str(PORT), str(out / "heartbeats.jsonl"),
-                             str(t0 + deadline_s),
+    poller = hosts.popen(0, [sys.executable, "-c", _POLLER, str(PORT),
+                             str(out / "heartbeats.jsonl"), str(t0 + deadline_s),
                              *(f"{ns}={dev}" for ns, dev in queues)],
                          dict(os.environ), out / "poller.out")
     while time.time() - t0 < deadline_s and any(p.poll() is None for p in procs.values()):
@@ -235,10 +245,10 @@ def main() -> int:
     p.add_argument("--cc", help="the hosts' TCP congestion control on their link (this "
                    "machine's default: bbr)")
     p.add_argument("--router-queue", help="also shape the bridge's port into each host (a "
-                   "router's downlink, beyond the senders' own TCP stacks) to --rate, with this "
-                   "tbf queue (as the longest delay)")
-    p.add_argument("--lighthouse-band", action="store_true", help="with --router-queue: the "
-                   "Lighthouse's port gets the router's first priority band")
+                   "router's downlink, beyond the senders' own TCP stacks) to --rate, with a "
+                   "buffer of this many seconds of it")
+    p.add_argument("--lighthouse-band", action="store_true", help="with --router-queue: TCP "
+                   "to and from the Lighthouse's port gets a class of its own there, served first")
     p.add_argument("--nic-rate", help="with --router-queue: the hosts' own egress (default "
                    "--rate)")
     p.add_argument("--keep", help="a directory to keep the run in")
@@ -255,7 +265,7 @@ def main() -> int:
     with hosts:
         for ns, dev, port in zip(hosts.names, hosts.devs, hosts.ports):
             if a.cc:  # a route's own congestion control (the sysctl is not writable here)
-                subprocess.run(["ip", "-n", ns, "route", "replace", f"{hosts.addrs[0][:-2]}.0/24",
+                subprocess.run(["ip", "-n", ns, "route", "replace", f"{SUBNET}.0/24",
                                 "dev", dev, "congctl", a.cc], check=True)
             if a.router_queue:
                 router(hosts.switch, port, a.rate, a.router_queue, a.lighthouse_band)
@@ -263,8 +273,8 @@ def main() -> int:
                      deadline_s=600, queues=queues)
     found = figures(result["run"], out / "heartbeats.jsonl", a.heartbeat_timeout)
     found.update(rate=a.rate, tbf_latency=a.tbf_latency, cc=a.cc, router_queue=a.router_queue,
-                 nic_rate=a.nic_rate, lighthouse_band=a.lighthouse_band, model=a.model, codes=result["codes"],
-                 seconds=round(result["seconds"], 1), out=str(out))
+                 nic_rate=a.nic_rate, lighthouse_band=a.lighthouse_band, model=a.model,
+                 codes=result["codes"], seconds=round(result["seconds"], 1), out=str(out))
     print(json.dumps(found, indent=1, default=list))
     if set(result["codes"].values()) != {0}:
         print(result["logs"], file=sys.stderr)

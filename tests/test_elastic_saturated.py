@@ -82,7 +82,9 @@ def test_the_lighthouse_refuses_a_heartbeat_timeout_that_is_not_positive(tmp_pat
 
     for value in ("0", "-1", "soon"):
         with pytest.raises(SystemExit) as e:
-            main(["--heartbeat-timeout", value, "--replicas", "2", "--run-dir", str(tmp_path / "r")])
+            main(["--heartbeat-timeout", value, "--replicas", "2", "--run-dir",
+                  str(tmp_path / "r")])
         assert e.value.code == 2
-        assert f"--heartbeat-timeout: must be positive seconds, got '{value}'" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert f"--heartbeat-timeout: must be positive seconds, got '{value}'" in err
     assert not (tmp_path / "r").exists()
