@@ -34,14 +34,18 @@ from lowband.telemetry import RunDir, read_events, write_json_atomic
 
 
 
-def lighthouse(min_replicas: int, join_timeout_s: float = 10.0, port: int = 0):
-    """torchft's Lighthouse, serving in this process (port 0: a free one)."""
+def lighthouse(min_replicas: int, join_timeout_s: float = 10.0, port: int = 0,
+               heartbeat_timeout_s: float = 5.0):
+    """torchft's Lighthouse, serving in this process (port 0: a free one). A group whose
+    heartbeats stop for heartbeat_timeout_s (torchft's default: 5 s) is left out of the next
+    quorum."""
     quiet_rust()
     needs_extra(*TORCHFT)
     from torchft._torchft import LighthouseServer
 
     return LighthouseServer(bind=f"[::]:{port}", min_replicas=min_replicas,
-                            join_timeout_ms=int(join_timeout_s * 1000))
+                            join_timeout_ms=int(join_timeout_s * 1000),
+                            heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
 
 
 def lighthouse_process(min_replicas: int, log: Path, join_timeout_s: float = 10.0,
