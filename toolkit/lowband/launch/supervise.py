@@ -28,7 +28,7 @@ from lowband.comm.elastic import LIGHTHOUSE_ENV, REPLICA_ENV, TORCHFT, quiet_rus
 from lowband.faults import lighthouse_kill_asked
 from lowband.launch.local import LocalJob, describe_exit, free_port, last_line
 from lowband.options import ConfigError, missing_extra, needs_extra
-from lowband.summary import add_ddp_bytes, summarize
+from lowband.summary import add_ddp_bytes, participation, summarize, sync_participation
 from lowband.telemetry import RunDir, read_events, write_json_atomic
 
 
@@ -146,7 +146,7 @@ def elastic_record(cfg, run: RunDir, finished: list[int]) -> dict:
     life lost: the group, the step its life died after, the step its next life began at (its
     newest checkpoint's, 0 without one; None: lost for good) and the steps of the lost life
     it trained again (`redone`, [first, last]; None when a peer's state came first)."""
-    events = [e for e in read_events(run, ("run", "membership", "step"))
+    events = [e for e in read_events(run, ("run", "membership", "step", "quorum"))
               if e["rank"] % cfg.shards == 0 and "replica" in e]
     restarts = [e for e in events if e["kind"] == "run" and e.get("restart")]
     heals = Counter(e["replica"] for e in events if e["kind"] == "membership" and e.get("healed"))
@@ -168,4 +168,5 @@ def elastic_record(cfg, run: RunDir, finished: list[int]) -> dict:
     lost.sort(key=lambda life: life["group"])  # (each group's lives stay in time order)
     return {"groups_finished": finished,
             "restarts": {str(g): n for g, n in sorted(Counter(e["replica"] for e in restarts).items())},
-            "heals": {str(g): n for g, n in sorted(heals.items())}, "lost_work": lost}
+            "heals": {str(g): n for g, n in sorted(heals.items())}, "lost_work": lost,
+            "participation": participation(sync_participation(events))}
