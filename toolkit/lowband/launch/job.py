@@ -218,7 +218,7 @@ def _train_job(flags, options, algo, replicas, shards, run_dir, config, local):
         if local:  # (remote nodes have their own installs)
             needs_extra(*TORCHFT)
         layout.update(elastic=True, min_replicas=train_cfg.min_replicas,
-                      max_restarts=train_cfg.max_restarts)
+                      max_restarts=train_cfg.max_restarts, quorum_timeout=train_cfg.quorum_timeout)
     return flags, algo, config, run_dir, layout
 
 
