@@ -164,21 +164,25 @@ def comparison(s: dict, link_bandwidth=None) -> str:
     return line
 
 
-def sync_participation(events) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+def sync_participation(events) -> list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
     """Each quorum of an --elastic run (a sync's; ddp: a step's; the run's first), from its
-    groups' `quorum` events: (step, the groups alive then, the groups that took part), in
-    step order. One quorum is the events of one step and quorum id (a healed group writes the
-    step of the state it received: the others'); alive is what each group's first rank heard
-    from the Lighthouse (heartbeats within its timeout), the members with it."""
+    groups' `quorum` events: (step, the groups alive then, the groups that took part, those of
+    them healed in it: weight 0), in step order. One quorum is the events of one step and
+    quorum id (a healed group writes the step of the state it received: the others'); alive is
+    what each group's first rank heard from the Lighthouse (heartbeats within its timeout), the
+    members with it."""
     seen: dict = {}
     for e in events:
         if e.get("kind") != "quorum" or not isinstance(e.get("step"), int):
             continue
-        alive, members = seen.setdefault((e["step"], e.get("quorum_id")), (set(), set()))
+        alive, members, healed = seen.setdefault((e["step"], e.get("quorum_id")),
+                                                 (set(), set(), set()))
         members.update(e.get("members") or ())
         alive.update(e.get("alive") or ())
-    return [(step, tuple(sorted(alive | members)), tuple(sorted(members)))
-            for (step, _), (alive, members) in sorted(seen.items(), key=lambda kv: kv[0][0])]
+        if e.get("healed"):
+            healed.add(e.get("replica"))
+    return [(step, tuple(sorted(alive | members)), tuple(sorted(members)), tuple(sorted(healed)))
+            for (step, _), (alive, members, healed) in sorted(seen.items(), key=lambda kv: kv[0][0])]
 
 
 def participation(rows) -> dict:
