@@ -53,3 +53,27 @@ def test_after_a_restart_every_alive_group_takes_part_and_a_slow_one_stays_in_ph
         "syncs_all_alive_took_part": 3}
     report = (run / "report.html").read_text()
     assert "Participation" in report and "3 of 3 syncs" in report
+
+
+def test_alive_groups_are_those_heartbeating_to_the_lighthouse(monkeypatch):
+    """alive_groups reads the Lighthouse's status page: every group whose heartbeat it saw
+    within its timeout (a restarted group's lives have ids of their own), with the quorum's
+    members; None when no Lighthouse answers."""
+    from datetime import timedelta
+
+    from torchft._torchft import LighthouseClient, LighthouseServer
+
+    from lowband.comm.elastic import LIGHTHOUSE_ENV, alive_groups
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
+    try:
+        port = server.address().rsplit(":", 1)[1]
+        monkeypatch.setenv(LIGHTHOUSE_ENV, f"http://localhost:{port}")
+        client = LighthouseClient(f"http://localhost:{port}", timedelta(seconds=5))
+        for replica_id in ("replica0:a", "replica2:b", "replica2:c"):
+            client.heartbeat(replica_id)
+        assert alive_groups([]) == [0, 2]
+        assert alive_groups([3]) == [0, 2, 3]
+    finally:
+        server.shutdown()
+    assert alive_groups([1]) is None

@@ -54,10 +54,10 @@ class ElasticOptions(Options):
                            "restarted one heals from a live peer")
     min_replicas: int = option(1, "smallest quorum of replica groups an outer update commits with")
     quorum_timeout: float = option(600.0, "seconds a group waits for a quorum (longer than the "
-                                   "time between syncs); the Lighthouse holds a quorum half as "
-                                   "long for a group that heartbeats but has not asked")
+                                   "time between syncs)")
     elastic_timeout: float = option(120.0, "seconds an outer exchange or a heal may take before "
-                                    "the peer is counted as lost")
+                                    "the peer is counted as lost; a quorum waits half as long "
+                                    "(at most half the quorum timeout) for a late group")
     max_restarts: int = option(3, "times the launcher restarts a replica group that died")
 
     @classmethod
@@ -72,6 +72,19 @@ class ElasticOptions(Options):
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive seconds.")
         if cfg.max_restarts < 0:
             raise ConfigError("--max-restarts must be zero or positive.")
+
+
+def join_timeout_s(cfg) -> float:
+    """How long the Lighthouse holds a quorum for a group that heartbeats but has not asked yet
+    (a slow group, a restarted one still loading): half the shorter of --quorum-timeout and
+    --elastic-timeout (60 s by default; torchft's usual 10 s left such a group out). torchft
+    forms a quorum at once when every member of the last one asks (its fast quorum), so a group
+    once left out met the others only to heal from them, or formed quorums of its own: out of
+    phase for good (docs/elastic.md, participation). A dead group drops out when its heartbeats
+    stop (the Lighthouse's heartbeat timeout, 5 s); a live one stuck in an exchange with a lost
+    peer (up to --elastic-timeout) costs the others at most half of that, once, and the others
+    go on before their own quorum timeout."""
+    return min(cfg.quorum_timeout, cfg.elastic_timeout) / 2
 
 
 class ElasticStopped(RuntimeError):

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from lowband.faults import lighthouse_kill_asked
-from lowband.launch.supervise import join_timeout_s, lighthouse, write_summary
+from lowband.launch.supervise import lighthouse, write_summary
 from lowband.telemetry import RunDir
 
 
@@ -22,14 +22,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--port", type=int, default=29510)
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument("--replicas", type=int, required=True, help="the run's replica groups")
-    p.add_argument("--quorum-timeout", type=float, default=600.0,
-                   help="the groups' --quorum-timeout (the Lighthouse waits half of it for a "
-                   "heartbeating group)")
+    p.add_argument("--join-timeout", type=float, default=60.0,
+                   help="seconds a quorum waits for a group that heartbeats but has not asked "
+                   "(lowband.comm.elastic.join_timeout_s)")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--wait", type=float, default=600.0,
                    help="seconds the other groups get once the first has finished")
     a = p.parse_args(argv)
-    server = lighthouse(a.min_replicas, join_timeout_s(a.quorum_timeout), port=a.port)
+    server = lighthouse(a.min_replicas, a.join_timeout, port=a.port)
     print(f"lowband: lighthouse at {server.address()} for {a.replicas} replica groups",
           file=sys.stderr, flush=True)
     run = RunDir(a.run_dir)

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from lowband.comm.elastic import LIGHTHOUSE_ENV, REPLICA_ENV, TORCHFT, quiet_rust
+from lowband.comm.elastic import LIGHTHOUSE_ENV, REPLICA_ENV, TORCHFT, join_timeout_s, quiet_rust
 from lowband.faults import lighthouse_kill_asked
 from lowband.launch.local import LocalJob, describe_exit, free_port, last_line
 from lowband.options import ConfigError, missing_extra, needs_extra
@@ -33,30 +33,18 @@ from lowband.telemetry import RunDir, read_events, write_json_atomic
 
 
 
-def join_timeout_s(quorum_timeout: float) -> float:
-    """How long the Lighthouse holds a quorum for a group that heartbeats but has not asked
-    yet (a slow group, or a restarted one still loading): half the groups' --quorum-timeout.
-    A group left out of a quorum would meet the others again only when they next wait for it,
-    and torchft forms a quorum at once when every member of the last one asks (its fast
-    quorum), so a group once left out stays out of phase; waiting for every heartbeating group
-    keeps them in phase (docs/elastic.md, participation). A dead group is dropped when its
-    heartbeats stop (the Lighthouse's heartbeat timeout, 5 s); one that heartbeats but never
-    asks costs the others this long, once, and the half leaves them time to go on without it
-    before their own quorum timeout."""
-    return quorum_timeout / 2
-
-
-def lighthouse(min_replicas: int, join_timeout_s: float, port: int = 0):
-    """torchft's Lighthouse, serving in this process (port 0: a free one)."""
+def lighthouse(min_replicas: int, join_s: float, port: int = 0):
+    """torchft's Lighthouse, serving in this process (port 0: a free one); join_s: how long a
+    quorum waits for a group that heartbeats but has not asked (comm/elastic.join_timeout_s)."""
     quiet_rust()
     needs_extra(*TORCHFT)
     from torchft._torchft import LighthouseServer
 
     return LighthouseServer(bind=f"[::]:{port}", min_replicas=min_replicas,
-                            join_timeout_ms=int(join_timeout_s * 1000))
+                            join_timeout_ms=int(join_s * 1000))
 
 
-def lighthouse_process(min_replicas: int, log: Path, join_timeout_s: float,
+def lighthouse_process(min_replicas: int, log: Path, join_s: float,
                        ready_s: float = 30.0) -> tuple[subprocess.Popen, str]:
     """torchft's Lighthouse program on a free local port, and its address once it answers."""
     exe = shutil.which("torchft_lighthouse") or str(Path(sys.executable).with_name("torchft_lighthouse"))
@@ -67,7 +55,7 @@ def lighthouse_process(min_replicas: int, log: Path, join_timeout_s: float,
     quiet_rust()
     with open(log, "ab") as out:
         proc = subprocess.Popen([exe, "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}",
-                                 "--join_timeout_ms", str(int(join_timeout_s * 1000))],
+                                 "--join_timeout_ms", str(int(join_s * 1000))],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=os.environ)
     deadline = time.monotonic() + ready_s
@@ -85,7 +73,7 @@ def lighthouse_process(min_replicas: int, log: Path, join_timeout_s: float,
 def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
     """Run the replica groups to the end; the job's exit status."""
     server, address = lighthouse_process(cfg.min_replicas, run.logs / "lighthouse.log",
-                                         join_timeout_s(cfg.quorum_timeout))
+                                         join_timeout_s(cfg))
     lives = {g: 0 for g in range(cfg.replicas)}
 
     def start(g: int) -> LocalJob:
