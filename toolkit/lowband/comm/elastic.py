@@ -282,7 +282,14 @@ class Membership:
             return Reported(None, self.manager)
 
     def commit(self) -> bool:
-        return self.manager.should_commit()
+        ok = self.manager.should_commit()
+        if not ok and self.failed():
+            # a peer died mid-exchange: drop this quorum's process group now, so a live group
+            # still waiting in the exchange on this one gets its error at once, not after
+            # --elastic-timeout (the next quorum's reconfiguration would drop it only then,
+            # and that quorum waits for the stuck group: join_timeout_s)
+            self.pg.abort(errored=False)
+        return ok
 
     def step(self) -> int:
         return self.manager.current_step()
