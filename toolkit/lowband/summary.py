@@ -164,3 +164,37 @@ def comparison(s: dict, link_bandwidth=None) -> str:
                  f"sending alone, against {s.get('compute_s', 0) / max(s.get('steps_run', s['steps']), 1):.2f} s "
                  "of compute a step")
     return line
+
+
+def sync_participation(events) -> list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """Each quorum of an --elastic run (a sync's; ddp: a step's; the run's first), from its
+    groups' `quorum` events: (step, the groups alive then, the groups that took part, those of
+    them healed in it: weight 0), in step order. One quorum is the events of one step and
+    quorum id (a healed group writes the step of the state it received: the others'); alive is
+    what each group's first rank heard from the Lighthouse (heartbeats within its timeout), the
+    members with it."""
+    seen: dict = {}
+    for e in events:
+        if e.get("kind") != "quorum" or not isinstance(e.get("step"), int):
+            continue
+        alive, members, healed = seen.setdefault((e["step"], e.get("quorum_id")),
+                                                 (set(), set(), set()))
+        members.update(e.get("members") or ())
+        alive.update(e.get("alive") or ())
+        if e.get("healed"):
+            healed.add(e.get("replica"))
+    return [(step, tuple(sorted(alive | members)), tuple(sorted(members)), tuple(sorted(healed)))
+            for (step, _), (alive, members, healed) in sorted(seen.items(), key=lambda kv: kv[0][0])]
+
+
+def participation(rows) -> dict:
+    """summary.json's elastic `participation` from sync_participation's rows: the syncs, the
+    mean groups that took part and that were alive, their ratio, and the syncs every alive
+    group took part in."""
+    if not rows:
+        return {}
+    took, alive = [len(r[2]) for r in rows], [len(r[1]) for r in rows]
+    return {"syncs": len(rows), "mean_participants": round(sum(took) / len(rows), 3),
+            "mean_alive": round(sum(alive) / len(rows), 3),
+            "participation": round(sum(took) / sum(alive), 3) if sum(alive) else None,
+            "syncs_all_alive_took_part": sum(1 for r in rows if set(r[1]) <= set(r[2]))}

@@ -1,6 +1,7 @@
 """Membership changes of an --elastic run (docs/elastic.md): its `membership` events, one record
 per replica group and quorum (the group's ranks write the same event), and one mark per quorum
-change with every group's view merged.
+change with every group's view merged; and its participation: per sync, the groups alive and the
+groups that took part (its `quorum` events).
 
 MembershipChanges is a part of RunModel (it folds in membership events and calls the model's
 _cached); the records are drawn on the sync timeline and listed in the report, the marks are
@@ -8,6 +9,8 @@ drawn on the loss figure.
 """
 
 from __future__ import annotations
+
+from lowband.summary import participation, sync_participation
 
 from .records import Membership, MembershipMark, _int, _ints, _num
 from .style import fmt_bytes
@@ -42,6 +45,17 @@ def heal_text(nbytes, seconds) -> str:
     if seconds is not None:
         parts.append(f"in {seconds:.2g} s" if seconds < 10 else f"in {seconds:,.0f} s")
     return " ".join(parts)
+
+
+def participation_words(p) -> str:
+    """summary.json's elastic `participation` in words: "3.8 of 4.0 alive groups took part on
+    average (95%); all alive took part in 11 of 12 syncs"; "" without one."""
+    if not isinstance(p, dict) or not p.get("syncs"):
+        return ""
+    share = "" if p.get("participation") is None else f" ({100 * p['participation']:.0f}%)"
+    return (f"{p['mean_participants']:.1f} of {p['mean_alive']:.1f} alive groups took part on "
+            f"average{share}; all alive took part in {p['syncs_all_alive_took_part']} of "
+            f"{p['syncs']} syncs")
 
 
 def _facts(rec: Membership, first: bool) -> dict:
@@ -138,6 +152,18 @@ class MembershipChanges:
         if failed:
             return f"behind: its commit vote failed at step {failed[-1].step}"
         return "behind: it had trained less than the others"
+
+    def participation(self) -> list[tuple]:
+        """Each quorum of the run (a sync's): (step, groups alive, groups that took part, those
+        healed in it), from the groups' `quorum` events (lowband.summary.sync_participation);
+        empty without."""
+        if not self._quorums:
+            return []
+        return self._cached("participation", lambda: sync_participation(self._quorums))
+
+    def participation_text(self) -> str:
+        """participation_words of the run's quorum records ("" without)."""
+        return participation_words(participation(self.participation()))
 
     def membership_marks(self) -> list[MembershipMark]:
         """One mark per quorum change of the run, every group's view of it merged: "group 1

@@ -25,30 +25,30 @@ import time
 from pathlib import Path
 
 from lowband.checkpoint.lifecycle import RESTART_COUNT
-from lowband.comm.elastic import LIGHTHOUSE_ENV, REPLICA_ENV, TORCHFT, quiet_rust
+from lowband.comm.elastic import LIGHTHOUSE_ENV, REPLICA_ENV, TORCHFT, join_timeout_s, quiet_rust
 from lowband.faults import lighthouse_kill_asked
 from lowband.launch.local import LocalJob, describe_exit, free_port, last_line
 from lowband.options import ConfigError, missing_extra, needs_extra
-from lowband.summary import add_ddp_bytes, summarize
+from lowband.summary import add_ddp_bytes, participation, summarize, sync_participation
 from lowband.telemetry import RunDir, read_events, write_json_atomic
 
 
 
-def lighthouse(min_replicas: int, join_timeout_s: float = 10.0, port: int = 0,
-               heartbeat_timeout_s: float = 5.0):
-    """torchft's Lighthouse, serving in this process (port 0: a free one). A group whose
-    heartbeats stop for heartbeat_timeout_s (torchft's default: 5 s) is left out of the next
-    quorum."""
+def lighthouse(min_replicas: int, join_s: float, port: int = 0, heartbeat_timeout_s: float = 5.0):
+    """torchft's Lighthouse, serving in this process (port 0: a free one); join_s: how long a
+    quorum waits for a group that heartbeats but has not asked (comm/elastic.join_timeout_s);
+    a group whose heartbeats stop for heartbeat_timeout_s (torchft's default: 5 s) is left out
+    of the next quorum."""
     quiet_rust()
     needs_extra(*TORCHFT)
     from torchft._torchft import LighthouseServer
 
     return LighthouseServer(bind=f"[::]:{port}", min_replicas=min_replicas,
-                            join_timeout_ms=int(join_timeout_s * 1000),
+                            join_timeout_ms=int(join_s * 1000),
                             heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
 
 
-def lighthouse_process(min_replicas: int, log: Path, join_timeout_s: float = 10.0,
+def lighthouse_process(min_replicas: int, log: Path, join_s: float,
                        ready_s: float = 30.0) -> tuple[subprocess.Popen, str]:
     """torchft's Lighthouse program on a free local port, and its address once it answers."""
     exe = shutil.which("torchft_lighthouse") or str(Path(sys.executable).with_name("torchft_lighthouse"))
@@ -59,7 +59,7 @@ def lighthouse_process(min_replicas: int, log: Path, join_timeout_s: float = 10.
     quiet_rust()
     with open(log, "ab") as out:
         proc = subprocess.Popen([exe, "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}",
-                                 "--join_timeout_ms", str(int(join_timeout_s * 1000))],
+                                 "--join_timeout_ms", str(int(join_s * 1000))],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=os.environ)
     deadline = time.monotonic() + ready_s
@@ -76,7 +76,8 @@ def lighthouse_process(min_replicas: int, log: Path, join_timeout_s: float = 10.
 
 def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
     """Run the replica groups to the end; the job's exit status."""
-    server, address = lighthouse_process(cfg.min_replicas, run.logs / "lighthouse.log")
+    server, address = lighthouse_process(cfg.min_replicas, run.logs / "lighthouse.log",
+                                         join_timeout_s(cfg))
     lives = {g: 0 for g in range(cfg.replicas)}
 
     def start(g: int) -> LocalJob:
@@ -172,7 +173,7 @@ def elastic_record(cfg, run: RunDir, finished: list[int]) -> dict:
     life lost: the group, the step its life died after, the step its next life began at (its
     newest checkpoint's, 0 without one; None: lost for good) and the steps of the lost life
     it trained again (`redone`, [first, last]; None when a peer's state came first)."""
-    events = [e for e in read_events(run, ("run", "membership", "step"))
+    events = [e for e in read_events(run, ("run", "membership", "step", "quorum"))
               if e["rank"] % cfg.shards == 0 and "replica" in e]
     restarts = [e for e in events if e["kind"] == "run" and e.get("restart")]
     heals = Counter(e["replica"] for e in events if e["kind"] == "membership" and e.get("healed"))
@@ -194,4 +195,5 @@ def elastic_record(cfg, run: RunDir, finished: list[int]) -> dict:
     lost.sort(key=lambda life: life["group"])  # (each group's lives stay in time order)
     return {"groups_finished": finished,
             "restarts": {str(g): n for g, n in sorted(Counter(e["replica"] for e in restarts).items())},
-            "heals": {str(g): n for g, n in sorted(heals.items())}, "lost_work": lost}
+            "heals": {str(g): n for g, n in sorted(heals.items())}, "lost_work": lost,
+            "participation": participation(sync_participation(events))}
