@@ -92,7 +92,12 @@ def test_a_killed_group_restarts_and_heals_from_a_live_peer(tmp_path):
     assert summary["elastic"]["restarts"] == {"1": 1} and summary["elastic"]["heals"] == {"1": 1}
     assert summary["elastic"]["lost_work"] == [{"group": 1, "died_after": 9, "resumed_from": 0,
                                                 "redone": None}]
-    assert "1 group death, 1 restart, 1 heal of group 1, 0 steps redone" in proc.stdout
+    # every life's steps count: the first life's 9 were trained and lost (its successor began
+    # afresh and healed to step 12), 4 x 32 tokens a step
+    assert summary["steps_run_per_replica"] == [24, 9 + 12, 24]
+    assert summary["tokens"] == (24 + 21 + 24) * 128 and summary["elastic"]["tokens_lost"] == 9 * 128
+    assert "1 group death, 1 restart, 1 heal of group 1, 0 steps redone, 1.15 k tokens trained " \
+        "and lost" in proc.stdout
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
     logs = "".join(p.read_text() for p in (run / "logs").glob("*.log"))  # torchft's HTTP server
     assert "GET /checkpoint" not in proc.stdout + proc.stderr + logs   # served the heal quietly
@@ -119,6 +124,7 @@ def test_groups_killed_one_after_the_other_continue_from_their_checkpoints(tmp_p
     summary = json.loads((run / "summary.json").read_text())
     assert summary["run_dir"] == str(run)
     assert summary["elastic"]["restarts"] == {"0": 1, "1": 1}
+    assert summary["elastic"]["tokens_lost"] == (4 + 5) * 128  # steps 21-24 and 21-25, lost lives'
     lives = sorted(summary["elastic"]["lost_work"], key=lambda x: x["group"])
     redone = 0
     for g, died in ((0, 24), (1, 25)):  # killed in steps 25 and 26: their last records
@@ -132,7 +138,8 @@ def test_groups_killed_one_after_the_other_continue_from_their_checkpoints(tmp_p
             redone += died - 20
     line = next(x for x in proc.stdout.splitlines() if "group deaths" in x)  # the final line
     assert len(heals) < 2 and f"; 2 group deaths, 2 restarts, {len(heals)} heal" in line, line
-    assert f", {redone} steps redone (" in line and line.count("restarted from step 20") == 2
+    assert f", {redone} steps redone, 1.15 k tokens trained and lost (" in line, line
+    assert line.count("restarted from step 20") == 2
     assert "GET /checkpoint" not in proc.stdout + proc.stderr
     report = (run / "report.html").read_text()
     assert "2 group deaths, 2 restarts" in report and "<th>group</th><th>healed to step</th>" in report
@@ -150,6 +157,7 @@ def test_each_groups_restart_says_what_it_redid_or_lost(tmp_path):
     from lowband.launch.supervise import write_summary
     from lowband.summary import fault_text
     from lowband.telemetry import EventWriter, RunDir
+    from lowband.units import fmt_si
 
     rd = RunDir(tmp_path / "r").create()
     w = {g: EventWriter(rd, g, g) for g in (0, 1)}
@@ -196,15 +204,28 @@ def test_each_groups_restart_says_what_it_redid_or_lost(tmp_path):
         (rd.groups / f"replica{g}.json").write_text(json.dumps({"ranks": [rank],
                                                                  "ddp_one_step": 8}))
     # the launcher named the run directory itself (no --run-dir): the workers' config has none
-    summary = write_summary(Config(algo="diloco", replicas=2, elastic=True, run_dir=""), rd)
+    cfg = Config(algo="diloco", replicas=2, elastic=True, run_dir="")
+    group_step = cfg.batch_size * cfg.seq_len
+    for g, kept in ((0, 32), (1, 22)):  # group 1 healed past steps 21-30: it never trained them
+        path = rd.groups / f"replica{g}.json"
+        record = json.loads(path.read_text())
+        record["ranks"][0]["tokens"] = kept * group_step
+        path.write_text(json.dumps(record))
+    summary = write_summary(cfg, rd)
     assert summary["run_dir"] == str(rd.root)
+    # each life's step events: group 0 trained 20 + 5 + 12, group 1 20 + 6 + 2 steps; the
+    # lost lives' steps after step 20 (5 and 6) were trained and lost
+    assert summary["steps_run_per_replica"] == [37, 28]
+    assert summary["tokens"] == 65 * group_step
+    assert summary["elastic"]["tokens_lost"] == 11 * group_step
     record = summary["elastic"]
     assert record["restarts"] == {"0": 1, "1": 1} and record["heals"] == {"1": 1}
     assert record["lost_work"] == [
         {"group": 0, "died_after": 25, "resumed_from": 20, "redone": [21, 25]},
         {"group": 1, "died_after": 26, "resumed_from": 20, "redone": None}]
     assert fault_text({"elastic": record}) == (
-        "2 group deaths, 2 restarts, 1 heal of group 1, 5 steps redone (group 0 died after step "
+        f"2 group deaths, 2 restarts, 1 heal of group 1, 5 steps redone, "
+        f"{fmt_si(11 * group_step)} tokens trained and lost (group 0 died after step "
         "25, restarted from step 20: steps 21–25 redone; group 1 died after step 26, restarted "
         "from step 20: steps 21–26 lost)")
 
@@ -270,7 +291,8 @@ def test_a_group_that_never_comes_back_leaves_the_others_to_finish(tmp_path):
     assert "is not restarted again" in proc.stderr
     summary = json.loads((run / "summary.json").read_text())
     assert summary["elastic"]["groups_finished"] == [0, 1]
-    assert summary["steps_run_per_replica"] == [16, 16]
+    assert summary["steps_run_per_replica"] == [16, 16, 5]  # group 2's 5 steps count, and are lost
+    assert summary["elastic"]["tokens_lost"] == 5 * 128
     last = [e for e in read_events(run, ("membership",)) if e["replica"] == 0][-1]
     assert last["members"] == [0, 1] and last["left"] == [2] and last["size"] == 2
     syncs = [e for e in read_events(run, ("sync",)) if e["replica"] == 0 and e["step"] > 8]
@@ -296,7 +318,7 @@ def test_a_lost_lighthouse_is_restarted_and_a_stopped_run_resumes_from_checkpoin
     assert sorted(e["replica"] for e in after) == [0, 1]
     assert all(e["quorum_id"] > 1_000_000 and e["wait_s"] < 20 for e in after)
     assert json.loads((run / "summary.json").read_text())["elastic"]["lighthouse_restarts"] == 1
-    assert "0 steps redone, 1 Lighthouse restart (group 2 died after step 1" in proc.stdout
+    assert "lost, 1 Lighthouse restart (group 2 died after step 1" in proc.stdout
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["replica0", "replica1"]
 
     proc = lowband("train", "--resume", run, cwd=tmp_path, timeout=300)
@@ -314,7 +336,11 @@ def test_a_lost_lighthouse_is_restarted_and_a_stopped_run_resumes_from_checkpoin
         steps = [e["step"] for e in read_events(run, ("step",)) if e["replica"] == g]
         assert steps == list(range(1, 17)), (g, steps)
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps_run_per_replica"] == [16, 16, 16]
+    # what each group trained in both runs: 0 and 1 steps 1-11 (stopped in step 12's quorum),
+    # then 9-16; group 2 step 1 (killed in step 2), then 9-16 (healed to 8); thrown away:
+    # steps 9-11 of groups 0 and 1 and step 1 of group 2, 4 x 32 tokens a step
+    assert summary["steps_run_per_replica"] == [11 + 8, 11 + 8, 1 + 8]
+    assert summary["elastic"]["tokens_lost"] == (3 + 3 + 1) * 128
 
 
 @pytest.mark.parametrize("args,words", [
@@ -351,3 +377,16 @@ def test_launch_elastic_runs_a_lighthouse_role_and_a_restarting_role_a_group():
 # The elastic TorchX component run for real by a scheduler (the Lighthouse role, a role a group,
 # a killed group restarted by its torchrun and healed): tests/test_slurm.py, on a real Slurm
 # cluster (its local_cwd twin was dropped to keep CI within its time).
+
+
+def test_a_resume_is_not_a_restart_and_a_life_its_launcher_counted_is(monkeypatch):
+    """A replica group is restarted when its launcher says so (torchrun's
+    TORCHELASTIC_RESTART_COUNT, which lowband train's supervisor sets too), whatever attempts
+    the run's events hold: an explicit --resume is not a restart, a death during one is."""
+    from lowband.checkpoint.lifecycle import RESTART_COUNT, restarted_group
+
+    monkeypatch.delenv(RESTART_COUNT, raising=False)
+    assert not restarted_group()
+    for lives, restarted in (("0", False), ("", False), ("1", True), ("3", True)):
+        monkeypatch.setenv(RESTART_COUNT, lives)
+        assert restarted_group() is restarted

@@ -16,13 +16,17 @@ One outer sync (diloco, streaming):
   average(x, ...)  the mean over the groups that take part with what they trained: a group
                    healed in this quorum holds a copy of its source's state, so it sends weight
                    0 (and zeros) and the mean divides by the summed weights
-  commit()         Manager.should_commit: the vote. False (a peer died mid-exchange, too few
-                   groups) leaves the outer state as it was: the update is skipped everywhere.
+  commit()         Manager.should_commit: the vote, this group's own (torchft's vote joins a
+                   group's ranks, not the groups). False (a peer died mid-exchange, too few
+                   groups) leaves this group's outer state as it was: it skipped the update
+                   that groups whose vote passed applied, so it is behind and heals later.
 Every quorum change is a `membership` event (quorum id and size, who joined and left, heal
-bytes and seconds, the heal's source). A Lighthouse that dies is started again by the launcher:
-torchft asks it again every RETRY_S within --quorum-timeout, and LighthouseLives keeps the new
-one's quorum ids apart from the old one's. A group's quorum step carries a tiebreak
-(_set_quorum_step) so that groups as far on with different outer states heal one from the other.
+bytes and seconds, the heal's source) and every quorum a `quorum` event of the group's first
+rank (the members and, from the Lighthouse's heartbeats, the groups alive: participation beside
+liveness). A Lighthouse that dies is started again by the launcher: torchft asks it again every
+RETRY_S within --quorum-timeout, and LighthouseLives keeps the new one's quorum ids apart from the
+old one's. A group's quorum step carries a tiebreak (_set_quorum_step) so that groups as far on
+with different outer states (a vote only some passed) heal one from the other.
 """
 
 from __future__ import annotations
@@ -37,11 +41,10 @@ from datetime import timedelta
 
 import torch
 
+from lowband.comm.lives import LIFE, LIFE_ENV, LighthouseLives
 from lowband.options import ConfigError, Options, needs_extra, option
 
 LIGHTHOUSE_ENV, REPLICA_ENV = "TORCHFT_LIGHTHOUSE", "LOWBAND_REPLICA"
-LIFE_ENV = "LOWBAND_LIGHTHOUSE_LIFE"  # a file: how often the launcher restarted the Lighthouse
-LIFE = 1_000_000  # quorum ids of the Lighthouse's life n: n x LIFE + torchft's quorum id
 RETRY_S = 0.5  # while the Lighthouse is unreachable, torchft asks it again this often
 TIEBREAK = 1 << 20  # a group's quorum step: its progress's number (below) x TIEBREAK + tiebreak
 TORCHFT = ("elastic", "--elastic", "torchft")  # needs_extra's (extra, what, module)
@@ -63,7 +66,8 @@ class ElasticOptions(Options):
     quorum_timeout: float = option(600.0, "seconds a group waits for a quorum (longer than the "
                                    "time between syncs)")
     elastic_timeout: float = option(120.0, "seconds an outer exchange or a heal may take before "
-                                    "the peer is counted as lost")
+                                    "the peer is counted as lost; a quorum waits half as long "
+                                    "(at most half the quorum timeout) for a late group")
     max_restarts: int = option(3, "times the launcher restarts a replica group that died")
 
     @classmethod
@@ -78,6 +82,19 @@ class ElasticOptions(Options):
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive seconds.")
         if cfg.max_restarts < 0:
             raise ConfigError("--max-restarts must be zero or positive.")
+
+
+def join_timeout_s(cfg) -> float:
+    """How long the Lighthouse holds a quorum for a group that heartbeats but has not asked yet
+    (a slow group, a restarted one still loading): half the shorter of --quorum-timeout and
+    --elastic-timeout (60 s by default; torchft's usual 10 s left such a group out). torchft
+    forms a quorum at once when every member of the last one asks (its fast quorum), so a group
+    once left out met the others only to heal from them, or formed quorums of its own: out of
+    phase for good (docs/elastic.md, participation). A dead group drops out when its heartbeats
+    stop (the Lighthouse's heartbeat timeout, 5 s); a live one stuck in an exchange with a lost
+    peer (up to --elastic-timeout) costs the others at most half of that, once, and the others
+    go on before their own quorum timeout."""
+    return min(cfg.quorum_timeout, cfg.elastic_timeout) / 2
 
 
 class ElasticStopped(RuntimeError):
@@ -173,24 +190,30 @@ class Membership:
                                  "gone or too few groups are alive, so this group stops; start "
                                  "the run again.") from None
         self.healed_now = self._heal is not None
+        members, quorum = self._members(), getattr(self.manager, "_quorum_id", -1)
+        # the groups alive beside those that took part: the group's first rank asks (every
+        # quorum); its time is part of the quorum's wait
+        alive = {"alive": alive_groups(members)} if self.topo.shard == 0 else {}
         waited = time.perf_counter() - t0
         if not self._joining:  # inside a step: a wait, not compute (the trainer subtracts it)
             self.comm.wait_s += waited
-        members, quorum = self._members(), getattr(self.manager, "_quorum_id", -1)
+        at = self._heal[2] if self.healed_now else step  # a healed group: its state's step
+        if alive:
+            self.events.emit("quorum", step=at, quorum_id=quorum, members=list(members),
+                             healed=self.healed_now, wait_s=waited, **alive)
         if quorum != self.quorum_id:  # a new quorum: somebody left, joined or was replaced
             joined = sorted(set(members) - set(self.members)) if self.members else list(members)
             extra = {}
             if self.healed_now:  # this group: restarted or behind, now a live peer's copy
                 extra = {"heal_bytes": self._heal[0], "heal_s": self._heal[1],
                          "heal_from": self._heal[3], "step_before": step}
-                step = self._heal[2]
             life = quorum // LIFE
             if self.members and life != self.life:  # it rode out the Lighthouse's restart
                 extra["lighthouse_restarted"] = True
-            self.events.emit("membership", step=step, quorum_id=quorum, size=len(members),
+            self.events.emit("membership", step=at, quorum_id=quorum, size=len(members),
                              members=list(members), joined=joined,
                              left=sorted(set(self.members) - set(members)),
-                             healed=self.healed_now, wait_s=waited, **extra)
+                             healed=self.healed_now, wait_s=waited, **alive, **extra)
             self.members, self.quorum_id, self.life = members, quorum, life
         return self.healed_now
 
@@ -290,13 +313,39 @@ class Membership:
             return Reported(None, self.manager)
 
     def commit(self) -> bool:
-        return self.manager.should_commit()
+        ok = self.manager.should_commit()
+        if not ok and self.failed():
+            # a peer died mid-exchange: drop this quorum's process group now, so a live group
+            # still waiting in the exchange on this one gets its error at once, not after
+            # --elastic-timeout (the next quorum's reconfiguration would drop it only then,
+            # and that quorum waits for the stuck group: join_timeout_s)
+            self.pg.abort(errored=False)
+        return ok
 
     def step(self) -> int:
         return self.manager.current_step()
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def alive_groups(members, timeout_s: float = 2.0) -> list[int] | None:
+    """The replica groups alive now in the Lighthouse's eyes: those whose heartbeat it saw
+    within its heartbeat timeout (its /status page lists every replica id it heard from, old
+    ones marked; a restarted group's lives have ids of their own, `replica1:<uuid>`), with the
+    quorum's members (healthy when it formed). None when the Lighthouse does not answer."""
+    from urllib.request import urlopen
+
+    try:
+        with urlopen(os.environ[LIGHTHOUSE_ENV].rstrip("/") + "/status", timeout=timeout_s) as r:
+            page = r.read().decode("utf-8", "replace")
+    except (OSError, ValueError, KeyError):
+        return None
+    beating = {int(g) for old, g in _HEARTBEAT.findall(page) if not old}
+    return sorted(beating | set(members))
+
+
+_HEARTBEAT = re.compile(r'class="heartbeat\s*(old)?\s*">\s*replica(\d+)\b')
 
 
 def _quiet_checkpoint_server(manager) -> None:
@@ -319,48 +368,9 @@ def _nbytes(state) -> int:
     return 0
 
 
-class LighthouseLives:
-    """torchft's client of this group's Manager, renumbering the quorums by the Lighthouse's
-    life. A restarted Lighthouse (launch/supervise.py) counts its quorum ids from 1 again, and
-    torchft names a quorum's process group by its id alone (keys torchft/<id>/ in the store the
-    groups meet at, still holding the old life's keys): the old ids would meet stale addresses,
-    or be taken for the quorum a group is already in. The launcher writes the life (n, in the
-    file LIFE_ENV names) a second after the old Lighthouse died and before the new one listens,
-    so a quorum answered by life n reads n when it returns; without the file (`lowband launch`)
-    the life is 0 and the ids are torchft's."""
-
-    def __init__(self, client, path: str | None):
-        self._client, self._path = client, path
-
-    def _quorum(self, *args, **kwargs):
-        result = self._client._quorum(*args, **kwargs)
-        return Renumbered(result, lighthouse_life(self._path) * LIFE + result.quorum_id)
-
-    def __getattr__(self, name):
-        return getattr(self._client, name)
-
-
-class Renumbered:
-    """A torchft quorum result with another quorum id."""
-
-    def __init__(self, result, quorum_id: int):
-        self._result, self.quorum_id = result, quorum_id
-
-    def __getattr__(self, name):
-        return getattr(self._result, name)
-
-
 def lineage_tiebreak(digests: list[str]) -> int:
     """A quorum tiebreak (algorithms/base.py) from the digests of a state's parts."""
     return int(hashlib.sha256("|".join(digests).encode()).hexdigest()[:5], 16)
-
-
-def lighthouse_life(path) -> int:
-    """The Lighthouse's life: 0 for the first, n after n restarts (LIFE_ENV's file)."""
-    try:
-        return int(open(path).read().strip() or 0) if path else 0
-    except (OSError, ValueError):
-        return 0
 
 
 class Reported:

@@ -210,12 +210,13 @@ def check(run_dir, quorum_timeout: float, faults: list[Fault] = ()) -> Report:
     events = [e for e in read_events(run_dir) if e.get("replica") is not None]
     first = [e for e in events if e["rank"] % cfg["shards"] == 0]  # each group's first rank
     steps = [e for e in first if e["kind"] == "step"]
-    _heal_sources(rep, first, _every_step(run_dir, cfg["shards"]))
+    every_step = _every_step(run_dir, cfg["shards"])
+    _heal_sources(rep, first, every_step)
     _equal_state(rep, [e for e in events if e["kind"] == "sync"], cfg["shards"])
     finals = {json.loads(p.read_text())["outer_sha256"] for p in (run_dir / "groups").glob("*.json")}
     rep.expect("2 equal state", len(finals) == 1,
                f"the groups end with {len(finals)} different outer parameters")
-    _tokens_once(rep, cfg, summary, steps)
+    _tokens_once(rep, cfg, summary, steps, len(every_step))
     for e in first:
         if e["kind"] == "membership":
             rep.expect("4 bounded wait", e["wait_s"] <= quorum_timeout,
@@ -288,11 +289,12 @@ def _equal_state(rep: Report, syncs: list[dict], shards: int) -> None:
     rep.figures["syncs_compared"] = len(seen)
 
 
-def _tokens_once(rep: Report, cfg: dict, summary: dict, steps: list[dict]) -> None:
-    """3: per group, steps only grow and each adds its tokens once; the summary's tokens are
-    the groups' sum."""
+def _tokens_once(rep: Report, cfg: dict, summary: dict, steps: list[dict], every: int) -> None:
+    """3: per group, the steps kept (a lost life's after its checkpoint superseded) only grow
+    and each adds its tokens once; summary.json's tokens are every life's recorded steps (`every`
+    step events), and those not kept are its elastic.tokens_lost."""
     per_step = cfg["batch_size"] * cfg["seq_len"] * cfg.get("grad_accum", 1)
-    total = 0
+    kept = 0
     for g in sorted({e["replica"] for e in steps}):
         mine = [e for e in steps if e["replica"] == g]
         numbers = [e["step"] for e in mine]
@@ -301,10 +303,14 @@ def _tokens_once(rep: Report, cfg: dict, summary: dict, steps: list[dict]) -> No
         counted = [e["tokens"] for e in mine]
         rep.expect("3 tokens once", counted == [per_step * (i + 1) for i in range(len(mine))],
                    f"group {g}'s tokens do not grow by {per_step} a recorded step")
-        total += counted[-1] if counted else 0
-    rep.expect("3 tokens once", summary["tokens"] == total * cfg["shards"],
-               f"summary.json counts {summary['tokens']} tokens, the groups' steps "
-               f"{total * cfg['shards']}")
+        kept += counted[-1] if counted else 0
+    tokens, lost = summary["tokens"], summary.get("elastic", {}).get("tokens_lost", 0)
+    rep.expect("3 tokens once", tokens == every * per_step * cfg["shards"],
+               f"summary.json counts {tokens} tokens, the groups' recorded steps (every life) "
+               f"{every * per_step * cfg['shards']}")
+    rep.expect("3 tokens once", tokens - lost == kept * cfg["shards"],
+               f"summary.json keeps {tokens - lost} tokens ({lost} lost), the groups' kept "
+               f"steps {kept * cfg['shards']}")
 
 
 def _participation(first: list[dict], faults, replicas: int) -> dict:
@@ -312,18 +318,18 @@ def _participation(first: list[dict], faults, replicas: int) -> dict:
     deaths = sorted((f.t, f.group) for f in faults if f.what == "group")
     runs = [e for e in first if e["kind"] == "run" and e.get("phase") in ("start", "resume")]
     t0 = min((e["t"] for e in first if e["kind"] == "step"), default=0.0)
-    alive_in = {m["quorum_id"]: m["alive"] for m in first
-                if m["kind"] == "membership" and "alive" in m}
+    alive_in = {(m["quorum_id"], m["step"]): m["alive"] for m in first  # (where recorded)
+                if m["kind"] in ("quorum", "membership") and m.get("alive") is not None}
     syncs: dict[tuple, list[dict]] = {}
     for e in first:
         if e["kind"] == "sync" and "quorum_id" in e:
             syncs.setdefault((e["quorum_id"], e["step"], e["fragment"]), []).append(e)
     sizes, full = [], 0
-    for (quorum, _, _), group in syncs.items():
+    for (quorum, step, _), group in syncs.items():
         t = min(e["t"] for e in group)
         size = round(1 / group[0]["weight"])
-        if quorum in alive_in:
-            alive = len(alive_in[quorum])
+        if (quorum, step) in alive_in:
+            alive = len(alive_in[(quorum, step)])
         else:  # started (a run event) and not killed since
             alive = sum(_alive(g, t, t0, runs, deaths) for g in range(replicas))
         sizes.append(size)
@@ -342,7 +348,8 @@ def _alive(g: int, t: float, t0: float, runs: list[dict], deaths) -> bool:
 def compare(run_dir, reference_dir, tolerance: float = 0.03) -> tuple[bool, str, dict]:
     """5: the chaos run's final validation loss against the reference run's (same flags, no
     faults) at equal tokens: the reference's evaluations (mean over groups), interpolated at
-    the tokens the chaos run trained. (ok, message, figures)"""
+    the tokens of the chaos run's steps in its model (those trained and lost left out).
+    (ok, message, figures)"""
     chaos = json.loads((Path(run_dir) / "summary.json").read_text())
     cfg = json.loads((Path(reference_dir) / "config.json").read_text())
     per_step = (cfg["batch_size"] * cfg["seq_len"] * cfg.get("grad_accum", 1) * cfg["replicas"]
@@ -352,7 +359,7 @@ def compare(run_dir, reference_dir, tolerance: float = 0.03) -> tuple[bool, str,
         if e["rank"] % cfg["shards"] == 0:
             by_step.setdefault(e["step"], []).append(e["val_loss"])
     curve = sorted((s * per_step, sum(v) / len(v)) for s, v in by_step.items())
-    tokens = chaos["tokens"]
+    tokens = chaos["tokens"] - chaos.get("elastic", {}).get("tokens_lost", 0)  # in the model
     ref = _interpolate(curve, tokens)
     loss = chaos["final_val_loss"]
     gap = loss / ref - 1
