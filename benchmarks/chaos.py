@@ -12,8 +12,8 @@ a short run without faults measures this machine's steps a second first.
 Prints the faults as they happen, the invariants checked (each broken one by name), and the
 figures: kills, restarts, heals, Lighthouse restarts, participants per sync, loss against the
 reference. DIR keeps the runs' terminal output, their summary.json and chaos.json (faults,
-checks, figures); the runs stay in a temporary folder the last line names. Exit status 1 when an invariant
-or the loss goal failed.
+checks, figures); the runs stay in a temporary folder the last line names. Exit status 1 when
+an invariant or the loss goal failed.
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ def judge(root: Path, out: Path, result: dict, a, say) -> int:
         f"{f['steps_redone']} steps redone")
     say(f"chaos: {f['syncs']} syncs, {f['mean_participants']:.2f} participants per sync on "
         f"average, {f['syncs_with_every_live_group']} with every live group")
-    say(f"chaos: val loss {f['chaos_val_loss']:.4f} against {f['reference_val_loss_at_equal_tokens']:.4f} "
+    say(f"chaos: val loss {f['chaos_val_loss']:.4f} against "
+        f"{f['reference_val_loss_at_equal_tokens']:.4f} "
         f"without failures at equal tokens ({100 * f['loss_gap']:+.2f}%, {f['tokens']:,} of "
         f"{f['reference_tokens']:,} tokens)")
     say("chaos: checks passed: " + ", ".join(f"{k} x{n}" for k, n in sorted(report.passed.items())))

@@ -123,12 +123,13 @@ class Membership:
         self.topo, self.comm, self.events = topo, comm, comm.events
         timeout = timedelta(seconds=cfg.elastic_timeout)
         self.pg = ProcessGroupGloo(timeout=timeout)
-        self._heal = None  # (bytes, seconds, step, source group) of the state received in the last quorum
+        self._heal = None  # (bytes, seconds, step, sender) of the state received in the last quorum
         self.manager = Manager(
             pg=self.pg, load_state_dict=None, state_dict=None,
             min_replica_size=cfg.min_replicas, use_async_quorum=False, timeout=timeout,
             quorum_timeout=timedelta(seconds=cfg.quorum_timeout), connect_timeout=timeout,
-            quorum_retries=max(1, int(cfg.quorum_timeout / RETRY_S)), rank=topo.shard, world_size=topo.shards, store_addr=os.environ["MASTER_ADDR"],
+            quorum_retries=max(1, int(cfg.quorum_timeout / RETRY_S)), rank=topo.shard,
+            world_size=topo.shards, store_addr=os.environ["MASTER_ADDR"],
             store_port=int(os.environ["MASTER_PORT"]), lighthouse_addr=lighthouse,
             replica_id=f"replica{topo.replica}", init_sync=False)
         _quiet_checkpoint_server(self.manager)
@@ -236,9 +237,8 @@ class Membership:
         algorithm's quorum_tiebreak (S=1): groups as far on whose synced states differ heal the
         one from the other."""
         progress = int(self._progress(step))
-        tiebreak = self._tiebreak() % TIEBREAK
-        self.manager.load_state_dict({"step": (2 * progress + (0 if self._joining else 1)) * TIEBREAK
-                                      + tiebreak,
+        mine = (2 * progress + (0 if self._joining else 1)) * TIEBREAK + self._tiebreak() % TIEBREAK
+        self.manager.load_state_dict({"step": mine,
                                       "batches_committed": self.manager.batches_committed()})
 
     def _members(self) -> tuple[int, ...]:

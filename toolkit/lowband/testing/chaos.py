@@ -181,9 +181,10 @@ def _env(pid: int) -> dict:
 
 def _cmdline(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace")
 
 
 @dataclass
@@ -213,7 +214,8 @@ def check(run_dir, quorum_timeout: float, faults: list[Fault] = ()) -> Report:
     every_step = _every_step(run_dir, cfg["shards"])
     _heal_sources(rep, first, every_step)
     _equal_state(rep, [e for e in events if e["kind"] == "sync"], cfg["shards"])
-    finals = {json.loads(p.read_text())["outer_sha256"] for p in (run_dir / "groups").glob("*.json")}
+    finals = {json.loads(p.read_text())["outer_sha256"]
+              for p in (run_dir / "groups").glob("*.json")}
     rep.expect("2 equal state", len(finals) == 1,
                f"the groups end with {len(finals)} different outer parameters")
     _tokens_once(rep, cfg, summary, steps, len(every_step))
