@@ -101,7 +101,8 @@ def judge(root: Path, out: Path, result: dict, a, say) -> int:
         f"average, {f['syncs_with_every_live_group']} with every live group")
     say(f"chaos: val loss {f['chaos_val_loss']:.4f} against "
         f"{f['reference_val_loss_at_equal_tokens']:.4f} "
-        f"without failures at equal tokens ({100 * f['loss_gap']:+.2f}%, {f['tokens']:,} of "
+        f"without failures at equal tokens ({100 * f['loss_gap']:+.2f}%, "
+        f"{f['tokens_in_model']:,} of "
         f"{f['reference_tokens']:,} tokens)")
     say("chaos: checks passed: " + ", ".join(f"{k} x{n}" for k, n in sorted(report.passed.items())))
     for failure in report.failures:

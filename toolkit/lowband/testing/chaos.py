@@ -366,7 +366,7 @@ def compare(run_dir, reference_dir, tolerance: float = 0.03) -> tuple[bool, str,
     loss = chaos["final_val_loss"]
     gap = loss / ref - 1
     figures = {"reference_val_loss_at_equal_tokens": ref, "chaos_val_loss": loss,
-               "loss_gap": gap, "tokens": tokens,
+               "loss_gap": gap, "tokens_in_model": tokens,
                "reference_tokens": curve[-1][0] if curve else 0}
     ok = gap <= tolerance
     return ok, ("" if ok else f"5 loss: the final validation loss {loss:.4f} is {100 * gap:.1f}% "
