@@ -19,14 +19,17 @@ One outer sync (diloco, streaming):
   commit()         Manager.should_commit: the vote, this group's own (torchft's vote joins a
                    group's ranks, not the groups). False (a peer died mid-exchange, too few
                    groups) leaves this group's outer state as it was: it skipped the update
-                   that groups whose vote passed applied, so it is behind and heals later.
+                   that groups whose vote passed applied, so its next quorum step ranks below
+                   theirs and it heals from one of them there (_set_quorum_step).
 Every quorum change is a `membership` event (quorum id and size, who joined and left, heal
 bytes and seconds, the heal's source) and every quorum a `quorum` event of the group's first
 rank (the members and, from the Lighthouse's heartbeats, the groups alive: participation beside
 liveness). A Lighthouse that dies is started again by the launcher: torchft asks it again every
 RETRY_S within --quorum-timeout, and LighthouseLives keeps the new one's quorum ids apart from the
 old one's. A group's quorum step carries a tiebreak (_set_quorum_step) so that groups as far on
-with different outer states (a vote only some passed) heal one from the other.
+with different outer states (quorums of their own while a restarted Lighthouse had not seen
+the others) heal one from the other, and a group whose commit vote failed heals from one whose
+vote passed.
 """
 
 from __future__ import annotations
@@ -141,6 +144,7 @@ class Membership:
         self.healed_now = self.peer_in_sync = self._joining = False
         self._progress = lambda step: step  # the algorithm's (register)
         self._tiebreak = lambda: 0
+        self._skipped = False  # this group's last commit vote failed (commit; the next quorum reads it)
 
     def register(self, algo) -> None:
         """What a live group hands a joining one (the trainer registers its algorithm once):
@@ -191,6 +195,7 @@ class Membership:
                                  "gone or too few groups are alive, so this group stops; start "
                                  "the run again.") from None
         self.healed_now = self._heal is not None
+        self._skipped = False  # read by this quorum: healed, or no group was further on
         members, quorum = self._members(), getattr(self.manager, "_quorum_id", -1)
         # the groups alive beside those that took part: the group's first rank asks (every
         # quorum); its time is part of the quorum's wait
@@ -233,11 +238,15 @@ class Membership:
         quorum (fresh, or restored from its checkpoint) at the same progress as groups already in
         a sync heals from them, and a fresh group never hands its state to one that trained.
         torchft's own count of commits would not do: a restored group's equals that of the
-        groups that trained on since its checkpoint and have not synced yet. Below that, the
-        algorithm's quorum_tiebreak (S=1): groups as far on whose synced states differ heal the
-        one from the other."""
+        groups that trained on since its checkpoint and have not synced yet. Then, at the same
+        progress, a group whose last commit vote failed ranks below one whose vote passed: it
+        skipped an update the other applied, so it heals from it (every algorithm, any S; when
+        every group's vote failed they stay equal). Below that, the algorithm's quorum_tiebreak
+        (S=1): groups as far on whose synced states differ otherwise (two quorums of their own
+        while a restarted Lighthouse had not seen the others) heal the one from the other."""
         progress = int(self._progress(step))
-        mine = (2 * progress + (0 if self._joining else 1)) * TIEBREAK + self._tiebreak() % TIEBREAK
+        order = 2 * (2 * progress + (0 if self._joining else 1)) + (0 if self._skipped else 1)
+        mine = order * TIEBREAK + self._tiebreak() % TIEBREAK
         self.manager.load_state_dict({"step": mine,
                                       "batches_committed": self.manager.batches_committed()})
 
@@ -314,6 +323,7 @@ class Membership:
 
     def commit(self) -> bool:
         ok = self.manager.should_commit()
+        self._skipped = not ok  # behind any group whose vote passed: it heals from one (_set_quorum_step)
         if not ok and self.failed():
             # a peer died mid-exchange: drop this quorum's process group now, so a live group
             # still waiting in the exchange on this one gets its error at once, not after
