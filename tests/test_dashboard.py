@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from lowband.dashboard.model import RunModel, SpikeDetector, bin_transfers, detect_spikes
+from lowband.dashboard.commits import commit_text
 from lowband.dashboard.restarts import restart_text
 from lowband.testing.synthetic import SyntheticRun, make_run
 from lowband.telemetry import EventWriter, RunDir, read_events, write_json_atomic
@@ -303,7 +304,7 @@ def test_loss_figure_and_timeline_mark_membership_changes(tmp_path):
 
 # ... and the survivors' commit vote of fragment 1's sync at step 50 fails
 VOTE = dict(ELASTIC, uncommitted=50)
-FAILED = "commit vote failed: outer update of fragment 1 skipped (step 50)"
+FAILED = "commit vote failed in groups 0, 2: outer update of fragment 1 skipped there (step 50)"
 
 
 def test_failed_commit_votes_are_one_record_per_sync_and_drawn(tmp_path):
@@ -325,7 +326,7 @@ def test_failed_commit_votes_are_one_record_per_sync_and_drawn(tmp_path):
     traces = {t["name"]: t for t in F.loss_spec([m])[0]}
     line, mark = traces["failed commit"], traces["failed commit mark"]
     assert line["x"] == [50, 50, None] and mark["x"] == [50] and not mark["showlegend"]
-    assert mark["text"] == [f"{FAILED}<br>reported by groups 0, 2"]
+    assert mark["text"] == [FAILED]
     assert mark["marker"]["color"] == F.FAILED_COMMIT_COLOR
     times = {t["name"]: t for t in F.loss_spec([m], "time")[0]}["failed commit mark"]
     assert times["x"] == [pytest.approx(c.t - m.t0)]
@@ -343,6 +344,37 @@ def test_failed_commit_votes_are_one_record_per_sync_and_drawn(tmp_path):
         assert plain.failed_commits() == []
         for spec in (F.loss_spec([plain]), F.timeline_spec(plain)):
             assert not any("commit" in t["name"] for t in spec[0])
+
+
+def test_a_group_healed_in_a_quorum_it_did_not_join_says_why_it_was_behind(tmp_path):
+    """Group 2's commit vote of the sync at step 20 failed (group 0's did not): it skipped that
+    update and healed in the next quorum, "behind: its commit vote failed at step 20"; its
+    second heal has no failed vote before it (it had trained less)."""
+    rd = RunDir(tmp_path / "r").create()
+    w = {g: EventWriter(rd, g, g) for g in (0, 2)}
+    t = iter(range(100))
+
+    def quorum(g, step, q, healed=False, joined=()):
+        w[g].emit("membership", t=next(t), step=step, quorum_id=q, size=2, members=[0, 2],
+                  joined=list(joined), left=[], healed=healed, wait_s=0.1)
+
+    for g in (0, 2):
+        quorum(g, 0, 0, joined=(0, 2))
+    w[2].emit("skip", t=next(t), step=20, what="commit", fragment=0)
+    for g, healed in ((0, False), (2, True)):
+        quorum(g, 40, 1, healed)
+    for g, healed in ((0, False), (2, True)):
+        quorum(g, 60, 2, healed)
+    m = RunModel(rd.root).load()
+    heals = [r for r in m.membership() if r.healed]
+    assert [r.behind for r in heals] == ["behind: its commit vote failed at step 20",
+                                         "behind: it had trained less than the others"]
+    assert heals[0].change == "group 2 healed from a live peer (behind: its commit vote failed " \
+                              "at step 20)"
+    (c,) = m.failed_commits()
+    assert c.replicas == (2,)
+    assert commit_text(c) == "commit vote failed in group 2: outer update of fragment 0 " \
+                             "skipped there (step 20)"
 
 
 def test_dashboard_draws_membership_changes_as_they_come(tmp_path):

@@ -94,14 +94,19 @@ def test_a_killed_group_heals_from_a_live_peer_across_hosts(hosts, tmp_path):
     steps = {g: [e for e in read_events(run, ("step",)) if e["replica"] == g] for g in range(3)}
     # it healed from a live peer at the others' next sync, then trained on to the end
     healed = [e for e in read_events(run, ("membership",)) if e["healed"]]
-    assert [e["replica"] for e in healed] == [1], healed
-    assert healed[0]["step"] == 12 and healed[0]["heal_bytes"] > 0, healed
+    # every heal is a group's first quorum of a life: group 1's restart, and (on a loaded
+    # machine) a group whose first life started after the others' first quorum
+    assert all(e["replica"] in e["joined"] for e in healed), healed
+    late = {e["replica"]: e["step"] for e in healed if e["step"] != 12 or e["replica"] != 1}
+    again = [e for e in healed if e["replica"] == 1 and e["step"] == 12]
+    assert len(again) == 1 and again[0]["heal_bytes"] > 0, healed
     # the state came over the shaped link into host 1
-    assert hosts.counters()[hosts.devs[1]]["rx_bytes"] > healed[0]["heal_bytes"]
+    assert hosts.counters()[hosts.devs[1]]["rx_bytes"] > again[0]["heal_bytes"]
     restarted = [e["step"] for e in steps[1]]  # killed in step 10; healed to 12
-    assert restarted == list(range(1, 10)) + list(range(13, 25)), restarted
+    assert restarted[-12:] == list(range(13, 25)), restarted
+    assert restarted[:-12] == list(range(late.get(1, 0) + 1, 10)), restarted
     for g in (0, 2):  # the survivors ran every step once, without a gap, none waiting too long
-        assert [e["step"] for e in steps[g]] == list(range(1, 25)), (g, steps[g])
+        assert [e["step"] for e in steps[g]] == list(range(late.get(g, 0) + 1, 25)), (g, steps[g])
         assert max(e["step_s"] for e in steps[g]) < QUORUM_TIMEOUT, steps[g]
     records = {g: json.loads((run / "groups" / f"replica{g}.json").read_text()) for g in range(3)}
     assert len({r["outer_sha256"] for r in records.values()}) == 1  # bitwise equal

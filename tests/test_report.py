@@ -153,10 +153,11 @@ def test_report_lists_failed_commit_votes(runs, tmp_path):
     m = RunModel(el.root).load()
     fig = F.loss_figure_static([m])
     mark = next(t for t in fig.data if t.name == "failed commit mark")
-    assert mark.text == ("commit vote failed: outer update of fragment 1 skipped (step 50)"
-                         "<br>reported by groups 0, 2",)
+    assert mark.text == ("commit vote failed in groups 0, 2: outer update of fragment 1 "
+                         "skipped there (step 50)",)
     assert len(fig.layout.updatemenus[0].buttons[1].args[0]["x"]) == len(fig.data)
-    assert "commit vote failed: outer update of fragment 1 skipped (step 50)" in text
+    assert "commit vote failed in groups 0, 2: outer update of fragment 1 skipped there " \
+           "(step 50)" in text
     # a run without a failed vote: none of it in its report
     plain = write_report(runs[0], tmp_path / "plain.html").read_text(encoding="utf-8")
     assert "failed_commits" not in json.dumps(report_data(plain))

@@ -82,16 +82,17 @@ def one_line(s: dict) -> str:
 
 def fault_text(s: dict) -> str:
     """What faults cost an --elastic run (summary.json's `elastic`), "" without any: "2 group
-    deaths, 2 restarts, 1 heal of group 1, 4 steps redone (group 0 died after step 24,
-    restarted from step 20: steps 21–24 redone; group 1 died after step 25, restarted from step
-    20: steps 21–25 lost)". A life died after the last step it recorded; its lost steps are
-    those after its checkpoint that its group did not train again (a live peer's state, further
-    on, replaced the checkpoint's)."""
+    deaths, 2 restarts, 1 heal of group 1, 4 steps redone, 1.2 k tokens trained and lost (group
+    0 died after step 24, restarted from step 20: steps 21–24 redone; group 1 died after step
+    25, restarted from step 20: steps 21–25 lost)". A life died after the last step it
+    recorded; its lost steps are those after its checkpoint that its group did not train again
+    (a live peer's state, further on, replaced the checkpoint's)."""
     el = s.get("elastic")
     if not isinstance(el, dict):
         return ""
     lives, heals = el.get("lost_work") or [], el.get("heals") or {}
-    if not lives and not heals:  # (a group that started late heals too, with no death)
+    lighthouse = el.get("lighthouse_restarts") or 0
+    if not lives and not heals and not lighthouse:  # (a group that started late heals too)
         return ""
     n_heals, redone, parts = sum(heals.values()), 0, []
     for life in lives:
@@ -114,6 +115,10 @@ def fault_text(s: dict) -> str:
               _count(restarts, "restart", "restarts"),
               _count(n_heals, "heal", "heals") + (f" of {healed}" if n_heals else ""),
               _count(redone, "step redone", "steps redone")]
+    if el.get("tokens_lost"):
+        counts.append(f"{fmt_si(el['tokens_lost'])} tokens trained and lost")
+    if lighthouse:
+        counts.append(_count(lighthouse, "Lighthouse restart", "Lighthouse restarts"))
     return ", ".join(counts) + (f" ({'; '.join(parts)})" if parts else "")
 
 
@@ -162,3 +167,37 @@ def comparison(s: dict, link_bandwidth=None) -> str:
                  f"sending alone, against {s.get('compute_s', 0) / max(s.get('steps_run', s['steps']), 1):.2f} s "
                  "of compute a step")
     return line
+
+
+def sync_participation(events) -> list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """Each quorum of an --elastic run (a sync's; ddp: a step's; the run's first), from its
+    groups' `quorum` events: (step, the groups alive then, the groups that took part, those of
+    them healed in it: weight 0), in step order. One quorum is the events of one step and
+    quorum id (a healed group writes the step of the state it received: the others'); alive is
+    what each group's first rank heard from the Lighthouse (heartbeats within its timeout), the
+    members with it."""
+    seen: dict = {}
+    for e in events:
+        if e.get("kind") != "quorum" or not isinstance(e.get("step"), int):
+            continue
+        alive, members, healed = seen.setdefault((e["step"], e.get("quorum_id")),
+                                                 (set(), set(), set()))
+        members.update(e.get("members") or ())
+        alive.update(e.get("alive") or ())
+        if e.get("healed"):
+            healed.add(e.get("replica"))
+    return [(step, tuple(sorted(alive | members)), tuple(sorted(members)), tuple(sorted(healed)))
+            for (step, _), (alive, members, healed) in sorted(seen.items(), key=lambda kv: kv[0][0])]
+
+
+def participation(rows) -> dict:
+    """summary.json's elastic `participation` from sync_participation's rows: the syncs, the
+    mean groups that took part and that were alive, their ratio, and the syncs every alive
+    group took part in."""
+    if not rows:
+        return {}
+    took, alive = [len(r[2]) for r in rows], [len(r[1]) for r in rows]
+    return {"syncs": len(rows), "mean_participants": round(sum(took) / len(rows), 3),
+            "mean_alive": round(sum(alive) / len(rows), 3),
+            "participation": round(sum(took) / sum(alive), 3) if sum(alive) else None,
+            "syncs_all_alive_took_part": sum(1 for r in rows if set(r[1]) <= set(r[2]))}

@@ -43,7 +43,7 @@ from lowband.options import ConfigError
 
 SCHEMA_VERSION = 1
 KINDS = ("step", "comm", "sync", "eval", "spike", "run", "fault", "skip", "checkpoint",
-         "shard", "memory", "setup", "membership")
+         "shard", "memory", "setup", "membership", "quorum")
 
 
 class RunDir:
@@ -79,6 +79,18 @@ class RunDir:
 
     def event_file(self, rank: int) -> Path:
         return self.events / f"rank{rank}.jsonl"
+
+    def count_events(self, rank: int, kind: str, *phases: str) -> int:
+        """Events of `kind` (with `phases`: of one of those phases) in this rank's event file,
+        lost attempts' included (read_events drops those), read as raw lines."""
+        kind_b = f'"kind":"{kind}"'.encode()
+        phases_b = [f'"phase":"{p}"'.encode() for p in phases]
+        try:
+            with open(self.event_file(rank), "rb") as f:
+                return sum(1 for line in f if kind_b in line and (
+                    not phases_b or any(p in line for p in phases_b)))
+        except OSError:
+            return 0
 
     def create(self) -> "RunDir":
         for d in (self.root, self.events, self.logs):

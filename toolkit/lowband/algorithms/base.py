@@ -109,6 +109,14 @@ class Algorithm:
         inner step."""
         return step
 
+    def quorum_tiebreak(self) -> int:
+        """--elastic: among groups that trained equally far, a number that differs when their
+        synced state does (below comm.elastic.TIEBREAK); torchft heals the lower from the higher,
+        so two groups that committed different updates at the same step (a commit vote only some
+        of them passed, or two quorums of one step around a Lighthouse restart) meet again as one.
+        0: no such record (the algorithm keeps none)."""
+        return 0
+
     def should_stop(self, step: int) -> bool:
         """Consulted by the trainer before each step (`step` steps done): True ends the loop.
         A run is --steps long; aedit, whose replicas run different numbers of steps, decides."""

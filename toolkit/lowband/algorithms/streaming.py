@@ -40,6 +40,7 @@ from lowband.algorithms.ddp import DDP
 from lowband.algorithms.outer import (OuterOptions, Staging, kept_at, nesterov_step, outer_home,
                                       settle, sgd_step)
 from lowband.algorithms.exchange import ExchangeOptions, exchange_block
+from lowband.comm.elastic import lineage_tiebreak
 from lowband.comm.sends import Schedule, average
 from lowband.options import ConfigError, Options, option
 from lowband.params import flatten, split_fragments, write_flat
@@ -143,6 +144,8 @@ class Streaming(Algorithm):
         self.fragments = [Fragment(i, ps, topology.shard, topology.shards, device)
                           for i, ps in enumerate(split_fragments(model, blocks, c.fragments,
                                                                  c.fragment_pattern))]
+        # --elastic: each fragment's outer_digest after its last committed sync (quorum_tiebreak)
+        self.lineage = [""] * len(self.fragments)
         # the outer state's copies on the device (outer.Staging): with --outer-state-device cpu
         # a fragment's outer parameters cross PCIe to the device once a sync (staged for the
         # exchange and used again by the apply: nothing changes them in between) and its
@@ -209,6 +212,9 @@ class Streaming(Algorithm):
             s = self.healed_step               # others are in the sync of healed_step; join it
             self._exchange(self.fragments[self.due(s)], s)
 
+    def quorum_tiebreak(self) -> int:
+        return lineage_tiebreak(self.lineage)
+
     def healed(self) -> None:
         for f in self.fragments:
             f.residual = None  # error feedback is this group's own
@@ -257,9 +263,12 @@ class Streaming(Algorithm):
         merged = c.alpha * f.local_slice() + (1 - c.alpha) * outer
         write_flat(f.params, self._gather(f, merged))
         if self.comm.events is not None:
+            elastic = {} if self.comm.elastic is None else self.comm.elastic.sync_fields(outer)
+            if elastic:
+                self.lineage[f.index] = elastic["outer_digest"]
             self.comm.events.emit("sync", step=started, fragment=f.index, applied_step=started + c.overlap,
                                   pseudo_grad_norm=norm, weight=self._weight(avg),
-                                  anomaly=False, outer_lr=c.outer_lr)
+                                  anomaly=False, outer_lr=c.outer_lr, **elastic)
 
     def outer_step(self, f: Fragment, delta: torch.Tensor) -> torch.Tensor:
         """The outer rule: fragment f's new outer parameters (this rank's slice, on delta's
@@ -317,7 +326,8 @@ class Streaming(Algorithm):
                 f.pending = (apply_at, started, Landed(value, vote))
         frags = [{"outer": f.outer, "momentum": f.momentum, "residual": f.residual,
                   "pending": self._landed(f), "tokens": f.tokens} for f in self.fragments]
-        return {"fragments": frags, "skips": self.skips}
+        elastic = {"lineage": list(self.lineage)} if self.comm.elastic is not None else {}
+        return {"fragments": frags, "skips": self.skips, **elastic}
 
     @staticmethod
     def _landed(f: Fragment) -> list | None:
@@ -338,6 +348,7 @@ class Streaming(Algorithm):
             p = st["pending"]
             f.pending = None if p is None else (p[0], p[1], Landed(p[2], (p + [None])[3]))
         self.skips = state["skips"]
+        self.lineage = list(state.get("lineage", [""] * len(self.fragments)))
 
     def _gather(self, f: Fragment, piece: torch.Tensor) -> torch.Tensor:
         """The whole fragment from every shard's slice (over the fast inner link)."""

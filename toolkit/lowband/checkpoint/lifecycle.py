@@ -17,6 +17,8 @@ from lowband import checkpoint
 from lowband.config import Config, ConfigError
 from lowband.telemetry import RunDir, new_run_dir
 
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # torchrun's count of a worker group's restarts
+
 
 @dataclass
 class Start:
@@ -30,7 +32,7 @@ class Start:
 def begin(cfg: Config, topo, resume: bool = False) -> Start:
     """The run directory, the resume point and the attempt of this start. resume: continue
     cfg.run_dir from its latest checkpoint; a relaunch (`relaunched`) continues it too."""
-    restart = cfg.elastic and not resume and decided_by_rank0(lambda: restarted_group(cfg, topo))
+    restart = cfg.elastic and decided_by_rank0(restarted_group)
     resume = resume or restart or decided_by_rank0(lambda: relaunched(cfg))
     start = Start(resolve_run_dir(cfg, resume))
     if restart:
@@ -48,12 +50,15 @@ def begin(cfg: Config, topo, resume: bool = False) -> Start:
     return start
 
 
-def restarted_group(cfg: Config, topo) -> bool:
-    """(--elastic) This start is a replica group started again after it died (by `lowband
-    train`'s supervisor or its node agent's torchrun), as this rank's events in the run say. It
-    continues from its newest intact checkpoint when it has one (a live peer that trained
-    further replaces that state in the first quorum); without one it starts afresh and heals."""
-    return bool(cfg.run_dir and attempts_before(RunDir(cfg.run_dir), topo.rank) > 0)
+def restarted_group() -> bool:
+    """(--elastic) This start is a replica group started again after it died: its launcher
+    (`lowband train`'s supervisor, or the node agent's torchrun) counts the group's lives in
+    TORCHELASTIC_RESTART_COUNT, so a death after an explicit --resume is a restart too, and the
+    --resume itself is not. It continues from its newest intact checkpoint when it has one (a
+    live peer that trained further replaces that state in the first quorum); without one it
+    starts afresh and heals. On Slurm each group is a job of its own (launch/slurm.py), which
+    Slurm requeues when its node is lost: SLURM_RESTART_COUNT counts those lives."""
+    return int(os.environ.get(RESTART_COUNT, 0) or 0) > 0 or slurm_restarts() > 0
 
 
 def group(cfg: Config, topo) -> int | None:
@@ -110,12 +115,7 @@ def relaunched(cfg: Config) -> str | bool:
 
 def attempts_before(run: RunDir, rank: int) -> int:
     """This run's attempts so far: the starts and resumes in this rank's event file."""
-    try:
-        with open(run.event_file(rank), "rb") as f:
-            return sum(1 for line in f if b'"kind":"run"' in line and
-                       (b'"phase":"start"' in line or b'"phase":"resume"' in line))
-    except OSError:
-        return 0
+    return run.count_events(rank, "run", "start", "resume")
 
 
 def decided_by_rank0(decide):

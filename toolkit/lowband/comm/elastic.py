@@ -16,14 +16,25 @@ One outer sync (diloco, streaming):
   average(x, ...)  the mean over the groups that take part with what they trained: a group
                    healed in this quorum holds a copy of its source's state, so it sends weight
                    0 (and zeros) and the mean divides by the summed weights
-  commit()         Manager.should_commit: the vote. False (a peer died mid-exchange, too few
-                   groups) leaves the outer state as it was: the update is skipped everywhere.
+  commit()         Manager.should_commit: the vote, this group's own (torchft's vote joins a
+                   group's ranks, not the groups). False (a peer died mid-exchange, too few
+                   groups) leaves this group's outer state as it was: it skipped the update
+                   that groups whose vote passed applied, so its next quorum step ranks below
+                   theirs and it heals from one of them there (_set_quorum_step).
 Every quorum change is a `membership` event (quorum id and size, who joined and left, heal
-bytes and seconds).
+bytes and seconds, the heal's source) and every quorum a `quorum` event of the group's first
+rank (the members and, from the Lighthouse's heartbeats, the groups alive: participation beside
+liveness). A Lighthouse that dies is started again by the launcher: torchft asks it again every
+RETRY_S within --quorum-timeout, and LighthouseLives keeps the new one's quorum ids apart from the
+old one's. A group's quorum step carries a tiebreak (_set_quorum_step) so that groups as far on
+with different outer states (quorums of their own while a restarted Lighthouse had not seen
+the others) heal one from the other, and a group whose commit vote failed heals from one whose
+vote passed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -33,9 +44,12 @@ from datetime import timedelta
 
 import torch
 
+from lowband.comm.lives import LIFE, LIFE_ENV, LighthouseLives
 from lowband.options import ConfigError, Options, needs_extra, option
 
 LIGHTHOUSE_ENV, REPLICA_ENV = "TORCHFT_LIGHTHOUSE", "LOWBAND_REPLICA"
+RETRY_S = 0.5  # while the Lighthouse is unreachable, torchft asks it again this often
+TIEBREAK = 1 << 20  # a group's quorum step: its progress's number (below) x TIEBREAK + tiebreak
 TORCHFT = ("elastic", "--elastic", "torchft")  # needs_extra's (extra, what, module)
 
 
@@ -55,7 +69,8 @@ class ElasticOptions(Options):
     quorum_timeout: float = option(600.0, "seconds a group waits for a quorum (longer than the "
                                    "time between syncs)")
     elastic_timeout: float = option(120.0, "seconds an outer exchange or a heal may take before "
-                                    "the peer is counted as lost")
+                                    "the peer is counted as lost; a quorum waits half as long "
+                                    "(at most half the quorum timeout) for a late group")
     max_restarts: int = option(3, "times the launcher restarts a replica group that died")
 
     @classmethod
@@ -70,6 +85,19 @@ class ElasticOptions(Options):
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive seconds.")
         if cfg.max_restarts < 0:
             raise ConfigError("--max-restarts must be zero or positive.")
+
+
+def join_timeout_s(cfg) -> float:
+    """How long the Lighthouse holds a quorum for a group that heartbeats but has not asked yet
+    (a slow group, a restarted one still loading): half the shorter of --quorum-timeout and
+    --elastic-timeout (60 s by default; torchft's usual 10 s left such a group out). torchft
+    forms a quorum at once when every member of the last one asks (its fast quorum), so a group
+    once left out met the others only to heal from them, or formed quorums of its own: out of
+    phase for good (docs/elastic.md, participation). A dead group drops out when its heartbeats
+    stop (the Lighthouse's heartbeat timeout, 5 s); a live one stuck in an exchange with a lost
+    peer (up to --elastic-timeout) costs the others at most half of that, once, and the others
+    go on before their own quorum timeout."""
+    return min(cfg.quorum_timeout, cfg.elastic_timeout) / 2
 
 
 class ElasticStopped(RuntimeError):
@@ -98,20 +126,25 @@ class Membership:
         self.topo, self.comm, self.events = topo, comm, comm.events
         timeout = timedelta(seconds=cfg.elastic_timeout)
         self.pg = ProcessGroupGloo(timeout=timeout)
-        self._heal = None  # (bytes, seconds, step) of the state received in the last quorum
+        self._heal = None  # (bytes, seconds, step, sender) of the state received in the last quorum
         self.manager = Manager(
             pg=self.pg, load_state_dict=None, state_dict=None,
             min_replica_size=cfg.min_replicas, use_async_quorum=False, timeout=timeout,
             quorum_timeout=timedelta(seconds=cfg.quorum_timeout), connect_timeout=timeout,
-            rank=topo.shard, world_size=topo.shards, store_addr=os.environ["MASTER_ADDR"],
+            quorum_retries=max(1, int(cfg.quorum_timeout / RETRY_S)), rank=topo.shard,
+            world_size=topo.shards, store_addr=os.environ["MASTER_ADDR"],
             store_port=int(os.environ["MASTER_PORT"]), lighthouse_addr=lighthouse,
             replica_id=f"replica{topo.replica}", init_sync=False)
         _quiet_checkpoint_server(self.manager)
+        self.manager._client = LighthouseLives(self.manager._client, os.environ.get(LIFE_ENV))
+        self.life = 0  # the Lighthouse's life of this group's last quorum
         self.members: tuple[int, ...] = ()
         self.quorum_id = -1
         self.at = 0  # the inner step of the quorum this group is in (begin's)
         self.healed_now = self.peer_in_sync = self._joining = False
         self._progress = lambda step: step  # the algorithm's (register)
+        self._tiebreak = lambda: 0
+        self._skipped = False  # this group's last commit vote failed (commit; the next quorum reads it)
 
     def register(self, algo) -> None:
         """What a live group hands a joining one (the trainer registers its algorithm once):
@@ -123,11 +156,14 @@ class Membership:
             t0 = time.perf_counter()
             algo.load_heal_state(state["algorithm"])
             algo.healed_step, self.peer_in_sync = state["step"], state["in_sync"]
-            self._heal = (_nbytes(state), time.perf_counter() - t0, state["step"])
+            self._heal = (_nbytes(state), time.perf_counter() - t0, state["step"], state["replica"])
 
         self._progress = algo.quorum_progress
+        if self.topo.shards == 1:  # (a rank's record covers its slice: its group's would differ)
+            self._tiebreak = algo.quorum_tiebreak
         self.manager.register_state_dict_fn("lowband", load, lambda: {
-            "algorithm": algo.heal_state(), "step": self.at, "in_sync": not self._joining})
+            "algorithm": algo.heal_state(), "step": self.at, "in_sync": not self._joining,
+            "replica": self.topo.replica})
 
     def join(self, step: int) -> bool:
         """The first quorum, before the first step (`step` done: 0, or a checkpoint's). True
@@ -159,22 +195,40 @@ class Membership:
                                  "gone or too few groups are alive, so this group stops; start "
                                  "the run again.") from None
         self.healed_now = self._heal is not None
+        self._skipped = False  # read by this quorum: healed, or no group was further on
+        members, quorum = self._members(), getattr(self.manager, "_quorum_id", -1)
+        # the groups alive beside those that took part: the group's first rank asks (every
+        # quorum); its time is part of the quorum's wait
+        alive = {"alive": alive_groups(members)} if self.topo.shard == 0 else {}
         waited = time.perf_counter() - t0
         if not self._joining:  # inside a step: a wait, not compute (the trainer subtracts it)
             self.comm.wait_s += waited
-        members, quorum = self._members(), getattr(self.manager, "_quorum_id", -1)
+        at = self._heal[2] if self.healed_now else step  # a healed group: its state's step
+        if alive:
+            self.events.emit("quorum", step=at, quorum_id=quorum, members=list(members),
+                             healed=self.healed_now, wait_s=waited, **alive)
         if quorum != self.quorum_id:  # a new quorum: somebody left, joined or was replaced
             joined = sorted(set(members) - set(self.members)) if self.members else list(members)
             extra = {}
             if self.healed_now:  # this group: restarted or behind, now a live peer's copy
-                step = self._heal[2]
-                extra = {"heal_bytes": self._heal[0], "heal_s": self._heal[1]}
-            self.events.emit("membership", step=step, quorum_id=quorum, size=len(members),
+                extra = {"heal_bytes": self._heal[0], "heal_s": self._heal[1],
+                         "heal_from": self._heal[3], "step_before": step}
+            life = quorum // LIFE
+            if self.members and life != self.life:  # it rode out the Lighthouse's restart
+                extra["lighthouse_restarted"] = True
+            self.events.emit("membership", step=at, quorum_id=quorum, size=len(members),
                              members=list(members), joined=joined,
                              left=sorted(set(self.members) - set(members)),
-                             healed=self.healed_now, wait_s=waited, **extra)
-            self.members, self.quorum_id = members, quorum
+                             healed=self.healed_now, wait_s=waited, **alive, **extra)
+            self.members, self.quorum_id, self.life = members, quorum, life
         return self.healed_now
+
+    def sync_fields(self, outer: torch.Tensor) -> dict:
+        """What an elastic run's `sync` event adds: the quorum it committed in and a digest of
+        this rank's new outer parameters (the first 16 hex digits of their bytes' sha256), so
+        that the members' states can be compared after every sync."""
+        data = outer.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+        return {"quorum_id": self.quorum_id, "outer_digest": hashlib.sha256(data).hexdigest()[:16]}
 
     def _set_quorum_step(self, step: int) -> None:
         """The step this group brings to the quorum, from which torchft heals: every group whose
@@ -184,9 +238,16 @@ class Membership:
         quorum (fresh, or restored from its checkpoint) at the same progress as groups already in
         a sync heals from them, and a fresh group never hands its state to one that trained.
         torchft's own count of commits would not do: a restored group's equals that of the
-        groups that trained on since its checkpoint and have not synced yet."""
+        groups that trained on since its checkpoint and have not synced yet. Then, at the same
+        progress, a group whose last commit vote failed ranks below one whose vote passed: it
+        skipped an update the other applied, so it heals from it (every algorithm, any S; when
+        every group's vote failed they stay equal). Below that, the algorithm's quorum_tiebreak
+        (S=1): groups as far on whose synced states differ otherwise (two quorums of their own
+        while a restarted Lighthouse had not seen the others) heal the one from the other."""
         progress = int(self._progress(step))
-        self.manager.load_state_dict({"step": 2 * progress + (0 if self._joining else 1),
+        order = 2 * (2 * progress + (0 if self._joining else 1)) + (0 if self._skipped else 1)
+        mine = order * TIEBREAK + self._tiebreak() % TIEBREAK
+        self.manager.load_state_dict({"step": mine,
                                       "batches_committed": self.manager.batches_committed()})
 
     def _members(self) -> tuple[int, ...]:
@@ -261,13 +322,40 @@ class Membership:
             return Reported(None, self.manager)
 
     def commit(self) -> bool:
-        return self.manager.should_commit()
+        ok = self.manager.should_commit()
+        self._skipped = not ok  # behind any group whose vote passed: it heals from one (_set_quorum_step)
+        if not ok and self.failed():
+            # a peer died mid-exchange: drop this quorum's process group now, so a live group
+            # still waiting in the exchange on this one gets its error at once, not after
+            # --elastic-timeout (the next quorum's reconfiguration would drop it only then,
+            # and that quorum waits for the stuck group: join_timeout_s)
+            self.pg.abort(errored=False)
+        return ok
 
     def step(self) -> int:
         return self.manager.current_step()
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def alive_groups(members, timeout_s: float = 2.0) -> list[int] | None:
+    """The replica groups alive now in the Lighthouse's eyes: those whose heartbeat it saw
+    within its heartbeat timeout (its /status page lists every replica id it heard from, old
+    ones marked; a restarted group's lives have ids of their own, `replica1:<uuid>`), with the
+    quorum's members (healthy when it formed). None when the Lighthouse does not answer."""
+    from urllib.request import urlopen
+
+    try:
+        with urlopen(os.environ[LIGHTHOUSE_ENV].rstrip("/") + "/status", timeout=timeout_s) as r:
+            page = r.read().decode("utf-8", "replace")
+    except (OSError, ValueError, KeyError):
+        return None
+    beating = {int(g) for old, g in _HEARTBEAT.findall(page) if not old}
+    return sorted(beating | set(members))
+
+
+_HEARTBEAT = re.compile(r'class="heartbeat\s*(old)?\s*">\s*replica(\d+)\b')
 
 
 def _quiet_checkpoint_server(manager) -> None:
@@ -288,6 +376,11 @@ def _nbytes(state) -> int:
     if isinstance(state, (list, tuple)):
         return sum(_nbytes(v) for v in state)
     return 0
+
+
+def lineage_tiebreak(digests: list[str]) -> int:
+    """A quorum tiebreak (algorithms/base.py) from the digests of a state's parts."""
+    return int(hashlib.sha256("|".join(digests).encode()).hexdigest()[:5], 16)
 
 
 class Reported:

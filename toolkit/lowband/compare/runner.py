@@ -22,6 +22,8 @@ has no netem, so that link adds no latency: --link-latency is not applied there 
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import sys
 import time
@@ -97,10 +99,8 @@ def compare(recipes=(), configs=(), algos=(), *, flags=(), equal: str = "time",
     if hosts is not None:
         say(f"lowband compare: test hosts {', '.join(hosts.names)}, each host's link shaped to "
             f"{hosts.rate} (tbf)")
-        with hosts:
-            _run_all(order, ref, root, equal, given, say, hosts)
-    else:
-        _run_all(order, ref, root, equal, given, say, None)
+    with hosts if hosts is not None else contextlib.nullcontext():  # hosts: set up, then removed
+        _run_all(order, ref, root, equal, given, say, hosts)
     result = _result(runs, ref, root, equal, given, target_loss, hosts)
     write_json_atomic(root / "compare.json", {**state, **result})
     say(T.text(result))

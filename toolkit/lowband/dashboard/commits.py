@@ -1,7 +1,10 @@
 """Failed commit votes of an --elastic run (docs/elastic.md): outer syncs whose commit vote failed
-(a peer died mid-exchange, or the quorum was below --min-replicas), so the outer update of that
-fragment was skipped everywhere. Every rank that voted writes a `skip` event with what=commit and
-the step the sync started; one FailedCommit per (step, fragment) merges them.
+in some replica group (a peer died mid-exchange, or the quorum was below --min-replicas). Each
+group votes for itself (torchft's vote joins a group's ranks, not the groups), so the groups
+whose vote failed skipped the outer update of that fragment while the others may have applied
+it; a group that skipped one is behind and takes a live peer's state at a later quorum. Every
+rank whose vote failed writes a `skip` event with what=commit and the step the sync started;
+one FailedCommit per (step, fragment) merges them.
 
 FailedCommits is a part of RunModel (it folds in skip events and reads the model's _cached); the
 records are drawn on the loss figure and the sync timeline and listed in the report. Skips of the
@@ -15,15 +18,13 @@ from .records import FailedCommit, _int, sync_label
 
 
 def commit_text(rec: FailedCommit) -> str:
-    """What every view says of a failed commit: "commit vote failed: outer update of fragment 0
-    skipped (step 40)"."""
+    """What every view says of a failed commit: "commit vote failed in group 2: outer update of
+    fragment 0 skipped there (step 40)"."""
     what = "outer update" + ("" if rec.fragment is None else f" of fragment {rec.fragment}")
-    return f"commit vote failed: {what} skipped (step {'?' if rec.step is None else rec.step})"
-
-
-def reported_text(rec: FailedCommit) -> str:
-    """"reported by groups 0, 2"."""
-    return f"reported by {groups_text(rec.replicas)}" if rec.replicas else ""
+    step = "?" if rec.step is None else rec.step
+    if not rec.replicas:
+        return f"commit vote failed: {what} skipped (step {step})"
+    return f"commit vote failed in {groups_text(rec.replicas)}: {what} skipped there (step {step})"
 
 
 class FailedCommits:

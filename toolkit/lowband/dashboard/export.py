@@ -37,7 +37,7 @@ from .losses import warmup_text
 from .model import RunModel, is_run_dir
 from .specs import make_figure
 from .tables import (commits_table, config_table, elastic_text, membership_table,
-                     restarts_table, run_record, summary_table)
+                     participation_table, restarts_table, run_record, summary_table)
 from .timeline_figure import timeline_spec
 
 
@@ -228,7 +228,9 @@ def _membership_section(models: list[RunModel]) -> str:
         if parts:
             who = f"{html.escape(m.name)}: " if len(models) > 1 else ""
             notes.append(who + "; ".join(parts))
-    commits = commits_table(models)
+    commits, taking_part = commits_table(models), participation_table(models)
+    shares = [(f"{html.escape(m.name)}: " if len(models) > 1 else "") + m.participation_text()
+              for m in models if m.participation_text()]
     return ('<section id="membership"><h2>Membership changes</h2><p class="meta">One row per '
             "replica group and quorum (--elastic): what that group saw change against its "
             "previous quorum; a healed group received a live peer's state (heal bytes summed "
@@ -237,9 +239,20 @@ def _membership_section(models: list[RunModel]) -> str:
             + f'</p><div class="scroll">{membership_table(models)}</div>'
             "<style>table.grid.membership td,table.grid.membership thead th{text-align:left}"
             "table.grid.membership tr.healed td{background:#f4ecf7}</style>"
+            + (f'<h3 id="participation">Participation</h3><p class="meta">Per sync (ddp: per '
+               "step), the replica groups alive (heartbeating to the Lighthouse) and those that "
+               "took part; a group healed in a sync takes part with weight 0. "
+               + html.escape(". ".join(shares)) + ".</p>"
+               f'<div class="scroll">{taking_part}</div><style>table.grid.participation td,'
+               "table.grid.participation thead th{text-align:left}"
+               "table.grid.participation tr.missing td{background:#fdebd0}</style>"
+               if taking_part else "")
             + (f'<h3 id="failed-commits">Failed commit votes</h3><p class="meta">One row per '
-               "outer sync whose commit vote failed (a peer died mid-exchange, or the quorum was "
-               "below --min-replicas): its outer update was skipped everywhere, and the "
+               "outer sync whose commit vote failed in some replica group (a peer died "
+               "mid-exchange, or the quorum was below --min-replicas). Each group votes for "
+               "itself: the groups named skipped its outer update, the others applied it, and "
+               "a group that skipped one takes a live peer's state at a later quorum. When "
+               "every group skipped it, the "
                "fragment's next sync carried what this one would have.</p>"
                f'<div class="scroll">{commits}</div><style>table.grid.commits td,'
                "table.grid.commits thead th{text-align:left}</style>" if commits else "")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .commits import commit_text, reported_text
+from .commits import commit_text
 from .losses import warmup_text
 from .model import RunModel
 from .restarts import restart_text
@@ -180,13 +180,14 @@ def _membership_traces(m: RunModel, xaxis: str, max_marks: int, prefix: str, gro
 
 
 def _commit_traces(m: RunModel, xaxis: str, max_marks: int, prefix: str, group) -> list:
-    """A dotted orange line per outer sync whose commit vote failed (--elastic: its outer update
-    was skipped everywhere), a crossed-out diamond near its top; nothing for a run without."""
+    """A dotted orange line per outer sync whose commit vote failed (--elastic: the groups whose
+    vote failed skipped its outer update), a crossed-out diamond near its top; nothing for a run
+    without."""
     xs, texts = [], []
     for c in m.failed_commits()[-max_marks:]:
         # x kept when unknown, as the membership marks' are
         xs.append(_at(m, xaxis, c.step, c.t, c.replicas[0] if c.replicas else 0)[1])
-        texts.append(f"{commit_text(c)}<br>{reported_text(c)}")
+        texts.append(commit_text(c))
     if not xs:
         return []
     return _marked_lines(

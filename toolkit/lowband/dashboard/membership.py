@@ -1,6 +1,7 @@
 """Membership changes of an --elastic run (docs/elastic.md): its `membership` events, one record
 per replica group and quorum (the group's ranks write the same event), and one mark per quorum
-change with every group's view merged.
+change with every group's view merged; and its participation: per sync, the groups alive and the
+groups that took part (its `quorum` events).
 
 MembershipChanges is a part of RunModel (it folds in membership events and calls the model's
 _cached); the records are drawn on the sync timeline and listed in the report, the marks are
@@ -8,6 +9,8 @@ drawn on the loss figure.
 """
 
 from __future__ import annotations
+
+from lowband.summary import participation, sync_participation
 
 from .records import Membership, MembershipMark, _int, _ints, _num
 from .style import fmt_bytes
@@ -44,6 +47,17 @@ def heal_text(nbytes, seconds) -> str:
     return " ".join(parts)
 
 
+def participation_words(p) -> str:
+    """summary.json's elastic `participation` in words: "3.8 of 4.0 alive groups took part on
+    average (95%); all alive took part in 11 of 12 syncs"; "" without one."""
+    if not isinstance(p, dict) or not p.get("syncs"):
+        return ""
+    share = "" if p.get("participation") is None else f" ({100 * p['participation']:.0f}%)"
+    return (f"{p['mean_participants']:.1f} of {p['mean_alive']:.1f} alive groups took part on "
+            f"average{share}; all alive took part in {p['syncs_all_alive_took_part']} of "
+            f"{p['syncs']} syncs")
+
+
 def _facts(rec: Membership, first: bool) -> dict:
     """What one group's record says happened, keyed (group, "join"|"leave"|"heal"): None for a
     plain join or leave (merged into "groups 0, 2 joined"), else the words. first: the group's
@@ -66,7 +80,8 @@ def _facts(rec: Membership, first: bool) -> dict:
     for g in rec.joined:
         facts[(g, "join")] = None
     if rec.healed:
-        facts[(q, "heal")] = f"group {q} healed from a live peer" + (f" ({heal})" if heal else "")
+        why = "; ".join(x for x in (heal, rec.behind) if x)
+        facts[(q, "heal")] = f"group {q} healed from a live peer" + (f" ({why})" if why else "")
     return facts
 
 
@@ -112,7 +127,7 @@ class MembershipChanges:
         return self._cached("membership", self._membership)
 
     def _membership(self) -> list[Membership]:
-        out, seen = [], set()
+        out, seen, since = [], set(), {}
         for s in sorted(self._members.values(), key=lambda s: (s.t, s.replica)):
             heal_b = [b for b, _ in s.heal.values() if b is not None]
             heal_s = [x for _, x in s.heal.values() if x is not None]
@@ -121,9 +136,34 @@ class MembershipChanges:
                              s.members, s.joined, s.left, s.healed,
                              sum(heal_b) if heal_b else None, max(heal_s) if heal_s else None,
                              s.wait_s, tuple(sorted(s.ranks)), "")
+            if rec.healed and s.replica not in rec.joined:
+                rec = rec._replace(behind=self._behind(rec, since.get(s.replica)))
             out.append(rec._replace(change=_words(_facts(rec, s.replica not in seen))))
             seen.add(s.replica)
+            since[s.replica] = s.t
         return out
+
+    def _behind(self, rec: Membership, since: float | None) -> str:
+        """Why a group that did not just (re)start healed: its commit vote had failed in a sync
+        since its previous quorum (it skipped an update the others applied), or it had trained
+        less than the others (dropped from a quorum, or slow)."""
+        failed = [c for c in self.failed_commits() if rec.replica in c.replicas
+                  and (since is None or c.t > since) and c.t <= rec.t]
+        if failed:
+            return f"behind: its commit vote failed at step {failed[-1].step}"
+        return "behind: it had trained less than the others"
+
+    def participation(self) -> list[tuple]:
+        """Each quorum of the run (a sync's): (step, groups alive, groups that took part, those
+        healed in it), from the groups' `quorum` events (lowband.summary.sync_participation);
+        empty without."""
+        if not self._quorums:
+            return []
+        return self._cached("participation", lambda: sync_participation(self._quorums))
+
+    def participation_text(self) -> str:
+        """participation_words of the run's quorum records ("" without)."""
+        return participation_words(participation(self.participation()))
 
     def membership_marks(self) -> list[MembershipMark]:
         """One mark per quorum change of the run, every group's view of it merged: "group 1

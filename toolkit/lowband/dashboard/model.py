@@ -105,6 +105,7 @@ class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits, Restar
         self.peak_outer_payload = 0.0
         self.run_events: list[dict] = []
         self._members: dict = {}                 # (replica, quorum) -> what its ranks said
+        self._quorums: list[dict] = []           # every quorum each group took (its first rank)
         self._commits: dict = {}                 # (step, fragment) -> failed votes' reports
         self._restarts: dict = {}                # (attempt, step, group) -> its ranks' words
         self.max_step_s = 0.0
@@ -281,6 +282,9 @@ class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits, Restar
     def _on_membership(self, e, t, rank, replica):
         self._see_time(t)
         self._fold_membership(e, t, rank, replica)
+
+    def _on_quorum(self, e, t, rank, replica):
+        self._quorums.append(e)
 
     def _on_skip(self, e, t, rank, replica):
         self._fold_skip(e, t, rank, replica)

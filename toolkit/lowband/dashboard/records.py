@@ -77,6 +77,7 @@ class Membership(NamedTuple):
     wait_s: float | None
     ranks: tuple[int, ...]        # the group's ranks that wrote it
     change: str                   # what changed, in words, from this group's view
+    behind: str = ""              # healed in a quorum it did not (re)join: why it was behind
 
 
 class MembershipMark(NamedTuple):
@@ -92,8 +93,8 @@ class MembershipMark(NamedTuple):
 
 
 class FailedCommit(NamedTuple):
-    """An outer sync of one fragment whose commit vote failed (`skip` events with what=commit,
-    every reporting rank's merged): its outer update was skipped everywhere."""
+    """An outer sync of one fragment whose commit vote failed in some group (`skip` events with
+    what=commit, every reporting rank's merged): those groups skipped its outer update."""
     t: float                      # the earliest report
     step: int | None              # the step the sync started
     fragment: int | None

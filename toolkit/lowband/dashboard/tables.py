@@ -9,7 +9,7 @@ import json
 import math
 
 from .losses import warmup_text
-from .membership import groups_text
+from .membership import groups_text, participation_words
 from .model import RunModel
 from .restarts import lost_steps
 from .style import fmt_bytes, fmt_value
@@ -36,6 +36,7 @@ LABELS = {
     # summary.json's `elastic` (--elastic runs)
     "elastic.groups_finished": "replica groups finished",
     "elastic.restarts": "replica group restarts",
+    "elastic.participation": "groups taking part a sync",
     # summary.json's `target` (--target-loss)
     "target.loss": "target val loss", "target.elapsed_s": "time to target",
     "target.tokens": "tokens to target", "target.outer_bytes": "outer bytes to target",
@@ -68,7 +69,7 @@ SUMMARY_ROWS = _labelled(
     "mean_outer_bytes_per_s", "link_capacity_bytes_per_s", "anomalies", "spikes", "final_loss",
     "final_val_loss")
 # summary.json's `elastic` (--elastic runs), shown as rows of their own when a run has it
-ELASTIC_ROWS = _labelled("elastic.groups_finished", "elastic.restarts")
+ELASTIC_ROWS = _labelled("elastic.groups_finished", "elastic.restarts", "elastic.participation")
 # summary.json's `target` (--target-loss), rows of their own when a run has it; older runs
 # and runs without a target show "–"
 TARGET_ROWS = _labelled("target.loss", "target.elapsed_s", "target.tokens",
@@ -207,10 +208,12 @@ def target_text(key: str, target) -> str:
 
 def elastic_text(key: str, elastic) -> str:
     """A cell of summary.json's `elastic`: the groups that finished ("0, 1, 2"), the restarts
-    of each group ("group 1: 1", "none")."""
+    of each group ("group 1: 1", "none"), the participation ("3.8 of 4.0 alive ...")."""
     if not isinstance(elastic, dict):
         return "–"
     v = elastic.get(key.split(".", 1)[1])
+    if key == "elastic.participation":
+        return participation_words(v) or "–"
     if isinstance(v, dict):
         return ", ".join(f"group {g}: {n}" for g, n in sorted(v.items(), key=lambda x: str(x[0])))\
             or "none"
@@ -245,9 +248,31 @@ def membership_table(models: list[RunModel]) -> str:
     return _grid("membership", head, rows)
 
 
+def participation_table(models: list[RunModel]) -> str:
+    """Per sync of --elastic runs, the groups alive (the Lighthouse's heartbeats) and the groups
+    that took part, a row where some alive group did not: "" when no run recorded any."""
+    runs = [(m, m.participation()) for m in models]
+    if not any(rows for _, rows in runs):
+        return ""
+    multi = len(models) > 1
+    head = (["run"] if multi else []) + ["step", "alive", "took part", "of them healed",
+                                         "alive, not taking part"]
+    out = []
+    for m, rows in runs:
+        for step, alive, took, healed in rows:
+            missing = sorted(set(alive) - set(took))
+            cells = ([html.escape(m.name)] if multi else []) + [
+                f"{step:,}", f"{len(alive)}: " + (", ".join(map(str, alive)) or "–"),
+                f"{len(took)}: " + (", ".join(map(str, took)) or "–"),
+                ", ".join(map(str, healed)) or "–", ", ".join(map(str, missing)) or "–"]
+            cls = ' class="missing"' if missing else ""
+            out.append(f"<tr{cls}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    return _grid("participation", head, out)
+
+
 def commits_table(models: list[RunModel]) -> str:
-    """The outer syncs of --elastic runs whose commit vote failed (their outer update skipped
-    everywhere), one row per step and fragment: "" when no run has any."""
+    """The outer syncs of --elastic runs whose commit vote failed in some group (those groups
+    skipped their outer update), one row per step and fragment: "" when no run has any."""
     runs = [(m, m.failed_commits()) for m in models]
     if not any(records for _, records in runs):
         return ""

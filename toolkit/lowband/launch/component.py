@@ -68,6 +68,7 @@ def train(
     min_replicas: int = 1,
     max_restarts: int = 3,
     lighthouse_port: int = 29510,
+    join_timeout: float = 60.0,
 ) -> specs.AppDef:
     """Train a language model with `lowband train`, or your own training script, across nodes
     (one torchrun agent per node).
@@ -110,11 +111,15 @@ def train(
         min_replicas: smallest quorum of replica groups an outer update commits with (elastic)
         max_restarts: scheduler restarts of each replica group's role (elastic)
         lighthouse_port: the Lighthouse's port on its node (elastic)
+        join_timeout: seconds a quorum waits for a group that heartbeats but has not asked
+            (elastic; lowband launch passes half the shorter of the run's quorum and elastic
+            timeouts)
     """
     if elastic:
         return _elastic(flags, script, algo, replicas, shards, run_dir or f"runs/{macros.app_id}",
                         config, name, image, h, cpu, gpu, memMB, dict(env or {}), mounts,
-                        rdzv_timeout, progress, debug, min_replicas, max_restarts, lighthouse_port)
+                        rdzv_timeout, progress, debug, min_replicas, max_restarts, lighthouse_port,
+                        join_timeout)
     n, p = node_layout(replicas, shards, replicas_per_node, nnodes, nproc_per_node)
     return _nodes(flags, script, algo, replicas, shards, n, p, run_dir or f"runs/{macros.app_id}",
                   config, name, image, h, cpu, gpu, memMB, dict(env or {}), mounts, rdzv_port,
@@ -161,7 +166,7 @@ def _nodes(flags, script, algo, replicas, shards, n, p, run_dir, config, name, i
 
 def _elastic(flags, script, algo, replicas, shards, run_dir, config, name, image, h, cpu, gpu,
              memMB, env, mounts, rdzv_timeout, progress, debug, min_replicas, max_restarts,
-             port) -> specs.AppDef:
+             port, join_timeout) -> specs.AppDef:
     """--elastic: role 0 runs the Lighthouse (python -m lowband.launch lighthouse, which also
     writes summary.json from the groups' records when they are done); role 1 + g is replica
     group g, `shards` processes on one node whose agent restarts them when one dies. Every role
@@ -178,7 +183,8 @@ def _elastic(flags, script, algo, replicas, shards, run_dir, config, name, image
     lighthouse = specs.Role(
         name="lighthouse", image=image, entrypoint="python3",
         args=["-m", "lowband.launch", "lighthouse", "--port", str(port), "--min-replicas",
-              str(min_replicas), "--run-dir", run_dir, "--replicas", str(replicas)],
+              str(min_replicas), "--run-dir", run_dir, "--replicas", str(replicas),
+              "--join-timeout", f"{join_timeout:g}"],
         num_replicas=1, resource=specs.resource(cpu=1, gpu=0, memMB=1024),
         env=dict(env), max_retries=0, mounts=specs.parse_mounts(mounts) if mounts else [])
     roles = [lighthouse]

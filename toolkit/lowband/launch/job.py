@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from lowband.comm.elastic import TORCHFT
+from lowband.comm.elastic import TORCHFT, join_timeout_s
 from lowband.config import ConfigError
 from lowband.flags import parse_train
 from lowband.launch.handle import (LOCAL_SCHEDULERS, TORCHX, LaunchHandle, _get_runner,
@@ -222,7 +222,7 @@ def _train_job(flags, options, algo, replicas, shards, run_dir, config, local):
         if local:  # (remote nodes have their own installs)
             needs_extra(*TORCHFT)
         layout.update(elastic=True, min_replicas=train_cfg.min_replicas,
-                      max_restarts=train_cfg.max_restarts)
+                      max_restarts=train_cfg.max_restarts, join_timeout=join_timeout_s(train_cfg))
     return flags, algo, config, run_dir, layout
 
 

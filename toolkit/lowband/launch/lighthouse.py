@@ -24,15 +24,21 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m lowband.launch lighthouse",
                                 allow_abbrev=False)
     p.add_argument("--port", type=int, default=29510)
+    p.add_argument("--heartbeat-timeout", type=_positive, default=5.0,
+                   help="seconds without a group's heartbeat before it is left out of a quorum")
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument("--replicas", type=int, required=True, help="the run's replica groups")
+    p.add_argument("--join-timeout", type=_positive, default=60.0,
+                   help="seconds a quorum waits for a group that heartbeats but has not asked "
+                   "(lowband.comm.elastic.join_timeout_s)")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--wait", type=float, default=600.0,
                    help="seconds the other groups get once the first has finished")
     p.add_argument(GROUPS_ARG, metavar="DIR", help="Slurm: submit the groups' batch scripts "
                    "in DIR as jobs of their own (launch/slurm.py)")
     a = p.parse_args(argv)
-    server = lighthouse(a.min_replicas, port=a.port)
+    server = lighthouse(a.min_replicas, a.join_timeout, port=a.port,
+                        heartbeat_timeout_s=a.heartbeat_timeout)
     print(f"lowband: lighthouse at {server.address()} for {a.replicas} replica groups",
           file=sys.stderr, flush=True)
     run = RunDir(a.run_dir)
@@ -97,3 +103,13 @@ def drop_stragglers(run: RunDir, jobs) -> None:
         if not (run.groups / f"replica{g}.json").exists():
             jobs.cancel_group(g, f"it was not in group {first}'s last quorum (step "
                                  f"{quorums[-1]['step']}), so no live peer is left to heal it")
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive seconds, got {text!r}")
+    return value

@@ -7,8 +7,9 @@ its group through LOWBAND_REPLICA (comm/elastic.py). A group that dies (a killed
 is started again, up to --max-restarts times: it continues from its newest intact checkpoint
 (checkpoint/lifecycle.py: restarted_group), or afresh without one, heals from a live peer that
 trained further at the others' next sync, and trains on. A group that refuses its input (status
-2) or stops on purpose (3: no quorum, as when the Lighthouse is lost) stops the whole job: the
-others would meet it too. When
+2) or stops on purpose (3: no quorum within --quorum-timeout) stops the whole job: the others
+would meet it too. A Lighthouse that dies is started again on its port (restart_lighthouse);
+the groups' quorums wait for it. When
 every group has finished or is lost for good, the groups' records (RUN/groups/) become
 summary.json, with what the faults cost (elastic_record).
 """
@@ -24,37 +25,44 @@ import sys
 import time
 from pathlib import Path
 
-from lowband.comm.elastic import LIGHTHOUSE_ENV, REPLICA_ENV, TORCHFT, quiet_rust
+from lowband.checkpoint.lifecycle import RESTART_COUNT
+from lowband.comm.elastic import LIGHTHOUSE_ENV, REPLICA_ENV, TORCHFT, join_timeout_s, quiet_rust
+from lowband.comm.lives import LIFE_ENV, lighthouse_life
 from lowband.faults import lighthouse_kill_asked
 from lowband.launch.local import LocalJob, describe_exit, free_port, last_line
 from lowband.options import ConfigError, missing_extra, needs_extra
-from lowband.summary import add_ddp_bytes, summarize
+from lowband.summary import add_ddp_bytes, participation, summarize, sync_participation
 from lowband.telemetry import RunDir, read_events, write_json_atomic
 
 
 
-def lighthouse(min_replicas: int, join_timeout_s: float = 10.0, port: int = 0):
-    """torchft's Lighthouse, serving in this process (port 0: a free one)."""
+def lighthouse(min_replicas: int, join_s: float, port: int = 0, heartbeat_timeout_s: float = 5.0):
+    """torchft's Lighthouse, serving in this process (port 0: a free one); join_s: how long a
+    quorum waits for a group that heartbeats but has not asked (comm/elastic.join_timeout_s);
+    a group whose heartbeats stop for heartbeat_timeout_s (torchft's default: 5 s) is left out
+    of the next quorum."""
     quiet_rust()
     needs_extra(*TORCHFT)
     from torchft._torchft import LighthouseServer
 
     return LighthouseServer(bind=f"[::]:{port}", min_replicas=min_replicas,
-                            join_timeout_ms=int(join_timeout_s * 1000))
+                            join_timeout_ms=int(join_s * 1000),
+                            heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
 
 
-def lighthouse_process(min_replicas: int, log: Path, join_timeout_s: float = 10.0,
-                       ready_s: float = 30.0) -> tuple[subprocess.Popen, str]:
-    """torchft's Lighthouse program on a free local port, and its address once it answers."""
+def lighthouse_process(min_replicas: int, log: Path, join_s: float, ready_s: float = 30.0,
+                       port: int = 0) -> tuple[subprocess.Popen, str]:
+    """torchft's Lighthouse program on `port` (0: a free local one), and its address once it
+    answers."""
     exe = shutil.which("torchft_lighthouse") or str(Path(sys.executable).with_name("torchft_lighthouse"))
     if not Path(exe).exists():
         extra, what, _ = TORCHFT
         raise missing_extra(extra, what, "torchft_lighthouse")
-    port = free_port()
+    port = port or free_port()
     quiet_rust()
     with open(log, "ab") as out:
         proc = subprocess.Popen([exe, "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}",
-                                 "--join_timeout_ms", str(int(join_timeout_s * 1000))],
+                                 "--join_timeout_ms", str(int(join_s * 1000))],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=os.environ)
     deadline = time.monotonic() + ready_s
@@ -71,11 +79,14 @@ def lighthouse_process(min_replicas: int, log: Path, join_timeout_s: float = 10.
 
 def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
     """Run the replica groups to the end; the job's exit status."""
-    server, address = lighthouse_process(cfg.min_replicas, run.logs / "lighthouse.log")
+    server, address = lighthouse_process(cfg.min_replicas, run.logs / "lighthouse.log",
+                                         join_timeout_s(cfg))
     lives = {g: 0 for g in range(cfg.replicas)}
 
     def start(g: int) -> LocalJob:
-        env = {LIGHTHOUSE_ENV: address, REPLICA_ENV: str(g)}
+        # the group's lives, as torchrun counts them (checkpoint/lifecycle.py: restarted_group)
+        env = {LIGHTHOUSE_ENV: address, REPLICA_ENV: str(g), RESTART_COUNT: str(lives[g]),
+               LIFE_ENV: str(life_file(run))}
         return LocalJob(argv, cfg.shards, run, env, log_prefix=f"replica{g}-", terminal=g == 0,
                         node=(g * cfg.shards, cfg.world))
 
@@ -86,6 +97,12 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
                 print("lowband: the Lighthouse was killed (--kill lighthouse).", file=sys.stderr,
                       flush=True)
                 server.kill()
+            if server.poll() is not None:
+                server = restart_lighthouse(cfg, run, address)
+                if server is None:
+                    for job in jobs.values():
+                        job.stop()
+                    return 3
             for g, job in list(jobs.items()):
                 result = job.poll()
                 if result is None:
@@ -126,6 +143,31 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
     return 0
 
 
+def life_file(run: RunDir) -> Path:
+    """How often the Lighthouse was restarted (comm/elastic.py: LighthouseLives)."""
+    return run.logs / "lighthouse-life"
+
+
+def restart_lighthouse(cfg, run: RunDir, address: str) -> subprocess.Popen | None:
+    """A new Lighthouse on the dead one's port, its life written first (None: it did not start:
+    the job stops). The pause lets every quorum the old one answered reach its group before
+    the file says the next life, and lets the old port go."""
+    life = lighthouse_life(life_file(run)) + 1
+    time.sleep(1.0)
+    write_json_atomic(life_file(run), life)
+    try:
+        server, _ = lighthouse_process(cfg.min_replicas, run.logs / "lighthouse.log",
+                                       join_timeout_s(cfg), port=int(address.rsplit(":", 1)[1]))
+    except ConfigError:
+        print(f"lowband: the Lighthouse stopped and a new one did not start on {address} (see "
+              f"{run.logs / 'lighthouse.log'}), so the groups stop; `lowband train --resume "
+              f"{run.root}` continues them from their checkpoints.", file=sys.stderr, flush=True)
+        return None
+    print(f"lowband: the Lighthouse stopped; a new one serves {address} (restart {life}), and "
+          "the groups' quorums wait for it.", file=sys.stderr, flush=True)
+    return server
+
+
 def write_summary(cfg, run: RunDir) -> dict:
     """summary.json from the groups that finished, with what faults cost them (`elastic`)."""
     records = [run.read_json(p) for p in sorted(run.groups.glob("replica*.json"))]
@@ -133,10 +175,30 @@ def write_summary(cfg, run: RunDir) -> dict:
     ranks = [rank for r in records for rank in r["ranks"]]
     summary = summarize(cfg, ranks)
     summary["run_dir"] = str(run.root)  # (the launcher may have named it: cfg's is empty then)
-    add_ddp_bytes(summary, records[0]["ddp_one_step"], len(records))
     summary["elastic"] = elastic_record(cfg, run, sorted({r["replica"] for r in ranks}))
+    count_every_life(summary, cfg, run, ranks)
+    group_step = cfg.grad_accum * cfg.batch_size * cfg.seq_len * cfg.shards
+    add_ddp_bytes(summary, records[0]["ddp_one_step"], cfg.replicas, cfg.replicas * group_step)
     write_json_atomic(run.summary, summary)
     return summary
+
+
+def count_every_life(summary: dict, cfg, run: RunDir, ranks: list[dict]) -> None:
+    """`tokens`, `tokens_per_s`, `steps_run` and `steps_run_per_replica` (one entry a group)
+    count what every life of every group trained: the step events of each group's first rank,
+    a lost life's included (a group's ranks' totals cover only its last life and the
+    checkpoint it went on from; a healed group's skipped steps were never trained). Tokens
+    trained but thrown away (by a life that died, after the step its group went on from; all of
+    a group lost for good) are `elastic.tokens_lost`."""
+    group_step = cfg.grad_accum * cfg.batch_size * cfg.seq_len * cfg.shards
+    steps = [run.count_events(g * cfg.shards, "step") for g in range(cfg.replicas)]
+    kept = sum(r["tokens"] for r in ranks)
+    summary["tokens"] = sum(steps) * group_step
+    summary["tokens_per_s"] = summary["tokens"] / summary["wall_s"] if summary["wall_s"] > 0 else 0.0
+    summary["steps_run_per_replica"] = steps
+    mean = sum(steps) / len(steps)
+    summary["steps_run"] = int(mean) if mean == int(mean) else round(mean, 2)
+    summary["elastic"]["tokens_lost"] = summary["tokens"] - kept
 
 
 def elastic_record(cfg, run: RunDir, finished: list[int]) -> dict:
@@ -146,7 +208,7 @@ def elastic_record(cfg, run: RunDir, finished: list[int]) -> dict:
     life lost: the group, the step its life died after, the step its next life began at (its
     newest checkpoint's, 0 without one; None: lost for good) and the steps of the lost life
     it trained again (`redone`, [first, last]; None when a peer's state came first)."""
-    events = [e for e in read_events(run, ("run", "membership", "step"))
+    events = [e for e in read_events(run, ("run", "membership", "step", "quorum"))
               if e["rank"] % cfg.shards == 0 and "replica" in e]
     restarts = [e for e in events if e["kind"] == "run" and e.get("restart")]
     heals = Counter(e["replica"] for e in events if e["kind"] == "membership" and e.get("healed"))
@@ -166,6 +228,7 @@ def elastic_record(cfg, run: RunDir, finished: list[int]) -> dict:
         lost.append({"group": g, "died_after": mine[-1] if mine else 0, "resumed_from": None,
                      "redone": None})
     lost.sort(key=lambda life: life["group"])  # (each group's lives stay in time order)
-    return {"groups_finished": finished,
+    return {"groups_finished": finished, "lighthouse_restarts": lighthouse_life(life_file(run)),
             "restarts": {str(g): n for g, n in sorted(Counter(e["replica"] for e in restarts).items())},
-            "heals": {str(g): n for g, n in sorted(heals.items())}, "lost_work": lost}
+            "heals": {str(g): n for g, n in sorted(heals.items())}, "lost_work": lost,
+            "participation": participation(sync_participation(events))}

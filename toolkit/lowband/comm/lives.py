@@ -1,0 +1,47 @@
+"""A Lighthouse started again (launch/supervise.py: restart_lighthouse) and torchft's quorum
+ids: the new one counts from 1 again, so lowband numbers the quorums of its life n as
+n x LIFE + torchft's id (comm/elastic.py uses LighthouseLives; docs/elastic.md)."""
+
+from __future__ import annotations
+
+LIFE_ENV = "LOWBAND_LIGHTHOUSE_LIFE"  # a file: how often the launcher restarted the Lighthouse
+LIFE = 1_000_000  # quorum ids of the Lighthouse's life n: n x LIFE + torchft's quorum id
+
+
+class LighthouseLives:
+    """torchft's client of this group's Manager, renumbering the quorums by the Lighthouse's
+    life. A restarted Lighthouse (launch/supervise.py) counts its quorum ids from 1 again, and
+    torchft names a quorum's process group by its id alone (keys torchft/<id>/ in the store the
+    groups meet at, still holding the old life's keys): the old ids would meet stale addresses,
+    or be taken for the quorum a group is already in. The launcher writes the life (n, in the
+    file LIFE_ENV names) a second after the old Lighthouse died and before the new one listens,
+    so a quorum answered by life n reads n when it returns; without the file (`lowband launch`)
+    the life is 0 and the ids are torchft's."""
+
+    def __init__(self, client, path: str | None):
+        self._client, self._path = client, path
+
+    def _quorum(self, *args, **kwargs):
+        result = self._client._quorum(*args, **kwargs)
+        return Renumbered(result, lighthouse_life(self._path) * LIFE + result.quorum_id)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+class Renumbered:
+    """A torchft quorum result with another quorum id."""
+
+    def __init__(self, result, quorum_id: int):
+        self._result, self.quorum_id = result, quorum_id
+
+    def __getattr__(self, name):
+        return getattr(self._result, name)
+
+
+def lighthouse_life(path) -> int:
+    """The Lighthouse's life: 0 for the first, n after n restarts (LIFE_ENV's file)."""
+    try:
+        return int(open(path).read().strip() or 0) if path else 0
+    except (OSError, ValueError):
+        return 0
