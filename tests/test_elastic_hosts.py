@@ -70,7 +70,8 @@ def test_a_killed_group_heals_from_a_live_peer_across_hosts(hosts, tmp_path):
     run = tmp_path / "run"
     roles = role_commands(run, hosts.names[0])
     assert sorted(roles) == ["group0", "group1", "group2", "lighthouse"]
-    assert "TORCHFT_LIGHTHOUSE=http://${LOWBAND_RANK0_HOST:=localhost}:29510 " in roles["group0"][0][2]
+    assert "TORCHFT_LIGHTHOUSE=http://${LOWBAND_LIGHTHOUSE_HOST:-${LOWBAND_RANK0_HOST:=localhost}}" \
+        ":29510 " in roles["group0"][0][2]
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])
     procs = {}
     for name, (cmd, role_env) in roles.items():
