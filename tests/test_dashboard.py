@@ -377,6 +377,24 @@ def test_a_group_healed_in_a_quorum_it_did_not_join_says_why_it_was_behind(tmp_p
                              "skipped there (step 20)"
 
 
+def test_the_first_quorum_after_a_lighthouse_restart_says_so(tmp_path):
+    """Both groups' first quorum of the new Lighthouse's life (membership events with
+    lighthouse_restarted): the record of each and the run's one mark say it."""
+    rd = RunDir(tmp_path / "r").create()
+    w = {g: EventWriter(rd, g, g) for g in (0, 1)}
+    for g in (0, 1):
+        w[g].emit("membership", t=1.0 + g, step=0, quorum_id=1, size=2, members=[0, 1],
+                  joined=[0, 1], left=[], healed=False, wait_s=0.1)
+        w[g].emit("membership", t=10.0 + g, step=16, quorum_id=1_000_001, size=2,
+                  members=[0, 1], joined=[], left=[], healed=False, wait_s=4.2,
+                  lighthouse_restarted=True)
+    m = RunModel(rd.root).load()
+    assert [r.lighthouse_restarted for r in m.membership()] == [False, False, True, True]
+    assert [r.change for r in m.membership()][2:] == ["the Lighthouse was restarted"] * 2
+    assert [(mk.step, mk.text) for mk in m.membership_marks()] == [
+        (0, "groups 0, 1 joined"), (16, "the Lighthouse was restarted")]
+
+
 def test_dashboard_draws_membership_changes_as_they_come(tmp_path):
     from lowband.dashboard import Dashboard
 

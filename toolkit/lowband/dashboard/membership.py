@@ -20,7 +20,7 @@ class _Seen:
     """What the ranks of one group said about one quorum, folded in as their events arrive."""
 
     __slots__ = ("t", "step", "replica", "quorum_id", "size", "members", "joined", "left",
-                 "healed", "heal", "wait_s", "ranks")
+                 "healed", "heal", "wait_s", "ranks", "lighthouse")
 
     def __init__(self, t, step, replica, quorum_id):
         self.t, self.step, self.replica, self.quorum_id = t, step, replica, quorum_id
@@ -30,6 +30,7 @@ class _Seen:
         self.heal: dict[int, tuple] = {}        # rank -> (bytes, seconds), once per rank
         self.wait_s = None
         self.ranks: set[int] = set()
+        self.lighthouse = False                 # the first quorum after a Lighthouse restart
 
 
 def groups_text(groups) -> str:
@@ -59,12 +60,14 @@ def participation_words(p) -> str:
 
 
 def _facts(rec: Membership, first: bool) -> dict:
-    """What one group's record says happened, keyed (group, "join"|"leave"|"heal"): None for a
-    plain join or leave (merged into "groups 0, 2 joined"), else the words. first: the group's
-    first record in this run (its start, not a restart)."""
+    """What one group's record says happened, keyed (group, "join"|"leave"|"heal"), and
+    (-1, "lighthouse") in its first quorum after a Lighthouse restart: None for a plain join or
+    leave (merged into "groups 0, 2 joined"), else the words. first: the group's first record in
+    this run (its start, not a restart)."""
     q = rec.replica
     heal = heal_text(rec.heal_bytes, rec.heal_s) if rec.healed else ""
-    facts: dict = {}
+    facts: dict = {(-1, "lighthouse"): "the Lighthouse was restarted"} \
+        if rec.lighthouse_restarted else {}
     if q in rec.joined:
         # this group's own (re)start: its joined is the whole quorum, which says nothing of the
         # others, so only its own arrival counts
@@ -112,6 +115,8 @@ class MembershipChanges:
         for name in ("members", "joined", "left"):
             if name in e:
                 setattr(s, name, _ints(e.get(name)))
+        if e.get("lighthouse_restarted") is True:
+            s.lighthouse = True
         if e.get("healed") is True:
             s.healed = True
             s.heal[rank] = (_num(e.get("heal_bytes")), _num(e.get("heal_s")))
@@ -135,7 +140,7 @@ class MembershipChanges:
                              s.size if s.size is not None else (len(s.members) or None),
                              s.members, s.joined, s.left, s.healed,
                              sum(heal_b) if heal_b else None, max(heal_s) if heal_s else None,
-                             s.wait_s, tuple(sorted(s.ranks)), "")
+                             s.wait_s, tuple(sorted(s.ranks)), "", "", s.lighthouse)
             if rec.healed and s.replica not in rec.joined:
                 rec = rec._replace(behind=self._behind(rec, since.get(s.replica)))
             out.append(rec._replace(change=_words(_facts(rec, s.replica not in seen))))

@@ -78,6 +78,7 @@ class Membership(NamedTuple):
     ranks: tuple[int, ...]        # the group's ranks that wrote it
     change: str                   # what changed, in words, from this group's view
     behind: str = ""              # healed in a quorum it did not (re)join: why it was behind
+    lighthouse_restarted: bool = False  # its first quorum after the Lighthouse was restarted
 
 
 class MembershipMark(NamedTuple):
