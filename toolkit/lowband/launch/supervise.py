@@ -176,21 +176,20 @@ def write_summary(cfg, run: RunDir) -> dict:
     summary = summarize(cfg, ranks)
     summary["run_dir"] = str(run.root)  # (the launcher may have named it: cfg's is empty then)
     summary["elastic"] = elastic_record(cfg, run, sorted({r["replica"] for r in ranks}))
-    count_every_life(summary, cfg, run, ranks)
     group_step = cfg.grad_accum * cfg.batch_size * cfg.seq_len * cfg.shards
+    count_every_life(summary, cfg, run, ranks, group_step)
     add_ddp_bytes(summary, records[0]["ddp_one_step"], cfg.replicas, cfg.replicas * group_step)
     write_json_atomic(run.summary, summary)
     return summary
 
 
-def count_every_life(summary: dict, cfg, run: RunDir, ranks: list[dict]) -> None:
+def count_every_life(summary: dict, cfg, run: RunDir, ranks: list[dict], group_step: int) -> None:
     """`tokens`, `tokens_per_s`, `steps_run` and `steps_run_per_replica` (one entry a group)
     count what every life of every group trained: the step events of each group's first rank,
     a lost life's included (a group's ranks' totals cover only its last life and the
     checkpoint it went on from; a healed group's skipped steps were never trained). Tokens
     trained but thrown away (by a life that died, after the step its group went on from; all of
-    a group lost for good) are `elastic.tokens_lost`."""
-    group_step = cfg.grad_accum * cfg.batch_size * cfg.seq_len * cfg.shards
+    a group lost for good) are `elastic.tokens_lost`. group_step: a group's tokens in one step."""
     steps = [run.count_events(g * cfg.shards, "step") for g in range(cfg.replicas)]
     kept = sum(r["tokens"] for r in ranks)
     summary["tokens"] = sum(steps) * group_step
