@@ -185,3 +185,33 @@ def test_a_damaged_checkpoint_is_passed_over_or_refused(tmp_path, first_runs):
         "resumed: start the run again with --overwrite."]
     assert failed.returncode == 2
     assert "step-00000008 cannot be loaded" in failed.stderr and "Traceback" not in failed.stderr
+
+
+def test_a_sentence_stopping_every_rank_is_told_from_rank_0_though_rank_1_stopped_first():
+    """decided_by_rank0 stops every rank with rank 0's sentence; rank 0's goes to the terminal,
+    the others' to their logs. When rank 1 exits first, the job still names rank 0 (whose
+    sentence is already on the terminal), so the sentence is not told twice."""
+    import time
+
+    from lowband.launch.local import LocalJob
+
+    class Worker:
+        def __init__(self, code, at):
+            self.code, self.at = code, at
+
+        def poll(self):
+            return self.code if time.monotonic() >= self.at else None
+
+        def terminate(self):
+            self.code, self.at = -15, 0
+
+        def wait(self, timeout=None):
+            return self.poll()
+
+    now = time.monotonic()
+    job = LocalJob.__new__(LocalJob)
+    job.procs, job._logs, job._stopping_since = [Worker(2, now + 0.5), Worker(2, now)], [], None
+    assert job.wait() == (2, 0)
+    job.procs, job._stopping_since = [Worker(None, now + 60), Worker(2, now)], None
+    begun = time.monotonic()  # rank 0 never stops by itself: it is stopped after a moment
+    assert job.wait() == (2, 1) and 2.5 < time.monotonic() - begun < 10

@@ -65,6 +65,7 @@ class LocalJob:
         master = "127.0.0.1" if hosts is None else hosts.addrs[0]
         self.procs: list[subprocess.Popen] = []
         self._logs = []
+        self._stopping_since: float | None = None  # when a worker first stopped with 2 or 3
         for r in range(world):
             wenv = {**os.environ, **(env or {}), "RANK": str(r), "WORLD_SIZE": str(world),
                     "LOCAL_RANK": str(first + r), "LOCAL_WORLD_SIZE": str(on_node), "GROUP_RANK": "0",
@@ -87,6 +88,12 @@ class LocalJob:
         cause when one failed, after stopping the others."""
         codes = [p.poll() for p in self.procs]
         failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed and all(codes[r] in (2, 3) for r in failed) and None in codes:
+            # a sentence decided on rank 0 stops every rank with it (decided_by_rank0): the
+            # others get a moment to stop by themselves, so that rank 0's is the one told
+            self._stopping_since = self._stopping_since or time.monotonic()
+            if time.monotonic() - self._stopping_since < 3.0:
+                return None
         if failed:
             # the cause: a worker killed from outside, else one that refused input or stopped
             # on purpose (2, 3); the others usually fail after it because their peer vanished
