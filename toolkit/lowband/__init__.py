@@ -4,7 +4,7 @@ from lowband.algorithms import register  # an algorithm from outside (algorithms
 from lowband.config import Config, ConfigError
 
 __version__ = "0.1.0"
-__all__ = ["Config", "ConfigError", "__version__", "compare", "launch", "register"]
+__all__ = ["Config", "ConfigError", "Sync", "__version__", "compare", "launch", "register"]
 
 
 def __getattr__(name):  # lowband.launch(...) without importing TorchX at `import lowband`
@@ -14,4 +14,6 @@ def __getattr__(name):  # lowband.launch(...) without importing TorchX at `impor
         return importlib.import_module("lowband.launch")
     if name == "compare":  # the module lowband.compare, callable as its compare() function
         return importlib.import_module("lowband.compare")
+    if name == "Sync":  # your own loop with lowband's algorithms (sync/)
+        return importlib.import_module("lowband.sync").Sync
     raise AttributeError(f"module 'lowband' has no attribute '{name}'")

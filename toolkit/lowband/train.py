@@ -110,40 +110,15 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from, attempt):
     blocks = blocks if blocks is not None else blocks_of(model)
     if cfg.compile:
         compile_blocks(blocks)
-    comm = Comm(topo, events, LinkOptions.build(cfg))
-    if cfg.elastic:
-        comm.elastic = Membership(topo, cfg, comm)
-    if user_model:
-        _broadcast_init(model, comm)
-
-    algo = ALGORITHMS[cfg.algo]()
-    optimizer = algo.setup(model, blocks, make_optimizer_factory(cfg, device), topo, comm, cfg)
-    if comm.elastic is not None:  # what a live group hands a joining one (base.heal_state)
-        comm.elastic.register(algo)
-    if dist.get_rank() == 0 and topo.replica == 0:  # the tokenizer goes to RUN/tokenizer/ for export
-        write_json_atomic(run.config, {**cfg.to_dict(), "meta": {
-            "world": topo.world, "n_params": num_params(model), "torch": torch.__version__,
-            "device": device.type, "backend": dist.get_backend(),
-            "tokenizer": record_tokenizer(tokens, run.root)}})
-
+    comm, algo, optimizer = set_up(cfg, topo, run, events, model, blocks,
+                                   make_optimizer_factory(cfg, device), user_model,
+                                   {"tokenizer": record_tokenizer(tokens, run.root)})
     faults = Faults(cfg, topo.replica, cfg.seed, topo.rank)
     ledger = Ledger(topo.shards, cfg.elastic)
     # aedit's replicas evaluate at steps of their own: only its final evaluation is everyone's
     lockstep = not getattr(algo, "timed", False)
-    done = Progress()
-    if resume_from is not None:
-        checkpoint.load(resume_from[0], model, optimizer, algo, topo.replica, resume_from[1])
-        done = Progress(**resume_from[1]["progress"])
-        comm.totals.restore(resume_from[1]["comm"])
-        torch.set_rng_state(resume_from[1]["rng"])
-    # one run event a rank: where this process starts (a resumed run continues the same files)
-    events.emit("run", phase="start" if resume_from is None else "resume", world=topo.world,
-                config_hash=cfg.hash(), step=done.step, **attempt)
-
     model.train()
-    dist.barrier()  # every rank starts the clock together: set-up skew is not link time
-    algo.join(done.step)  # --elastic: the first quorum; a group behind heals to a peer's step
-    _take_heal(algo, done)
+    done = start_training(cfg, topo, events, model, optimizer, algo, comm, resume_from, attempt)
     # training seconds (a resume's spent before it); --time-budget: rank 0's clock decides for
     # every rank (clock.py), but aedit keeps it at its syncs
     clock = algo.clock = RunClock(None if algo.timed else cfg.time_budget, done.wall_s, device)
@@ -192,9 +167,20 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from, attempt):
     algo.finish()  # exchanges still in flight land before the final evaluation
     done.wall_s = clock.seconds()  # training time only (a resume's included)
     _eval(algo, model, batches, cfg, events, done.step, done, done.wall_s, ledger, comm, True)
-    outer = algo.outer_params()
     if bar is not None:
         bar.close()
+    return write_results(cfg, topo, run, events, model, algo, comm, done,
+                         cfg.world * cfg.grad_accum * cfg.batch_size * cfg.seq_len)
+
+
+def write_results(cfg, topo, run, events, model, algo, comm, done: "Progress",
+                  tokens_per_step: int | None) -> dict | None:
+    """The end of a run, after its final evaluation (every rank): the `run` end event, model.pt
+    and outer.pt, and summary.json (--elastic: the group's file the launcher sums). Returns the
+    summary on rank 0 of a non-elastic run. tokens_per_step: ddp's tokens a step over all ranks,
+    for the ddp bytes it compares with (None: from the steps run). The trainer and lowband.Sync
+    (sync/) end a run here."""
+    outer = algo.outer_params()
     events.emit("run", phase="end", world=topo.world, config_hash=cfg.hash())
     my_tokens, wall_s, compute_s = done.tokens, done.wall_s, done.compute_s
     last_loss, val_loss = done.loss, done.val_loss
@@ -222,11 +208,53 @@ def _train(cfg, topo, run, events, tokens, model, blocks, resume_from, attempt):
         return None
     summary = summarize(cfg, everyone) if topo.rank == 0 else None
     if summary is not None:  # with the baseline's bytes for the same model and steps, computed
-        add_ddp_bytes(summary, _ddp_one_step(model, cfg), cfg.replicas,
-                      cfg.world * cfg.grad_accum * cfg.batch_size * cfg.seq_len)
+        add_ddp_bytes(summary, _ddp_one_step(model, cfg), cfg.replicas, tokens_per_step)
         write_json_atomic(run.summary, summary)
     dist.barrier()
     return summary
+
+
+def set_up(cfg, topo, run, events, model, blocks, make_optimizer, broadcast: bool, meta: dict):
+    """The link, the algorithm and the inner optimizer it builds with make_optimizer (after
+    any sharding), config.json written: (comm, algorithm, optimizer). broadcast: a user's model
+    starts from rank 0's weights. meta: config.json's own entries beside the measured ones.
+    The trainer and lowband.Sync (sync/) set a run up here."""
+    comm = Comm(topo, events, LinkOptions.build(cfg))
+    if cfg.elastic:
+        comm.elastic = Membership(topo, cfg, comm)
+    if broadcast:
+        _broadcast_init(model, comm)
+    algo = ALGORITHMS[cfg.algo]()
+    optimizer = algo.setup(model, blocks, make_optimizer, topo, comm, cfg)
+    if comm.elastic is not None:  # what a live group hands a joining one (base.heal_state)
+        comm.elastic.register(algo)
+    if dist.get_rank() == 0 and topo.replica == 0:  # the tokenizer goes to RUN/tokenizer/ for export
+        write_json_atomic(run.config, {**cfg.to_dict(), "meta": {
+            "world": topo.world, "n_params": num_params(model), "torch": torch.__version__,
+            "device": topo.device.type, "backend": dist.get_backend(), **meta}})
+    return comm, algo, optimizer
+
+
+def start_training(cfg, topo, events, model, optimizer, algo, comm, resume_from, attempt,
+                   extra_state=None) -> "Progress":
+    """Where this process starts (a checkpoint's state loaded, its `run` event written, every
+    rank together, the first quorum with --elastic): the progress so far. extra_state: a
+    lowband.Sync user's objects (state_dict/load_state_dict) restored from the checkpoint."""
+    done = Progress()
+    if resume_from is not None:
+        checkpoint.load(resume_from[0], model, optimizer, algo, topo.replica, resume_from[1])
+        done = Progress(**resume_from[1]["progress"])
+        comm.totals.restore(resume_from[1]["comm"])
+        torch.set_rng_state(resume_from[1]["rng"])
+        for key, obj in (extra_state or {}).items():
+            obj.load_state_dict(resume_from[1]["user"][key])
+    # one run event a rank: where this process starts (a resumed run continues the same files)
+    events.emit("run", phase="start" if resume_from is None else "resume", world=topo.world,
+                config_hash=cfg.hash(), step=done.step, **attempt)
+    dist.barrier()  # every rank starts the clock together: set-up skew is not link time
+    algo.join(done.step)  # --elastic: the first quorum; a group behind heals to a peer's step
+    _take_heal(algo, done)
+    return done
 
 
 def _ddp_one_step(model, cfg) -> int:
@@ -327,12 +355,18 @@ class Progress:
         self.compute_s += compute_s
 
 
-def _checkpoint(run, events, model, optimizer, algo, topo, comm, cfg, done, elapsed, faults):
-    progress = {**done.__dict__, "wall_s": elapsed}
-    extra = {"progress": progress, "comm": comm.totals.state(), "rng": torch.get_rng_state(),
-             "events_offset": run.event_file(topo.rank).stat().st_size}
+def _checkpoint(run, events, model, optimizer, algo, topo, comm, cfg, done, elapsed, faults,
+                extra_state=None):
+    def extra():
+        out = {"progress": {**done.__dict__, "wall_s": elapsed}, "comm": comm.totals.state(),
+               "rng": torch.get_rng_state(), "events_offset": run.event_file(topo.rank).stat().st_size}
+        if extra_state:  # a lowband.Sync user's own objects (their state: plain data and tensors)
+            out["user"] = {key: obj.state_dict() for key, obj in extra_state.items()}
+        return out
+
     path = checkpoint.save(run, done.step, model, optimizer, algo, topo.replica, extra,
-                           cfg.keep_checkpoints, crash_before_rename=faults.crash_checkpoint == done.step,
+                           cfg.keep_checkpoints,
+                           crash_before_rename=faults is not None and faults.crash_checkpoint == done.step,
                            group=lifecycle.group(cfg, topo))
     events.emit("checkpoint", step=done.step, path=str(path))
 

@@ -120,10 +120,11 @@ def _model_state(model, optimizer, replica: int) -> dict:
     return {f"replica{replica}": {"model": msd, "optim": osd}}
 
 
-def save(run: RunDir, step: int, model, optimizer, algo, replica: int, extra: dict,
+def save(run: RunDir, step: int, model, optimizer, algo, replica: int, extra,
          keep: int, crash_before_rename: bool = False, group: int | None = None) -> Path:
     """Collective: every rank (of the world; with --elastic, of the replica `group`) calls it
-    after the same step."""
+    after the same step. extra(): this rank's state beside the algorithm's, taken after the
+    algorithm's (which lands exchanges in flight: their bytes and events belong to it)."""
     import torch.distributed.checkpoint as dcp
 
     final = home(run, group) / f"step-{step:08d}"
@@ -133,7 +134,8 @@ def save(run: RunDir, step: int, model, optimizer, algo, replica: int, extra: di
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    state = {"algorithm": algo.state_dict(), **extra}  # drains exchanges in flight first
+    state = {"algorithm": algo.state_dict()}  # drains exchanges in flight first
+    state.update(extra())
     dcp.save(_model_state(model, optimizer, replica), checkpoint_id=tmp)
     torch.save(state, tmp / f"rank{rank}.pt")
     dist.barrier()

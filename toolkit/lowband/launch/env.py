@@ -50,11 +50,18 @@ def launch_config(**options):
     """A lowband Config for a launched script: the job's layout (layout()) with `options` over
     lowband's defaults. An option that contradicts the layout (replicas=4 in a job of 2 replica
     groups) is refused with one sentence: the job's processes are already laid out."""
-    from lowband.config import Config, ConfigError
+    from lowband.config import Config
+
+    return Config(**{**job_layout(options), **options})
+
+
+def job_layout(options: dict) -> dict:
+    """layout(), with one sentence for an option that contradicts it."""
+    from lowband.config import ConfigError
 
     given = layout()
     for key in ("replicas", "shards", "run_dir"):
         if key in given and key in options and options[key] != given[key]:
             raise ConfigError(f"{key}={options[key]!r} contradicts the launched job's "
                               f"{key}={given[key]!r}: leave {key} to lowband.launch.")
-    return Config(**{**given, **options})
+    return given

@@ -1,0 +1,50 @@
+"""lowband.Sync's Config: `lowband train`'s options by their Python names, with its defaults,
+a recipe's values under them, the launched job's layout (launch/env.py) over them; the options
+of lowband's own loop refused (the user's loop owns the model, the data, the learning rate and
+its schedule, the evaluation), and so is an option of another algorithm."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from lowband import recipes
+from lowband.config import Config, ConfigError, RunOptions
+from lowband.faults import FaultOptions
+from lowband.launch.env import job_layout
+from lowband.models import ModelOptions
+from lowband.options import flag
+
+# RunOptions fields that only lowband's own loop reads
+LOOP_ONLY = ("data", "tokenizer", "val_fraction", "lr", "min_lr_ratio", "warmup_steps",
+             "weight_decay", "beta1", "beta2", "grad_clip", "eval_every", "eval_batches",
+             "time_budget", "compile", "precision", "progress", "max_skips", "stop_after")
+
+
+def loop_only() -> set[str]:
+    return {*LOOP_ONLY, *(f.name for f in dataclasses.fields(ModelOptions)),
+            *(f.name for f in dataclasses.fields(FaultOptions))}
+
+
+def config_of(algo: str, recipe: str | None, options: dict, n_blocks: int) -> Config:
+    """The validated Config of a lowband.Sync (module doc); n_blocks: the wrapped model's."""
+    theirs = loop_only()
+    for key in options:
+        if key in theirs:
+            raise ConfigError(f"{key}= is an option of `lowband train`'s own loop ({flag(key)}): "
+                              "in your loop, your model, data, optimizer and schedule decide it; "
+                              "remove it from lowband.Sync.")
+    given = job_layout(options)  # under lowband launch: the job's layout
+    given.pop("progress", None)
+    base = {k: v for k, v in recipes.get(recipe).values.items() if k not in theirs} if recipe else {}
+    values = {**base, "algo": algo, **options, **given}
+    if "replicas" not in values:  # under torchrun: every rank its own replica group by default
+        shards = values.get("shards", RunOptions.shards)
+        values["replicas"] = max(int(os.environ.get("WORLD_SIZE", 1)) // shards, 1)
+    cfg = Config.from_dict(values, source="lowband.Sync")
+    cfg.model_blocks = n_blocks
+    cfg.validate()
+    for note in cfg.ignored():  # a shared knob another algorithm reads: an error here
+        raise ConfigError(note.replace("--algo", "algo").replace("ignores it.", "ignores it: "
+                                                                "remove it from lowband.Sync."))
+    return cfg
