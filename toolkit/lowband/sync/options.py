@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 from lowband import recipes
 from lowband.config import Config, ConfigError, RunOptions
@@ -45,6 +46,7 @@ def config_of(algo: str, recipe: str | None, options: dict, n_blocks: int) -> Co
     cfg.model_blocks = n_blocks
     cfg.validate()
     for note in cfg.ignored():  # a shared knob another algorithm reads: an error here
-        raise ConfigError(note.replace("--algo", "algo").replace("ignores it.", "ignores it: "
-                                                                "remove it from lowband.Sync."))
+        name, users = re.match(r"--(\S+) is read only by --algo (.+): --algo", note).groups()
+        raise ConfigError(f"{name.replace('-', '_')}= is read only by algo {users}, so "
+                          f"algo={cfg.algo!r} would ignore it: remove it from lowband.Sync.")
     return cfg
