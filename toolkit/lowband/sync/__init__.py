@@ -23,8 +23,6 @@ ddp, diloco and streaming run here; zero1, acco, edit and aedit cannot (UNWRAPPA
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from lowband import topology as topo_mod
@@ -149,7 +147,7 @@ class Sync:
             raise ConfigError(f"step {step + 1} is past steps={self.config.steps} given to "
                               "lowband.Sync: pass your loop's length as steps=.")
         self.algo.after_step(step)
-        step_s = time.perf_counter() - self._t0
+        step_s = self.clock.seconds() - self._t0
         compute_s = max(step_s - self.comm.take_wait_s(), 0.0)
         c = self.config
         loss = float(loss.detach().float().mean()) if torch.is_tensor(loss) else \
@@ -218,13 +216,13 @@ class Sync:
         """The set-up of the next step, as the trainer does it before the step reads its data:
         elastic ddp's quorum (should_stop), a heal, the syncs that start or land before the
         forward pass."""
+        self._t0 = self.clock.seconds()  # training seconds: sync.paused() is left out
         step = self.done.step
         if step < self.config.steps:
             self.algo.should_stop(step)
             _take_heal(self.algo, self.done)
             self.algo.before_forward(self.done.step)
         self._backward_done, self._micro = False, 0
-        self._t0 = time.perf_counter()
 
     def _evaluated(self, val_loss: float, elapsed: float, everyone: bool) -> None:
         outer = self.comm.totals.wire_bytes["outer"]
