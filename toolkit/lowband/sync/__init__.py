@@ -96,7 +96,7 @@ class Sync:
                                    start.resume_from, start.attempt, self.state)
         self.clock = self.algo.clock = RunClock(None, self.done.wall_s, topo.device)
         self._stepped = 0  # the optimizer's steps since the last sync.step()
-        optimizer.register_step_post_hook(self._optimizer_stepped)
+        self._hook = optimizer.register_step_post_hook(self._optimizer_stepped)
         self._backward_needed = cfg.algo == "ddp" or cfg.shards > 1  # gradients averaged in it
         self._backward_done = False
         self._micro = 0
@@ -192,8 +192,7 @@ class Sync:
             return write_results(self.config, self.topo, self.run, self.events, self.model,
                                  self.algo, self.comm, self.done, None)
         finally:
-            self.events.close()
-            setattr(self.model, WRAPPED, None)
+            self._release()
 
     def __enter__(self) -> "Sync":
         return self
@@ -202,8 +201,13 @@ class Sync:
         if kind is None and not self.finished:
             self.finish()
         elif not self.finished:  # a crash keeps its events and checkpoints, nothing more
-            self.events.close()
-            setattr(self.model, WRAPPED, None)
+            self._release()
+
+    def _release(self) -> None:
+        """The event files closed, the model and optimizer free for another Sync."""
+        self.events.close()
+        self._hook.remove()
+        setattr(self.model, WRAPPED, None)
 
     # -- inside ----------------------------------------------------------------------------
 
