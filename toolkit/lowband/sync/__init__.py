@@ -167,6 +167,13 @@ class Sync:
         self._stepped, self._counted = 0, True
         self._begin_step()
 
+    def evaluated(self, val_loss: float) -> None:
+        """An evaluation taken after this step's sync.step() (where a framework's loop, the
+        Hugging Face Trainer's, evaluates): its event at the steps done, as step(val_loss=)
+        writes it. Every rank calls it at the same step."""
+        self._check_open()
+        self._evaluated(float(val_loss), self.clock.seconds(), everyone=True)
+
     def paused(self):
         """A context for time that is not training (your evaluation, your logging): left out of
         the step's time, as `lowband train` leaves out its own."""
