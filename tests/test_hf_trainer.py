@@ -1,0 +1,145 @@
+"""The Hugging Face Trainer with lowband's streaming (lowband.integrations.transformers): a tiny
+Llama trained by Trainer + LowbandCallback under lowband.launch(script=...) with R=2 (each
+replica's Trainer alone: their weights differ at every step, the outer link carries exactly
+streaming's syncs, the inner link nothing; the loss falls; `lowband report` reads the run), and
+what the callback refuses, each in one sentence before anything is written."""
+
+import importlib
+import json
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("torchx")
+pytest.importorskip("accelerate")
+
+import torch  # noqa: E402
+from transformers import (AutoConfig, AutoModelForCausalLM, TrainerControl,  # noqa: E402
+                          TrainerState, TrainingArguments)
+
+import lowband  # noqa: E402
+from lowband.config import ConfigError  # noqa: E402
+from lowband.integrations.transformers import (LowbandCallback,  # noqa: E402
+                                               LowbandTrainingArguments)
+from lowband.telemetry import read_events  # noqa: E402
+
+SCRIPT = textwrap.dedent('''
+    """A user's Trainer script: its own model and data, lowband's streaming through a callback."""
+    import hashlib, json, os, sys
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback
+    from lowband.data import load_tokens
+    from lowband.integrations.transformers import LowbandCallback, LowbandTrainingArguments
+
+    hf_dir, out = sys.argv[1], sys.argv[2]
+    text = torch.from_numpy(load_tokens("builtin")[:100_000].astype("int64"))
+    rows = text[: 32 * (len(text) // 32)].view(-1, 32)
+    train = [{"input_ids": r, "labels": r} for r in rows[:-64]]
+    val = [{"input_ids": r, "labels": r} for r in rows[-64:]]
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_dir))
+
+
+    class Digests(TrainerCallback):  # this replica's weights after each step
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+            with open(f"{out}/weights{os.environ['RANK']}.txt", "a") as f:
+                f.write(hashlib.sha256(flat.numpy().tobytes()).hexdigest() + "\\n")
+
+
+    # use_cpu: accelerate would make this a gloo DDP job of both processes, but for these arguments
+    args = LowbandTrainingArguments(output_dir=f"{out}/hf", max_steps=8, learning_rate=3e-3,
+                                    per_device_train_batch_size=8, use_cpu=True,
+                                    eval_strategy="steps", eval_steps=4, logging_steps=4,
+                                    save_strategy="no", report_to="none")
+    callback = LowbandCallback("streaming", sync_every=2, fragments=2, overlap=0, codec="fp32",
+                               link_bandwidth="")
+    Trainer(model=model, args=args, train_dataset=train, eval_dataset=val,
+            callbacks=[callback, Digests()]).train()
+    if callback.summary is not None:
+        print("TRAINED", callback.summary["steps"], args.world_size, args.data_seed)
+''')
+
+
+def test_trainer_trains_streaming_replicas_apart(llama, tmp_path, monkeypatch, lowband_here):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "hf_train.py").write_text(SCRIPT)
+    h = lowband.launch(script="hf_train.py", script_args=[llama, tmp_path / "out"], replicas=2,
+                       shards=1, run_dir=tmp_path / "run")
+    assert h.wait(timeout=150) == "succeeded", h.logs()
+    assert "TRAINED 8 1 42" in h.logs()  # rank 0: a Trainer of one process, its seed's data order
+    summary = h.summary()
+    assert (summary["algorithm"], summary["replicas"], summary["shards"]) == ("streaming", 2, 1)
+    assert summary["steps_run_per_replica"] == [8, 8] and summary["tokens"] == 2 * 8 * 8 * 32
+    # replicas apart: no step's weights are the same on both (DDP would make every one equal)
+    w0, w1 = ((tmp_path / "out" / f"weights{r}.txt").read_text().split() for r in (0, 1))
+    assert len(w0) == len(w1) == 8 and all(a != b for a, b in zip(w0, w1))
+    # the outer link: each of the 2 fragments synced every 2 steps, 4 times, an fp32 all-reduce
+    # of 2 ranks sending its 4 bytes a parameter; nothing inside a replica
+    n_params = json.loads((tmp_path / "run" / "config.json").read_text())["meta"]["n_params"]
+    assert summary["outer_wire_bytes"] == 2 * 4 * 4 * n_params
+    assert summary["inner_wire_bytes"] == 0
+    steps = [e for e in read_events(tmp_path / "run", ("step",)) if e["rank"] == 0]
+    assert [e["step"] for e in steps] == list(range(1, 9))
+    assert summary["final_loss"] < steps[0]["loss"] - 0.3, (steps[0]["loss"], summary)
+    evals = [e for e in read_events(tmp_path / "run", ("eval",)) if e["rank"] == 0]
+    assert [e["step"] for e in evals] == [4, 8] and evals[1]["val_loss"] < evals[0]["val_loss"]
+    code, err = lowband_here("report", tmp_path / "run", "-o", tmp_path / "report.html",
+                             cwd=tmp_path)
+    assert code == 0 and (tmp_path / "report.html").stat().st_size > 0, err
+
+
+# -- what the callback refuses ---------------------------------------------------------------------
+
+def _one_sentence(message: str) -> bool:
+    return "\n" not in message and message.endswith(".")
+
+
+@pytest.mark.parametrize("algo, kwargs, says", [
+    ("ddp", {}, "use the Trainer's own DDP (torchrun without the callback)"),
+    ("edit", {}, "shards the model with FSDP2"),
+    ("nope", {}, "LowbandCallback runs algo='diloco' or 'streaming', not 'nope'."),
+    ("streaming", {"steps": 10}, "steps= is the Trainer's max_steps (or num_train_epochs) here"),
+    ("diloco", {"grad_accum": 2}, "is the Trainer's gradient_accumulation_steps here"),
+])
+def test_the_callback_refuses_what_it_cannot_run(algo, kwargs, says):
+    with pytest.raises(ConfigError) as e:
+        LowbandCallback(algo, **kwargs)
+    assert says in str(e.value) and _one_sentence(str(e.value)), str(e.value)
+
+
+def _begin(callback, args, model):
+    optimizer = torch.optim.AdamW(model.parameters())
+    callback.on_train_begin(args, TrainerState(max_steps=4), TrainerControl(), model=model,
+                            optimizer=optimizer)
+
+
+def test_the_callback_refuses_a_data_parallel_trainer_and_shards(llama, tmp_path, monkeypatch):
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(llama))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plain = TrainingArguments(output_dir=tmp_path / "hf", report_to="none")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a job of two processes, as torchrun starts it
+    with pytest.raises(ConfigError) as e:
+        _begin(LowbandCallback("diloco", run_dir=str(tmp_path / "r")), plain, model)
+    assert "make them with lowband.integrations.transformers.LowbandTrainingArguments" in \
+        str(e.value) and _one_sentence(str(e.value))
+    monkeypatch.setenv("RANK", "1")
+    ours = LowbandTrainingArguments(output_dir=tmp_path / "hf", report_to="none", seed=7)
+    assert (ours.world_size, ours.process_index, ours.data_seed, ours.should_save) == (1, 1, 8,
+                                                                                     False)
+    with pytest.raises(ConfigError) as e:
+        _begin(LowbandCallback("streaming", shards=2, run_dir=str(tmp_path / "r")), ours, model)
+    assert "runs one rank a replica group, not shards=2" in str(e.value)
+    assert _one_sentence(str(e.value))
+    assert not (tmp_path / "r").exists()  # nothing written, the model untouched
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_without_accelerate_the_import_is_one_sentence(monkeypatch):
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # as if it were not installed
+    monkeypatch.delitem(sys.modules, "lowband.integrations.transformers")
+    with pytest.raises(ConfigError) as e:
+        importlib.import_module("lowband.integrations.transformers")
+    assert "needs the hf extra (accelerate is not installed): pip install 'lowband[hf]'." in \
+        str(e.value) and _one_sentence(str(e.value))
