@@ -1,11 +1,13 @@
 """The Hugging Face Trainer with lowband's streaming (lowband.integrations.transformers): a tiny
 Llama trained by Trainer + LowbandCallback under lowband.launch(script=...) with R=2 (each
 replica's Trainer alone: their weights differ at every step, the outer link carries exactly
-streaming's syncs, the inner link nothing; the loss falls; `lowband report` reads the run), and
-what the callback refuses, each in one sentence before anything is written."""
+streaming's syncs, the inner link nothing; the loss falls; `lowband report` reads the run), a
+run lost and resumed equal to the whole run, and what the callback refuses, each in one sentence
+before anything is written."""
 
 import importlib
 import json
+import subprocess
 import sys
 import textwrap
 
@@ -22,42 +24,72 @@ import lowband  # noqa: E402
 from lowband.config import ConfigError  # noqa: E402
 from lowband.integrations.transformers import (LowbandCallback,  # noqa: E402
                                                LowbandTrainingArguments)
+from lowband.launch.local import free_port  # noqa: E402
 from lowband.telemetry import read_events  # noqa: E402
 
 SCRIPT = textwrap.dedent('''
-    """A user's Trainer script: its own model and data, lowband's streaming through a callback."""
+    """A user's Trainer script: its own model and data, lowband's streaming through a callback.
+    launched: one run (the run directory lowband.launch's); resume: under torchrun, a whole run,
+    then one lost after step 6 and resumed from its checkpoints of step 4."""
     import hashlib, json, os, sys
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback
     from lowband.data import load_tokens
     from lowband.integrations.transformers import LowbandCallback, LowbandTrainingArguments
 
-    hf_dir, out = sys.argv[1], sys.argv[2]
+    hf_dir, out, mode = sys.argv[1:]
     text = torch.from_numpy(load_tokens("builtin")[:100_000].astype("int64"))
     rows = text[: 32 * (len(text) // 32)].view(-1, 32)
-    train = [{"input_ids": r, "labels": r} for r in rows[:-64]]
-    val = [{"input_ids": r, "labels": r} for r in rows[-64:]]
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_dir))
+    train_set = [{"input_ids": r, "labels": r} for r in rows[:-64]]
+    val_set = [{"input_ids": r, "labels": r} for r in rows[-64:]]
 
 
     class Digests(TrainerCallback):  # this replica's weights after each step
+        def __init__(self, path):
+            self.path = path
+
         def on_step_end(self, args, state, control, model=None, **kwargs):
             flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-            with open(f"{out}/weights{os.environ['RANK']}.txt", "a") as f:
+            with open(f"{self.path}{os.environ['RANK']}.txt", "a") as f:
                 f.write(hashlib.sha256(flat.numpy().tobytes()).hexdigest() + "\\n")
 
 
-    # use_cpu: accelerate would make this a gloo DDP job of both processes, but for these arguments
-    args = LowbandTrainingArguments(output_dir=f"{out}/hf", max_steps=8, learning_rate=3e-3,
-                                    per_device_train_batch_size=8, use_cpu=True,
-                                    eval_strategy="steps", eval_steps=4, logging_steps=4,
-                                    save_strategy="no", report_to="none")
-    callback = LowbandCallback("streaming", sync_every=2, fragments=2, overlap=0, codec="fp32",
-                               link_bandwidth="")
-    Trainer(model=model, args=args, train_dataset=train, eval_dataset=val,
-            callbacks=[callback, Digests()]).train()
-    if callback.summary is not None:
-        print("TRAINED", callback.summary["steps"], args.world_size, args.data_seed)
+    class Lost(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 6:
+                raise RuntimeError("lost after step 6")
+
+
+    def train(tag, lost=False, resume=False, save="no", **options):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_dir))
+        # use_cpu: accelerate would make a gloo DDP job of both processes, but for these arguments
+        args = LowbandTrainingArguments(output_dir=f"{out}/{tag}", max_steps=8, learning_rate=3e-3,
+                                        per_device_train_batch_size=8, use_cpu=True,
+                                        eval_strategy="steps", eval_steps=4, logging_steps=4,
+                                        save_strategy=save, save_steps=4, report_to="none")
+        callback = LowbandCallback("streaming", link_bandwidth="", resume=resume, **options)
+        trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=val_set,
+                          callbacks=[callback, Digests(f"{out}/{tag}")] + [Lost()] * lost)
+        try:
+            trainer.train(resume_from_checkpoint=resume or None)
+        except RuntimeError:
+            torch.distributed.barrier()  # (rank 0's Trainer has saved its checkpoint)
+        return callback.summary, args
+
+
+    if mode == "launched":
+        summary, args = train("one", sync_every=2, fragments=2, overlap=0, codec="fp32")
+        if summary is not None:
+            print("TRAINED", summary["steps"], args.world_size, args.data_seed)
+    else:
+        kw = dict(sync_every=4, fragments=2, overlap=1, codec="fp4-e3m0", checkpoint_every=4,
+                  save="steps")
+        whole, _ = train("whole", run_dir=f"{out}/whole", **kw)
+        train("resumed", run_dir=f"{out}/resumed", lost=True, **kw)
+        resumed, _ = train("resumed", run_dir=f"{out}/resumed", resume=True, **kw)
+        if whole is not None:
+            print("SUMMARIES", json.dumps([whole, resumed]))
 ''')
 
 
@@ -65,15 +97,15 @@ def test_trainer_trains_streaming_replicas_apart(llama, tmp_path, monkeypatch, l
     monkeypatch.chdir(tmp_path)
     (tmp_path / "out").mkdir()
     (tmp_path / "hf_train.py").write_text(SCRIPT)
-    h = lowband.launch(script="hf_train.py", script_args=[llama, tmp_path / "out"], replicas=2,
-                       shards=1, run_dir=tmp_path / "run")
+    h = lowband.launch(script="hf_train.py", script_args=[llama, tmp_path / "out", "launched"],
+                       replicas=2, shards=1, run_dir=tmp_path / "run")
     assert h.wait(timeout=150) == "succeeded", h.logs()
     assert "TRAINED 8 1 42" in h.logs()  # rank 0: a Trainer of one process, its seed's data order
     summary = h.summary()
     assert (summary["algorithm"], summary["replicas"], summary["shards"]) == ("streaming", 2, 1)
     assert summary["steps_run_per_replica"] == [8, 8] and summary["tokens"] == 2 * 8 * 8 * 32
     # replicas apart: no step's weights are the same on both (DDP would make every one equal)
-    w0, w1 = ((tmp_path / "out" / f"weights{r}.txt").read_text().split() for r in (0, 1))
+    w0, w1 = ((tmp_path / "out" / f"one{r}.txt").read_text().split() for r in (0, 1))
     assert len(w0) == len(w1) == 8 and all(a != b for a, b in zip(w0, w1))
     # the outer link: each of the 2 fragments synced every 2 steps, 4 times, an fp32 all-reduce
     # of 2 ranks sending its 4 bytes a parameter; nothing inside a replica
@@ -88,6 +120,29 @@ def test_trainer_trains_streaming_replicas_apart(llama, tmp_path, monkeypatch, l
     code, err = lowband_here("report", tmp_path / "run", "-o", tmp_path / "report.html",
                              cwd=tmp_path)
     assert code == 0 and (tmp_path / "report.html").stat().st_size > 0, err
+
+
+def test_a_resumed_trainer_run_equals_the_whole_run(llama, tmp_path):
+    """Lost after step 6, resumed from step 4 (the Trainer's checkpoint-4 and lowband's, with
+    streaming fp4 and an exchange in flight): every step's weights after it, the summary's
+    tokens, bytes and losses equal the run never lost, bitwise."""
+    (tmp_path / "hf_train.py").write_text(SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "hf_train.py", llama,
+           tmp_path, "resume"]
+    proc = subprocess.run(list(map(str, cmd)), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    whole, resumed = json.loads(proc.stdout.split("SUMMARIES", 1)[1].splitlines()[0])
+    for key in ("steps_run_per_replica", "tokens", "outer_wire_bytes", "final_loss",
+                "final_val_loss"):
+        assert whole[key] == resumed[key], key
+    assert whole["steps_run_per_replica"] == [8, 8]
+    for r in (0, 1):
+        w, again = ((tmp_path / f"{tag}{r}.txt").read_text().split()
+                    for tag in ("whole", "resumed"))
+        assert len(w) == 8 and len(again) == 6 + 4  # the lost attempt's 6 steps, then 5 to 8
+        assert again[:6] == w[:6] and again[6:] == w[4:]
 
 
 # -- what the callback refuses ---------------------------------------------------------------------

@@ -25,6 +25,12 @@ event, and the end of training ends the run (model.pt, outer.pt, summary.json).
   step's training forward passes.
 - The Trainer's logging, evaluation and saving between steps are left out of the step's time,
   as `lowband train` leaves out its own.
+- Resume: checkpoint_every= equal to the Trainer's save_steps, and after a loss
+  `LowbandCallback(..., resume=True)` with `trainer.train(resume_from_checkpoint=True)`: the
+  Trainer restores its schedule, data position and rank 0's files, lowband's checkpoint every
+  replica's own weights, inner optimizer and outer state (the learning rate stays the Trainer's
+  schedule's). Both must continue from the same step, or the callback says so. The resumed run
+  equals the one never lost, bitwise.
 
 LowbandTrainingArguments (TrainingArguments, the same arguments): in a job of several processes
 the Trainer (through accelerate) sees torchrun's variables and trains data-parallel over all of
@@ -176,8 +182,11 @@ class LowbandCallback(TrainerCallback):
                               "your own loop (sync.backward) or `lowband train`.")
         if isinstance(optimizer, AcceleratedOptimizer):  # accelerate's wrapper: its optimizer
             optimizer = optimizer.optimizer
+        lrs = [group["lr"] for group in optimizer.param_groups]  # the Trainer's schedule's
         self.sync = Sync(model, optimizer, self.algo, recipe=self.recipe, blocks=blocks,
                          resume=self.resume, **self.options, **sizes)
+        for group, lr in zip(optimizer.param_groups, lrs):  # not a resumed checkpoint's, taken
+            group["lr"] = lr  # before the scheduler's step
         if self.sync.start_step != state.global_step:
             with self.sync:  # left as a crash leaves it: its events closed, the model free
                 raise ConfigError(f"lowband's run continues after step {self.sync.start_step} "
