@@ -60,13 +60,14 @@ SCRIPT = textwrap.dedent('''
                 raise RuntimeError("lost after step 6")
 
 
-    def train(tag, lost=False, resume=False, save="no", **options):
+    def train(tag, lost=False, resume=False, save="no", accum=1, **options):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_dir))
         # use_cpu: accelerate would make a gloo DDP job of both processes, but for these arguments
         args = LowbandTrainingArguments(output_dir=f"{out}/{tag}", max_steps=8, learning_rate=3e-3,
-                                        per_device_train_batch_size=8, use_cpu=True,
-                                        eval_strategy="steps", eval_steps=4, logging_steps=4,
+                                        per_device_train_batch_size=8 // accum, use_cpu=True,
+                                        gradient_accumulation_steps=accum, logging_steps=1,
+                                        eval_strategy="steps", eval_steps=4,
                                         save_strategy=save, save_steps=4, report_to="none")
         callback = LowbandCallback("streaming", link_bandwidth="", resume=resume, **options)
         trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=val_set,
@@ -75,19 +76,22 @@ SCRIPT = textwrap.dedent('''
             trainer.train(resume_from_checkpoint=resume or None)
         except RuntimeError:
             torch.distributed.barrier()  # (rank 0's Trainer has saved its checkpoint)
-        return callback.summary, args
+        return callback.summary, args, trainer
 
 
     if mode == "launched":
-        summary, args = train("one", sync_every=2, fragments=2, overlap=0, codec="fp32")
+        summary, args, trainer = train("one", accum=2, sync_every=2, fragments=2, overlap=0,
+                                       codec="fp32")
         if summary is not None:
             print("TRAINED", summary["steps"], args.world_size, args.data_seed)
+            print("LOGGED", json.dumps([h["loss"] for h in trainer.state.log_history
+                                        if "loss" in h]))
     else:
         kw = dict(sync_every=4, fragments=2, overlap=1, codec="fp4-e3m0", checkpoint_every=4,
                   save="steps")
-        whole, _ = train("whole", run_dir=f"{out}/whole", **kw)
+        whole, *_ = train("whole", run_dir=f"{out}/whole", **kw)
         train("resumed", run_dir=f"{out}/resumed", lost=True, **kw)
-        resumed, _ = train("resumed", run_dir=f"{out}/resumed", resume=True, **kw)
+        resumed, *_ = train("resumed", run_dir=f"{out}/resumed", resume=True, **kw)
         if whole is not None:
             print("SUMMARIES", json.dumps([whole, resumed]))
 ''')
@@ -114,6 +118,9 @@ def test_trainer_trains_streaming_replicas_apart(llama, tmp_path, monkeypatch, l
     assert summary["inner_wire_bytes"] == 0
     steps = [e for e in read_events(tmp_path / "run", ("step",)) if e["rank"] == 0]
     assert [e["step"] for e in steps] == list(range(1, 9))
+    # the step's loss: the Trainer's own (its micro-batches' shares of the mean, 2 a step)
+    logged = json.loads(h.logs().split("LOGGED", 1)[1].splitlines()[0])
+    assert logged == pytest.approx([e["loss"] for e in steps], rel=1e-6)
     assert summary["final_loss"] < steps[0]["loss"] - 0.3, (steps[0]["loss"], summary)
     evals = [e for e in read_events(tmp_path / "run", ("eval",)) if e["rank"] == 0]
     assert [e["step"] for e in evals] == [4, 8] and evals[1]["val_loss"] < evals[0]["val_loss"]
