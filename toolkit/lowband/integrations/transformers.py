@@ -195,6 +195,8 @@ class LowbandCallback(TrainerCallback):
                                   "checkpoint_every).")
         self._hook = model.register_forward_hook(self._forward, with_kwargs=True)
         self._seen = state.num_input_tokens_seen
+        if args.eval_on_start:  # the Trainer evaluates now: not training time
+            self._paused.enter_context(self.sync.paused())
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._paused.close()
