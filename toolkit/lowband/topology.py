@@ -94,6 +94,7 @@ def init(replicas: int, shards: int, device: str = "auto", backend: str = "auto"
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", str(world))  # a plain `python mine.py`: a world of one
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
                                 device_id=dev if backend == "nccl" else None)
     mesh = init_device_mesh(dev.type, (groups, shards), mesh_dim_names=("replicate", "shard"))
