@@ -19,7 +19,8 @@ pytest.importorskip("torchft")
 pytest.importorskip("torchx")
 
 import lowband  # noqa: E402
-from lowband.config import ConfigError  # noqa: E402
+from lowband.config import Config, ConfigError  # noqa: E402
+from lowband.launch import components  # noqa: E402
 from lowband.telemetry import read_events  # noqa: E402
 
 STEPS, HOLD = 16, 6
@@ -125,6 +126,9 @@ def test_the_jobs_elastic_options_are_the_launchers(tmp_path, monkeypatch):
         "LOWBAND_QUORUM_TIMEOUT": "600", "LOWBAND_ELASTIC_TIMEOUT": "40",
         "LOWBAND_REPLICA": "1", "LOWBAND_REPLICAS": "2", "LOWBAND_SHARDS": "1",
         "LOWBAND_RUN_DIR": str(tmp_path / "r"), "LOWBAND_PROGRESS": "0", "LOWBAND_NODE": "group1"}
+    defaults = components().train.__kwdefaults__  # the component's are lowband train's
+    assert (defaults["quorum_timeout"], defaults["elastic_timeout"]) == \
+        (Config().quorum_timeout, Config().elastic_timeout)
     with pytest.raises(ConfigError, match=r"^min_replicas= is an option of an elastic job"):
         lowband.launch(script=str(script), min_replicas=2, start=False)
     with pytest.raises(ConfigError, match=r"--min-replicas 3 must lie in 1\.\.2"):
