@@ -143,3 +143,23 @@ def test_the_jobs_elastic_options_are_the_launchers(tmp_path, monkeypatch):
         lowband.Sync(model, torch.optim.SGD(model.parameters(), lr=0.1), "diloco",
                      blocks=torch.nn.ModuleList([model]), elastic=False)
     assert getattr(model, "_lowband_sync", None) is None
+
+
+def test_a_job_whose_groups_never_reach_the_lighthouse_ends_with_a_sentence(tmp_path):
+    """A script that does not train through lowband.Sync (or fails before it) never reaches the
+    Lighthouse: the Lighthouse role ends the job after the job's quorum timeout instead of
+    waiting for the groups' records for ever."""
+    script = tmp_path / "plain.py"
+    script.write_text("import sys\nsys.exit(0)\n")  # trains nothing, joins nothing
+    run = tmp_path / "run"
+    h = lowband.launch(script=str(script), replicas=2, run_dir=str(run), elastic=True,
+                       quorum_timeout=4, max_restarts=0)
+    try:
+        assert h.wait(timeout=60) == "failed"
+    finally:
+        h.cancel()
+    (log,) = run.glob("logs/torchx/*/*/lighthouse/0/stderr.log")  # the Lighthouse role's
+    assert "lowband: no replica group has reached the Lighthouse for 4 s (each failed past its " \
+           "restarts, or its script does not train through lowband.Sync), so the job ends" \
+           in log.read_text()
+    assert not (run / "summary.json").exists()
