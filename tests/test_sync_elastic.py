@@ -163,3 +163,23 @@ def test_a_job_whose_groups_never_reach_the_lighthouse_ends_with_a_sentence(tmp_
            "restarts, or its script does not train through lowband.Sync), so the job ends" \
            in log.read_text()
     assert not (run / "summary.json").exists()
+
+
+def test_sync_range_follows_a_heal_and_refuses_a_step_left_out():
+    """sync.range() yields the step the Sync is at: after a heal inside sync.step() (a group
+    behind the others goes on at a live peer's step) the next one is the peer's, where
+    range(sync.start_step, sync.steps) would go on counting. Its Sync stood in for: the step
+    it is at (done.step) is all range() reads."""
+    from types import SimpleNamespace as Stand
+
+    sync = Stand(done=Stand(step=2), config=Stand(steps=8), finished=False)
+    seen = []
+    for step in lowband.Sync.range(sync):
+        seen.append(step)
+        sync.done.step = 6 if step == 3 else step + 1  # sync.step(): step 4 healed to 6
+    assert seen == [2, 3, 6, 7]
+    forgot = Stand(done=Stand(step=0), config=Stand(steps=8), finished=False)
+    with pytest.raises(ConfigError, match=r"^sync.range\(\) went past step 1 without "
+                       r"sync.step\(\): call it once a step, after the optimizer's step\.$"):
+        for step in lowband.Sync.range(forgot):
+            pass
