@@ -339,15 +339,18 @@ class Membership:
         self.manager.shutdown(wait=False)
 
 
-def alive_groups(members, timeout_s: float = 2.0) -> list[int] | None:
+def alive_groups(members, timeout_s: float = 2.0, lighthouse: str | None = None
+                 ) -> list[int] | None:
     """The replica groups alive now in the Lighthouse's eyes: those whose heartbeat it saw
     within its heartbeat timeout (its /status page lists every replica id it heard from, old
     ones marked; a restarted group's lives have ids of their own, `replica1:<uuid>`), with the
-    quorum's members (healthy when it formed). None when the Lighthouse does not answer."""
+    quorum's members (healthy when it formed). None when the Lighthouse does not answer.
+    lighthouse: its address (default: TORCHFT_LIGHTHOUSE's)."""
     from urllib.request import urlopen
 
     try:
-        with urlopen(os.environ[LIGHTHOUSE_ENV].rstrip("/") + "/status", timeout=timeout_s) as r:
+        address = lighthouse or os.environ[LIGHTHOUSE_ENV]
+        with urlopen(address.rstrip("/") + "/status", timeout=timeout_s) as r:
             page = r.read().decode("utf-8", "replace")
     except (OSError, ValueError, KeyError):
         return None

@@ -10,7 +10,8 @@ import sys
 
 from lowband.config import ArgParser, ConfigError
 from lowband.launch.handle import LOCAL_SCHEDULERS, LaunchHandle
-from lowband.launch.job import launch
+from lowband.launch.env import ELASTIC_ENV
+from lowband.launch.job import flag_args, launch
 from lowband.launch.node import agent
 from lowband.summary import one_line
 
@@ -24,7 +25,8 @@ def launch_parser() -> argparse.ArgumentParser:
         "them); remote ones are submitted and their handle printed. With --script PATH, every "
         "rank runs your training script instead, and the flags not listed here (and all after "
         "--) are the script's; it reads the layout from LOWBAND_REPLICAS, LOWBAND_SHARDS and "
-        "LOWBAND_RUN_DIR (lowband.launch.launch_config())."),
+        "LOWBAND_RUN_DIR (lowband.launch.launch_config()); with --elastic too, its lowband.Sync "
+        "runs elastic (docs/elastic.md)."),
         epilog="`python -m lowband.launch torchrun ARGS` is the per-node agent the job runs.")
     p.add_argument("-s", "--scheduler", default="local_cwd", help="TorchX scheduler (default: "
                    "local_cwd)")
@@ -32,6 +34,15 @@ def launch_parser() -> argparse.ArgumentParser:
                    help="scheduler run options, over .torchxconfig (e.g. partition=gpu,time=60)")
     p.add_argument("--script", metavar="PATH", help="run this training script on every rank "
                    "instead of `lowband train` (a path here for local_cwd, on the nodes otherwise)")
+    p.add_argument("--elastic", action="store_true", default=None, help="each replica group a "
+                   "role of its own joined by a torchft Lighthouse, restarted when it dies "
+                   "(docs/elastic.md); with --script, a script that trains through lowband.Sync")
+    for flag, kind, what in (("--min-replicas", int, "smallest quorum an outer update commits "
+                              "with"), ("--max-restarts", int, "restarts of a group that died"),
+                             ("--quorum-timeout", float, "seconds a group waits for a quorum"),
+                             ("--elastic-timeout", float, "seconds an exchange or a heal may "
+                              "take")):
+        p.add_argument(flag, type=kind, help=f"--elastic: {what} (lowband train's default)")
     p.add_argument("--replicas", type=int, help="R, replica groups (default: 2)")
     p.add_argument("--shards", type=int, help="S, ranks in each replica group (default: 1)")
     p.add_argument("--run-dir", help="run directory, on a filesystem every node shares (default: "
@@ -86,10 +97,12 @@ def main(argv: list[str]) -> int:
     if "--" in train_flags:  # everything after it is lowband train's (or the script's)
         train_flags.remove("--")
     mounts = [tok for m in args.mount for tok in m.split(",") if tok]
+    # --elastic and its options: the job's with a script, `lowband train`'s flags without one
+    elastic = {k: v for k in ELASTIC_ENV if (v := getattr(args, k)) is not None}
     if args.script is not None:
         train_flags, script_args = [], train_flags
     else:
-        script_args = []
+        train_flags, script_args, elastic = [*flag_args(elastic), *train_flags], [], {}
     handle = launch(train_flags, scheduler=args.scheduler, script=args.script,
                     script_args=script_args, replicas=args.replicas, shards=args.shards,
                     run_dir=args.run_dir,
@@ -99,7 +112,7 @@ def main(argv: list[str]) -> int:
                     h=args.h, cpu=args.cpu, gpu=args.gpu, memMB=args.memMB,
                     env=_pairs(args.env, "--env"), mounts=mounts, rdzv_port=args.rdzv_port,
                     rdzv_timeout=args.rdzv_timeout, max_retries=args.max_retries,
-                    start=False)
+                    start=False, **elastic)
     if args.dryrun:
         print(handle.dryrun_info)
         return 0

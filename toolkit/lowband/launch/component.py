@@ -30,7 +30,7 @@ import torchx.specs as specs
 from torchx.components import dist
 from torchx.specs import macros
 
-from lowband.launch.env import PROGRESS, REPLICAS, RUN_DIR, SHARDS
+from lowband.launch.env import ELASTIC_ENV, PROGRESS, REPLICAS, RUN_DIR, SHARDS
 
 # the workers' environment that tells a job's processes their layout (env.py reads it back)
 LAYOUT_ENV = (REPLICAS, SHARDS, RUN_DIR, PROGRESS)
@@ -69,6 +69,8 @@ def train(
     max_restarts: int = 3,
     lighthouse_port: int = 29510,
     join_timeout: float = 60.0,
+    quorum_timeout: float = 600.0,
+    elastic_timeout: float = 120.0,
 ) -> specs.AppDef:
     """Train a language model with `lowband train`, or your own training script, across nodes
     (one torchrun agent per node).
@@ -79,7 +81,8 @@ def train(
             own arguments
         script: a training script (a path on the nodes) to run on every rank instead of
             `lowband train`; it reads replicas, shards and the run directory from the
-            environment (LOWBAND_REPLICAS, LOWBAND_SHARDS, LOWBAND_RUN_DIR)
+            environment (LOWBAND_REPLICAS, LOWBAND_SHARDS, LOWBAND_RUN_DIR); with elastic, a
+            script that trains through lowband.Sync (or a Config from launch_config())
         algo: training algorithm (ddp, diloco, streaming); lowband's default when not given
             (not with script: pass it in the script's arguments)
         replicas: R, replica groups joined by the slow outer link
@@ -114,10 +117,19 @@ def train(
         join_timeout: seconds a quorum waits for a group that heartbeats but has not asked
             (elastic; lowband launch passes half the shorter of the run's quorum and elastic
             timeouts)
+        quorum_timeout: seconds a group waits for a quorum (elastic; a script's lowband.Sync
+            takes it from LOWBAND_QUORUM_TIMEOUT)
+        elastic_timeout: seconds an exchange or a heal may take (elastic; a script's
+            lowband.Sync takes it from LOWBAND_ELASTIC_TIMEOUT)
     """
     if elastic:
+        values = {"elastic": "1", "min_replicas": str(min_replicas),
+                  "max_restarts": str(max_restarts), "quorum_timeout": f"{quorum_timeout:g}",
+                  "elastic_timeout": f"{elastic_timeout:g}"}
+        # the job's elastic options, for a script's lowband.Sync (launch/env.py)
+        env = {**(env or {}), **{var: values[key] for key, (var, _) in ELASTIC_ENV.items()}}
         return _elastic(flags, script, algo, replicas, shards, run_dir or f"runs/{macros.app_id}",
-                        config, name, image, h, cpu, gpu, memMB, dict(env or {}), mounts,
+                        config, name, image, h, cpu, gpu, memMB, env, mounts,
                         rdzv_timeout, progress, debug, min_replicas, max_restarts, lighthouse_port,
                         join_timeout)
     n, p = node_layout(replicas, shards, replicas_per_node, nnodes, nproc_per_node)
@@ -169,14 +181,14 @@ def _elastic(flags, script, algo, replicas, shards, run_dir, config, name, image
              port, join_timeout) -> specs.AppDef:
     """--elastic: role 0 runs the Lighthouse (python -m lowband.launch lighthouse, which also
     writes summary.json from the groups' records when they are done); role 1 + g is replica
-    group g, `shards` processes on one node whose agent restarts them when one dies. Every role
-    finds the Lighthouse through the scheduler's rank-0 host variable, which names role 0's
-    first node. (On Slurm, `lowband launch` submits each group as a requeued job of its own, so
-    a node lost for good takes only its group, which comes back: launch/slurm.py.)"""
-    if script:
-        raise ValueError("--elastic runs `lowband train --elastic`: a script cannot be made "
-                         "elastic from outside; drop one of them.")
-    if "--elastic" not in flags and not _resumes(flags):
+    group g, `shards` processes on one node whose agent restarts them when one dies: `lowband
+    train --elastic`, or the script (its lowband.Sync reads LOWBAND_REPLICA, TORCHFT_LIGHTHOUSE
+    and the elastic options from its environment, and counts its lives in torchrun's
+    TORCHELASTIC_RESTART_COUNT). Every role finds the Lighthouse through the scheduler's rank-0
+    host variable, which names role 0's first node. (On Slurm, `lowband launch` submits each
+    group as a requeued job of its own, so a node lost for good takes only its group, which
+    comes back: launch/slurm.py.)"""
+    if not script and "--elastic" not in flags and not _resumes(flags):
         flags = (*flags, "--elastic")
     # (on Slurm each group is a job of its own, told the Lighthouse's node: launch/slurm.py)
     address = f"http://$${{LOWBAND_LIGHTHOUSE_HOST:-$${{{macros.rank0_env}:=localhost}}}}:{port}"
@@ -189,7 +201,7 @@ def _elastic(flags, script, algo, replicas, shards, run_dir, config, name, image
         env=dict(env), max_retries=0, mounts=specs.parse_mounts(mounts) if mounts else [])
     roles = [lighthouse]
     for g in range(replicas):
-        group = _nodes(flags, None, algo, replicas, shards, 1, shards, run_dir, config, name,
+        group = _nodes(flags, script, algo, replicas, shards, 1, shards, run_dir, config, name,
                        image, h, cpu, gpu, memMB,
                        {**env, "LOWBAND_REPLICA": str(g), "LOWBAND_NODE": f"group{g}"}, mounts,
                        29500, rdzv_timeout, 0, progress, debug)

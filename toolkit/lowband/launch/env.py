@@ -7,7 +7,17 @@
     LOWBAND_RUN_DIR    the run directory (on a filesystem every node shares)
     LOWBAND_PROGRESS   1 or 0: whether rank 0 shows a progress bar (0 for batch logs)
 
-so the script builds its Config from them:
+and, in an elastic job (`lowband launch --elastic --script`), lowband train's elastic options,
+the launcher's for every group (its Lighthouse and restarts follow them):
+
+    LOWBAND_ELASTIC          1: each replica group a job of its own, joined by the Lighthouse
+    LOWBAND_MIN_REPLICAS     --min-replicas
+    LOWBAND_MAX_RESTARTS     --max-restarts
+    LOWBAND_QUORUM_TIMEOUT   --quorum-timeout (seconds)
+    LOWBAND_ELASTIC_TIMEOUT  --elastic-timeout (seconds)
+
+beside torchft's TORCHFT_LIGHTHOUSE and the group's LOWBAND_REPLICA (comm/elastic.py), so the
+script builds its Config from them:
 
     from lowband.launch import launch_config
     cfg = launch_config(algo="streaming", steps=500)   # Config(replicas=R, shards=S, run_dir=...)
@@ -22,27 +32,38 @@ import os
 
 REPLICAS, SHARDS, RUN_DIR, PROGRESS = ("LOWBAND_REPLICAS", "LOWBAND_SHARDS", "LOWBAND_RUN_DIR",
                                        "LOWBAND_PROGRESS")
+# an elastic job's options (Config's names, ElasticOptions in comm/elastic.py): their variables
+# and types; component.py sets them on every replica group of an elastic job
+ELASTIC_ENV = {"elastic": ("LOWBAND_ELASTIC", bool), "min_replicas": ("LOWBAND_MIN_REPLICAS", int),
+               "max_restarts": ("LOWBAND_MAX_RESTARTS", int),
+               "quorum_timeout": ("LOWBAND_QUORUM_TIMEOUT", float),
+               "elastic_timeout": ("LOWBAND_ELASTIC_TIMEOUT", float)}
 
 
 def layout() -> dict:
     """The job's layout from the environment, as Config keywords: replicas, shards, run_dir and
     progress, those whose variable is set (all four under lowband.launch; none under a plain
-    torchrun, so `Config(**layout(), ...)` works either way)."""
+    torchrun, so `Config(**layout(), ...)` works either way); in an elastic job, its elastic
+    options too (ELASTIC_ENV)."""
     from lowband.config import ConfigError
 
     out: dict = {}
-    for key, var in (("replicas", REPLICAS), ("shards", SHARDS)):
+    numbers = {"replicas": (REPLICAS, int), "shards": (SHARDS, int),
+               **{k: v for k, v in ELASTIC_ENV.items() if k != "elastic"}}
+    for key, (var, kind) in numbers.items():
         value = os.environ.get(var)
         if value is not None:
             try:
-                out[key] = int(value)
+                out[key] = kind(value)
             except ValueError:
-                raise ConfigError(f"{var}={value!r} is not a whole number: it is set by "
+                what = "a whole number" if kind is int else "a number"
+                raise ConfigError(f"{var}={value!r} is not {what}: it is set by "
                                   "lowband.launch, leave it to it.") from None
     if os.environ.get(RUN_DIR):
         out["run_dir"] = os.environ[RUN_DIR]
-    if os.environ.get(PROGRESS) is not None:
-        out["progress"] = os.environ[PROGRESS] not in ("0", "", "false", "no")
+    for key, var in (("progress", PROGRESS), ("elastic", ELASTIC_ENV["elastic"][0])):
+        if os.environ.get(var) is not None:
+            out[key] = os.environ[var] not in ("0", "", "false", "no")
     return out
 
 
@@ -60,7 +81,7 @@ def job_layout(options: dict) -> dict:
     from lowband.config import ConfigError
 
     given = layout()
-    for key in ("replicas", "shards", "run_dir"):
+    for key in ("replicas", "shards", "run_dir", *ELASTIC_ENV):
         if key in given and key in options and options[key] != given[key]:
             raise ConfigError(f"{key}={options[key]!r} contradicts the launched job's "
                               f"{key}={given[key]!r}: leave {key} to lowband.launch.")

@@ -20,6 +20,7 @@ from typing import Sequence
 from lowband.comm.elastic import TORCHFT, join_timeout_s
 from lowband.config import ConfigError
 from lowband.flags import parse_train
+from lowband.launch.env import ELASTIC_ENV
 from lowband.launch.handle import (LOCAL_SCHEDULERS, TORCHX, LaunchHandle, _get_runner,
                                    _keep_signals)
 from lowband.options import needs_extra
@@ -120,6 +121,10 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
     keyword options (algo= and config= included) as `--key value`, passed as given. The workers'
     environment gives it the layout lowband owns: LOWBAND_REPLICAS, LOWBAND_SHARDS,
     LOWBAND_RUN_DIR and LOWBAND_PROGRESS (lowband.launch.layout() / launch_config() read them).
+    elastic=True (with min_replicas=, max_restarts=, quorum_timeout=, elastic_timeout=, which
+    are then the job's, not the script's) runs each replica group as a job of its own joined by
+    a Lighthouse, restarted when it dies: a script whose lowband.Sync takes them from its
+    environment (docs/elastic.md).
     scheduler: local_cwd, slurm, kubernetes or any TorchX scheduler; cfg: its run options (merged
     over .torchxconfig). The rest are the component's parameters (see
     lowband/launch/component.py): by default one replica group per node. rdzv_port 0 picks a
@@ -139,9 +144,11 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
     local = scheduler in LOCAL_SCHEDULERS
     _refuse_objects({**options, "algo": algo, "config": config}, [*flags, *script_args])
     if script is not None:
+        # elastic=, min_replicas=, ... are the job's (its Lighthouse and restarts), not the script's
+        elastic = {k: v for k in ELASTIC_ENV if (v := options.pop(k, None)) is not None}
         flags, algo, config, run_dir, layout = _script_job(
             script, [*script_args, *flags, *flag_args({"algo": algo, "config": config}),
-                     *flag_args(options)], replicas, shards, run_dir, local)
+                     *flag_args(options)], replicas, shards, run_dir, local, elastic)
         script = layout.pop("script")
     else:
         if script_args:
@@ -218,18 +225,30 @@ def _train_job(flags, options, algo, replicas, shards, run_dir, config, local):
     if run_dir is None or resume:  # a resumed run goes on in its own directory
         run_dir = train_cfg.run_dir or _default_run_dir(train_cfg.algo)
     layout = {"replicas": train_cfg.replicas, "shards": train_cfg.shards}
-    if train_cfg.elastic:  # a Lighthouse role and a retried role a group (docs/elastic.md)
-        if local:  # (remote nodes have their own installs)
-            needs_extra(*TORCHFT)
-        layout.update(elastic=True, min_replicas=train_cfg.min_replicas,
-                      max_restarts=train_cfg.max_restarts, join_timeout=join_timeout_s(train_cfg))
+    if train_cfg.elastic:
+        layout.update(_elastic_layout(train_cfg, local))
     return flags, algo, config, run_dir, layout
 
 
-def _script_job(script, argv, replicas, shards, run_dir, local):
+def _elastic_layout(cfg, local: bool) -> dict:
+    """The component's parameters of an elastic job (a Lighthouse role and a restarted role a
+    group: docs/elastic.md) from its validated Config; a local job's Lighthouse on a free port."""
+    if local:  # (remote nodes have their own installs)
+        needs_extra(*TORCHFT)
+    out = {"elastic": True, "join_timeout": join_timeout_s(cfg),
+           **{k: getattr(cfg, k) for k in ELASTIC_ENV if k != "elastic"}}
+    if local:
+        from lowband.launch.local import free_port
+
+        out["lighthouse_port"] = free_port()
+    return out
+
+
+def _script_job(script, argv, replicas, shards, run_dir, local, elastic: dict):
     """A user's training script: its arguments passed as given; only the layout lowband owns
-    (replicas, shards, run directory) is checked here. A local script must exist here; a remote
-    one lives on the nodes."""
+    (replicas, shards, run directory; elastic: the job's elastic options) is checked here. A
+    local script must exist here; a remote one lives on the nodes."""
+    from lowband.comm.elastic import ElasticOptions
     from lowband.config import Config
 
     script = os.fspath(script)
@@ -247,6 +266,14 @@ def _script_job(script, argv, replicas, shards, run_dir, local):
                 not str(value).strip().isdigit() or int(value) <= 0:
             raise ConfigError(f"{key} must be a positive integer, got {value!r}.")
         layout[key] = int(value)
+    others = [k for k in elastic if k != "elastic"]
+    if others and not elastic.get("elastic"):
+        raise ConfigError(f"{others[0]}= is an option of an elastic job: give elastic=True "
+                          "(lowband launch --elastic) too, or leave it out.")
+    if elastic.get("elastic"):
+        cfg = Config(replicas=layout["replicas"], shards=layout["shards"], **elastic)
+        ElasticOptions.check(cfg)
+        layout.update(_elastic_layout(cfg, local))
     if run_dir is None:
         run_dir = _default_run_dir(Path(script).stem)
     return [_arg(a) for a in argv], None, None, os.fspath(run_dir), layout

@@ -3,6 +3,8 @@
 When every group has written its record (RUN/groups/, on the shared filesystem) it writes
 summary.json and exits; a group lost for good never writes one, so once the first record is
 there the others get --wait seconds before the summary is written from those that finished.
+When no group reaches it for --idle-timeout seconds (none started, or every one failed past
+its restarts; the job's --quorum-timeout), the job ends with an error.
 On Slurm (--slurm-groups) it also submits the groups' jobs and watches them (launch/slurm.py):
 once none is left, it stops waiting."""
 
@@ -14,7 +16,9 @@ import subprocess
 import sys
 import time
 
+from lowband.comm.elastic import alive_groups
 from lowband.faults import lighthouse_kill_asked
+from lowband.launch.env import layout
 from lowband.launch.slurm import GROUPS_ARG, GroupJobs
 from lowband.launch.supervise import lighthouse, write_summary
 from lowband.telemetry import RunDir, read_events
@@ -36,13 +40,17 @@ def main(argv: list[str]) -> int:
                    help="seconds the other groups get once the first has finished")
     p.add_argument(GROUPS_ARG, metavar="DIR", help="Slurm: submit the groups' batch scripts "
                    "in DIR as jobs of their own (launch/slurm.py)")
+    p.add_argument("--idle-timeout", type=_positive, default=layout().get("quorum_timeout"),
+                   help="seconds in which no replica group reaches the Lighthouse (none started,"
+                   " or every one failed past its restarts) before the job ends (default: the "
+                   "job's --quorum-timeout; not with --slurm-groups, whose jobs say it)")
     a = p.parse_args(argv)
     server = lighthouse(a.min_replicas, a.join_timeout, port=a.port,
                         heartbeat_timeout_s=a.heartbeat_timeout)
     print(f"lowband: lighthouse at {server.address()} for {a.replicas} replica groups",
           file=sys.stderr, flush=True)
     run = RunDir(a.run_dir)
-    first_done, jobs = None, None
+    first_done, jobs, last_alive = None, None, time.monotonic()
     # a cancelled job's SIGTERM: cancel the group jobs on the way out (finally)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
@@ -67,6 +75,15 @@ def main(argv: list[str]) -> int:
                           f"the run has no result: see {run.logs}.", file=sys.stderr)
                     return 1
                 break
+            if jobs is None and a.idle_timeout and not first_done:
+                if alive_groups((), lighthouse=f"http://localhost:{a.port}") != []:
+                    last_alive = time.monotonic()  # (None: no answer, not the groups' fault)
+                elif time.monotonic() - last_alive > a.idle_timeout:
+                    print(f"lowband: no replica group has reached the Lighthouse for "
+                          f"{a.idle_timeout:g} s (each failed past its restarts, or its script "
+                          f"does not train through lowband.Sync), so the job ends; see {run.logs}.",
+                          file=sys.stderr, flush=True)
+                    return 1
             if lighthouse_kill_asked(run.root):  # --kill lighthouse:STEP: as if this host were lost
                 print("lowband: the Lighthouse is stopped (--kill lighthouse).", file=sys.stderr)
                 return 1

@@ -9,6 +9,7 @@
         sync.step(loss=loss, tokens=tokens_in(batch(step)))
     sync.finish(val_loss=...)
 
+(`for step in sync.range():` in place of the range follows an elastic heal's step: below.)
 The options are `lowband train`'s, by the same names and with the same defaults (a recipe's
 too); those of lowband's own loop (the model, data, learning rate and schedule, evaluation)
 are the user's loop's and are refused here. The world comes from torchrun, `lowband launch
@@ -19,6 +20,13 @@ a step's set-up at the end of the step before (after its checkpoint), the backwa
 sync.backward, the outer work in sync.step, after the user's optimizer step.
 
 ddp, diloco and streaming run here; zero1, acco, edit and aedit cannot (UNWRAPPABLE says why).
+
+elastic=True (or `lowband launch --elastic --script`, whose groups' environment says so): each
+replica group is a job of its own joined through torchft (docs/elastic.md). A restarted group
+continues from its newest checkpoint and heals from a live peer in its first quorum (start_step
+is then the peer's step); a group that falls behind later heals at a sync, inside sync.step(),
+and goes on at the peer's step, which sync.range() yields next. A heal hands over `state`'s
+objects with the model, the optimizer and the algorithm's state.
 """
 
 from __future__ import annotations
@@ -90,6 +98,9 @@ class Sync:
         if inner is not optimizer:  # (not for the algorithms above; a registered one may)
             raise ConfigError(f"algo={algo!r} builds its own inner optimizer, so it cannot step "
                               "yours: run it with `lowband train`.")
+        if self.comm.elastic is not None and self.state:  # a heal hands them over too
+            self.comm.elastic.manager.register_state_dict_fn("user", self._load_user_state,
+                                                             self._user_state)
         setattr(model, WRAPPED, self)
         self.ledger = Ledger(topo.shards, cfg.elastic)
         self.done = start_training(cfg, topo, self.events, model, optimizer, self.algo, self.comm,
@@ -114,6 +125,17 @@ class Sync:
     def steps(self) -> int:
         """The run's length (steps=, as `lowband train --steps`)."""
         return self.config.steps
+
+    def range(self):
+        """The steps to train, each the step this Sync is at: `for step in sync.range():`, from
+        start_step to steps. It follows a heal (elastic: a group behind the others goes on from a
+        live peer's state and step), which range(sync.start_step, sync.steps) would not."""
+        while self.done.step < self.config.steps and not self.finished:
+            step = self.done.step
+            yield step
+            if self.done.step == step and not self.finished:
+                raise ConfigError(f"sync.range() went past step {step + 1} without sync.step(): "
+                                  "call it once a step, after the optimizer's step.")
 
     def backward(self, loss: torch.Tensor, last: bool = True) -> None:
         """loss.backward() with the algorithm's hooks around it: ddp's gradient buckets leave
@@ -222,6 +244,13 @@ class Sync:
 
     def _optimizer_stepped(self, optimizer, args, kwargs) -> None:
         self._stepped += 1
+
+    def _user_state(self) -> dict:
+        return {key: obj.state_dict() for key, obj in self.state.items()}
+
+    def _load_user_state(self, got: dict) -> None:
+        for key, state in got.items():
+            self.state[key].load_state_dict(state)
 
     def _begin_step(self) -> None:
         """The set-up of the next step, as the trainer does it before the step reads its data:
