@@ -194,6 +194,9 @@ def test_the_callback_refuses_a_data_parallel_trainer_and_shards(llama, tmp_path
         _begin(LowbandCallback("streaming", shards=2, run_dir=str(tmp_path / "r")), ours, model)
     assert "runs one rank a replica group, not shards=2" in str(e.value)
     assert _one_sentence(str(e.value))
+    with pytest.raises(ConfigError) as e:  # a heal's step the Trainer's own count cannot follow
+        _begin(LowbandCallback("streaming", elastic=True, run_dir=str(tmp_path / "r")), ours, model)
+    assert str(e.value).startswith("LowbandCallback does not run elastic") and _one_sentence(str(e.value))
     assert not (tmp_path / "r").exists()  # nothing written, the model untouched
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 

@@ -180,6 +180,11 @@ class LowbandCallback(TrainerCallback):
                               "backward pass, which the Trainer runs, with its own gradient "
                               "clipping before any hook of the callback; use lowband.Sync in "
                               "your own loop (sync.backward) or `lowband train`.")
+        if cfg.elastic:
+            raise ConfigError("LowbandCallback does not run elastic: a group healed from a live "
+                              "peer goes on from the peer's step, which the Trainer's own step "
+                              "count, schedule and data position cannot follow; use lowband.Sync "
+                              "in your own loop (for step in sync.range()) for an elastic job.")
         if isinstance(optimizer, AcceleratedOptimizer):  # accelerate's wrapper: its optimizer
             optimizer = optimizer.optimizer
         lrs = [group["lr"] for group in optimizer.param_groups]  # the Trainer's schedule's
