@@ -1,7 +1,7 @@
 """lowband's algorithms inside your own training loop: `lowband.Sync(model, optimizer, algo=...)`.
 
     sync = lowband.Sync(model, optimizer, algo="streaming", sync_every=20, codec="fp4-e3m0")
-    for step in range(sync.start_step, sync.steps):
+    for step in sync.range():        # start_step .. steps, following an elastic heal
         loss = model_loss(model, batch(step))
         sync.backward(loss)          # or loss.backward() (diloco and streaming, one rank a group)
         optimizer.step()
@@ -9,7 +9,6 @@
         sync.step(loss=loss, tokens=tokens_in(batch(step)))
     sync.finish(val_loss=...)
 
-(`for step in sync.range():` in place of the range follows an elastic heal's step: below.)
 The options are `lowband train`'s, by the same names and with the same defaults (a recipe's
 too); those of lowband's own loop (the model, data, learning rate and schedule, evaluation)
 are the user's loop's and are refused here. The world comes from torchrun, `lowband launch
