@@ -143,7 +143,8 @@ def main(argv=None):
                 val = evaluate(model, held_out)
         sync.step(loss=loss, tokens=x.numel(), val_loss=val)
         if rank == 0 and (step + 1) % 10 == 0:
-            print(f"step {step + 1}: loss {loss.item():.4f}" + (f", val {val:.4f}" if val else ""))
+            shown = f", val {val:.4f}" if val is not None else ""
+            print(f"step {step + 1}: loss {loss.item():.4f}{shown}", flush=True)
     with sync.paused():
         val = evaluate(model, held_out)
     summary = sync.finish(val_loss=val)  # summary.json; the summary on rank 0
