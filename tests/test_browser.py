@@ -82,6 +82,7 @@ def lab(tmp_path):
     injected.id = "injected-parameters"
     nb.cells.insert(nb.cells.index(cell) + 1, injected)
     nbformat.write(nb, root / "01-quickstart.ipynb")
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")  # beside it, as in a checkout
 
     port, token = free_port(), secrets.token_hex(16)
     jupyter_dirs = {k: str(tmp_path / "jupyter" / k.lower()) for k in
@@ -147,7 +148,9 @@ def wait_for_kernel(page, url: str, timeout: float = 90) -> None:
 
 
 def figures(page) -> dict[str, dict]:
-    return {f["title"] or f["id"]: f for f in page.evaluate(FIGURES_JS)}
+    """The page's figures by title, the first of each: the quickstart's own dashboard's (the
+    dashboard of the notebook's own-loop run comes after it)."""
+    return {f["title"] or f["id"]: f for f in reversed(page.evaluate(FIGURES_JS))}
 
 
 def loss_points(figs) -> int:
