@@ -394,9 +394,17 @@ def _eval(algo, model, batches, cfg, events, step, done, elapsed, ledger, comm, 
     reaching its loss took (ledger.py), done.val_loss keeps the loss."""
     outer = comm.totals.wire_bytes["outer"]  # sent before the evaluation, not during it
     with algo.eval_weights(cfg.eval_params):
-        done.val_loss = evaluate(model, batches, cfg)
-    fields, record = ledger.at_eval(step, done.val_loss, elapsed, done.tokens, outer, everyone)
-    events.emit("eval", step=step, val_loss=done.val_loss, **fields)
+        val_loss = evaluate(model, batches, cfg)
+    record_eval(events, ledger, done, step, val_loss, elapsed, outer, everyone)
+
+
+def record_eval(events, ledger, done, step, val_loss, elapsed, outer, everyone) -> None:
+    """An evaluation's loss kept (done.val_loss), its event written with what reaching it took
+    (ledger.py), and where every rank evaluated, its record for the target. The trainer's and
+    lowband.Sync's evaluations (the user's own) are recorded here."""
+    done.val_loss = val_loss
+    fields, record = ledger.at_eval(step, val_loss, elapsed, done.tokens, outer, everyone)
+    events.emit("eval", step=step, val_loss=val_loss, **fields)
     if record is not None:
         done.evals.append(record)
 

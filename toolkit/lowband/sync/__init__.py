@@ -42,7 +42,8 @@ from lowband.ledger import Ledger
 from lowband.models import blocks_of
 from lowband.sync.options import config_of
 from lowband.telemetry import EventWriter
-from lowband.train import (_checkpoint, _take_heal, set_up, start_training, write_results)
+from lowband.train import (_checkpoint, _take_heal, record_eval, set_up, start_training,
+                           write_results)
 
 # the algorithms a wrapper around the user's optimizer cannot run, and why (docs/your-loop.md)
 UNWRAPPABLE = {
@@ -264,13 +265,8 @@ class Sync:
         self._backward_done, self._micro = False, 0
 
     def _evaluated(self, val_loss: float, elapsed: float, everyone: bool) -> None:
-        outer = self.comm.totals.wire_bytes["outer"]
-        self.done.val_loss = val_loss
-        fields, record = self.ledger.at_eval(self.done.step, val_loss, elapsed, self.done.tokens,
-                                             outer, everyone)
-        self.events.emit("eval", step=self.done.step, val_loss=val_loss, **fields)
-        if record is not None:
-            self.done.evals.append(record)
+        record_eval(self.events, self.ledger, self.done, self.done.step, val_loss, elapsed,
+                    self.comm.totals.wire_bytes["outer"], everyone)
 
     def _check_open(self) -> None:
         if self.finished:
