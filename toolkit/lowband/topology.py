@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lowband.comm.bind import bind_gloo, world_store
 from lowband.options import ConfigError
 
 
@@ -95,8 +96,14 @@ def init(replicas: int, shards: int, device: str = "auto", backend: str = "auto"
         os.environ.setdefault("MASTER_PORT", "29500")
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", str(world))  # a plain `python mine.py`: a world of one
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
-                                device_id=dev if backend == "nccl" else None)
+        bind_gloo()  # rank 0's store and gloo's pairs listen on bind_host() only (comm/bind.py)
+        timeout = timedelta(seconds=timeout_s)
+        store = world_store(int(os.environ["RANK"]), world, timeout)
+        dist.init_process_group(backend, timeout=timeout,
+                                device_id=dev if backend == "nccl" else None,
+                                **({} if store is None else {"store": store,
+                                                             "rank": int(os.environ["RANK"]),
+                                                             "world_size": world}))
     mesh = init_device_mesh(dev.type, (groups, shards), mesh_dim_names=("replicate", "shard"))
     first = 0 if replica is None else replica * shards
     topo = Topology(rank=first + dist.get_rank(), world=replicas * shards, replicas=replicas, shards=shards,

@@ -44,6 +44,8 @@ from datetime import timedelta
 
 import torch
 
+from lowband.comm.bind import (bind_gloo, bind_host, bound_checkpoint_server, bound_torchft,
+                               url_host)
 from lowband.comm.lives import LIFE, LIFE_ENV, LighthouseLives
 from lowband.options import ConfigError, Options, needs_extra, option
 
@@ -119,6 +121,8 @@ class Membership:
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
+        bind_gloo()  # torchft's gloo group binds bind_host()'s interface, as the world's does
+
         lighthouse = os.environ.get(LIGHTHOUSE_ENV)
         if not lighthouse:
             raise ConfigError(f"--elastic needs a Lighthouse: run it through `lowband train "
@@ -127,15 +131,17 @@ class Membership:
         timeout = timedelta(seconds=cfg.elastic_timeout)
         self.pg = ProcessGroupGloo(timeout=timeout)
         self._heal = None  # (bytes, seconds, step, sender) of the state received in the last quorum
-        self.manager = Manager(
-            pg=self.pg, load_state_dict=None, state_dict=None,
-            min_replica_size=cfg.min_replicas, use_async_quorum=False, timeout=timeout,
-            quorum_timeout=timedelta(seconds=cfg.quorum_timeout), connect_timeout=timeout,
-            quorum_retries=max(1, int(cfg.quorum_timeout / RETRY_S)), rank=topo.shard,
-            world_size=topo.shards, store_addr=os.environ["MASTER_ADDR"],
-            store_port=int(os.environ["MASTER_PORT"]), lighthouse_addr=lighthouse,
-            replica_id=f"replica{topo.replica}", init_sync=False)
-        _quiet_checkpoint_server(self.manager)
+        host = bind_host()
+        with bound_torchft(host):
+            self.manager = Manager(
+                pg=self.pg, load_state_dict=None, state_dict=None, hostname=url_host(host),
+                min_replica_size=cfg.min_replicas, use_async_quorum=False, timeout=timeout,
+                quorum_timeout=timedelta(seconds=cfg.quorum_timeout), connect_timeout=timeout,
+                quorum_retries=max(1, int(cfg.quorum_timeout / RETRY_S)), rank=topo.shard,
+                world_size=topo.shards, store_addr=os.environ["MASTER_ADDR"],
+                store_port=int(os.environ["MASTER_PORT"]), lighthouse_addr=lighthouse,
+                replica_id=f"replica{topo.replica}", init_sync=False)
+        bound_checkpoint_server(self.manager, host)
         self.manager._client = LighthouseLives(self.manager._client, os.environ.get(LIFE_ENV))
         self.life = 0  # the Lighthouse's life of this group's last quorum
         self.members: tuple[int, ...] = ()
@@ -359,15 +365,6 @@ def alive_groups(members, timeout_s: float = 2.0, lighthouse: str | None = None
 
 
 _HEARTBEAT = re.compile(r'class="heartbeat\s*(old)?\s*">\s*replica(\d+)\b')
-
-
-def _quiet_checkpoint_server(manager) -> None:
-    """torchft serves a healing group the state over HTTP (http.server), which writes an access
-    line per request to stderr (`"GET /checkpoint/4/full HTTP/1.1" 200 -`): on replica group
-    0's first rank that is the terminal. Its heals are membership events already."""
-    server = getattr(getattr(manager, "_checkpoint_transport", None), "_server", None)
-    if server is not None:
-        server.RequestHandlerClass.log_message = lambda *args: None
 
 
 def _nbytes(state) -> int:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+from lowband.comm.bind import bind_host, url_host
 from lowband.comm.elastic import alive_groups
 from lowband.faults import lighthouse_kill_asked
 from lowband.launch.env import layout
@@ -49,7 +50,7 @@ def main(argv: list[str]) -> int:
                         heartbeat_timeout_s=a.heartbeat_timeout)
     print(f"lowband: lighthouse at {server.address()} for {a.replicas} replica groups",
           file=sys.stderr, flush=True)
-    run = RunDir(a.run_dir)
+    run, here = RunDir(a.run_dir), url_host(bind_host())
     first_done, jobs, last_alive = None, None, time.monotonic()
     # a cancelled job's SIGTERM: cancel the group jobs on the way out (finally)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -76,7 +77,7 @@ def main(argv: list[str]) -> int:
                     return 1
                 break
             if jobs is None and a.idle_timeout and not first_done:
-                if alive_groups((), lighthouse=f"http://localhost:{a.port}") != []:
+                if alive_groups((), lighthouse=f"http://{here}:{a.port}") != []:
                     last_alive = time.monotonic()  # (None: no answer, not the groups' fault)
                 elif time.monotonic() - last_alive > a.idle_timeout:
                     print(f"lowband: no replica group has reached the Lighthouse for "
