@@ -1,41 +1,56 @@
 """The one address every listener of this process binds: $LOWBAND_BIND_HOST, set by the launchers, else loopback.
 
-LOWBAND_BIND_HOST holds an address of this machine, an interface's name (eth0: its address) or
-route:HOST (the address of the interface that routes to HOST: a launched job's default on a
-node, found by connecting a UDP socket, which sends nothing). Every listener of a lowband
-process binds it: the torchft Lighthouse and manager server (comm/elastic.py, launch/supervise.py),
-the heal server, the world's TCPStore (world_store) and gloo's pairs (bind_gloo: the interface
-that holds it), never the wildcard.
+LOWBAND_BIND_HOST holds an address of this machine or an interface's name (eth0: its address).
+Unset (a launched job's node without --bind), a process binds the address of the interface that
+routes to its job's Lighthouse or rendezvous host (bind_host: found by connecting a UDP socket,
+which sends nothing), and loopback when it has neither; a one-machine run's launcher sets
+loopback. Every listener of a lowband process binds it, never the wildcard: the torchft
+Lighthouse (launch/supervise.py), manager server and checkpoint server (bound_torchft), the heal
+server, the stores (bound_store_type: the world's, lowband's agent's) and gloo's pairs
+(bind_gloo: the interface that holds it).
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import ipaddress
 import os
+import re
 import socket
 import struct
 from contextlib import contextmanager
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 from lowband.options import ConfigError
 
 BIND_ENV = "LOWBAND_BIND_HOST"
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # (comm/elastic.py's, which imports this module)
+RANK0_ENV = "LOWBAND_RANK0_ENV"  # the name of the scheduler's variable naming the first node
 LOOPBACK = "127.0.0.1"
-ROUTE = "route:"
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 _SIOCGIFADDR = 0x8915
 
 
-def bind_host() -> str:
-    return resolve(os.environ.get(BIND_ENV) or LOOPBACK)
+def bind_host(peer: str | None = None) -> str:
+    """$LOWBAND_BIND_HOST's address; unset, the address of the interface that routes to the
+    job's Lighthouse (TORCHFT_LIGHTHOUSE), else to its rendezvous host (MASTER_ADDR), else to
+    its first node (a Lighthouse role: the variable $LOWBAND_RANK0_ENV names), else to `peer`
+    (lowband's agent: its rendezvous host), else loopback. Never the wildcard."""
+    given = os.environ.get(BIND_ENV)
+    if given:
+        return resolve(given)
+    peer = (urlsplit(os.environ.get(LIGHTHOUSE_ENV, "")).hostname
+            or os.environ.get("MASTER_ADDR") or os.environ.get(os.environ.get(RANK0_ENV, ""))
+            or peer)
+    return route_to(peer) if peer else LOOPBACK
 
 
 def resolve(value: str) -> str:
-    """This machine's address for `value`: an address of it, an interface's name or route:HOST.
-    Anything else is refused with one sentence (ConfigError)."""
-    if value.startswith(ROUTE):
-        return route_to(value[len(ROUTE):])
+    """This machine's address for `value`: an address of it or an interface's name. Anything
+    else is refused with one sentence (ConfigError)."""
+    _refuse_wildcard(value)
     found = interfaces()
     if value in found:
         if not found[value]:
@@ -52,6 +67,30 @@ def resolve(value: str) -> str:
         raise ConfigError(f"{address} is not an address of this machine, so nothing can listen "
                           f"on it: give one of its interfaces or addresses (--bind, {BIND_ENV}).")
     return address
+
+
+def check_bind(value: str, here: bool) -> str:
+    """A --bind value (an interface's name or an address), checked before a job starts: `here`
+    (its processes run on this machine), it must resolve here; for remote nodes, whose
+    interfaces this machine cannot see, it must look like one. One sentence if not."""
+    if here:
+        resolve(value)
+        return value
+    _refuse_wildcard(value)
+    try:
+        ipaddress.ip_address(value.strip("[]"))
+    except ValueError:
+        if not re.fullmatch(r"[A-Za-z0-9_.:@-]{1,15}", value):
+            raise ConfigError(f"--bind {value!r} is neither an interface name (eth0, at most 15 "
+                              "characters) nor an IP address: give the nodes' site link as "
+                              "one of them.") from None
+    return value
+
+
+def _refuse_wildcard(value: str) -> None:
+    if value.strip("[]") in ("0.0.0.0", "::", "*", ""):
+        raise ConfigError(f"'{value}' is every interface, which lowband never binds: give the "
+                          f"interface or the address of the site link (--bind, {BIND_ENV}).")
 
 
 def route_to(host: str) -> str:
@@ -99,9 +138,17 @@ def url_host(address: str) -> str:
     return f"[{address}]" if ":" in address else address
 
 
-def listen_socket(port: int = 0) -> socket.socket:
-    """A TCP socket bound to bind_host() on `port` (0: a free one), listening."""
-    host = bind_host()
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address) names this machine's loopback only (localhost)."""
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return all(ipaddress.ip_address(f[4][0].split("%")[0]).is_loopback for f in found)
+
+
+def listen_socket(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket bound to `host` on `port` (0: a free one), listening."""
     s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind((host, port))
@@ -117,20 +164,51 @@ def bind_gloo() -> None:
 
 def world_store(rank: int, world: int, timeout: timedelta):
     """The world's store for init_process_group from MASTER_ADDR/MASTER_PORT, as torch's env://
-    makes it, but with rank 0's server on bind_host() (a socket bound here: torch's own binds
-    every interface). None under torchrun's agent, whose own process serves the store."""
-    from torch.distributed import PrefixStore, TCPStore
+    makes it, with rank 0's server on bind_host(). None under torchrun's agent, whose own
+    process serves the store (lowband's agent binds it too: launch/node.py)."""
+    from torch.distributed import PrefixStore
 
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return None
-    port = int(os.environ["MASTER_PORT"])
-    listener = listen_socket(port) if rank == 0 else None
-    store = TCPStore(os.environ["MASTER_ADDR"], port, world, rank == 0, timeout=timeout,
-                     multi_tenant=True,
-                     **({"master_listen_fd": listener.fileno()} if listener else {}))
-    if listener is not None:
-        listener.detach()  # the store's server owns the socket now
+    store = bound_store_type()(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                               rank == 0, timeout=timeout, multi_tenant=True)
     return PrefixStore("default_pg", store)
+
+
+_STORE_ARGS = ("host_name", "port", "world_size", "is_master", "timeout", "wait_for_workers",
+               "multi_tenant", "master_listen_fd", "use_libuv")
+
+
+@functools.cache
+def bound_store_type():
+    """torch's TCPStore whose server listens on one address only (BoundTCPStore): torch's own
+    binds every interface unless given master_listen_fd, a socket bound here."""
+    from torch.distributed import TCPStore
+
+    class BoundTCPStore(TCPStore):
+        """Its server on bind_host(), or on loopback when its host is a loopback name
+        (localhost: a one-node job's own rendezvous), where its clients look for it."""
+
+        def __init__(self, *args, **kwargs):
+            kwargs.update(zip(_STORE_ARGS, args))
+            if not kwargs.get("is_master") or kwargs.get("master_listen_fd") is not None:
+                super().__init__(**kwargs)
+                return
+            host = LOOPBACK if is_loopback(kwargs["host_name"]) else bind_host()
+            try:
+                listener = listen_socket(host, kwargs.get("port", 0))
+            except OSError as e:  # (torch's callers expect its RuntimeError: port in use)
+                raise RuntimeError(f"cannot listen on {host}:{kwargs.get('port', 0)} "
+                                   f"({e.strerror or e})") from None
+            kwargs.update(port=listener.getsockname()[1], master_listen_fd=listener.fileno())
+            try:
+                super().__init__(**kwargs)
+            except BaseException:
+                listener.close()
+                raise
+            listener.detach()  # the store's server owns the socket now
+
+    return BoundTCPStore
 
 
 @contextmanager

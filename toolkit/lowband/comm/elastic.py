@@ -44,12 +44,12 @@ from datetime import timedelta
 
 import torch
 
-from lowband.comm.bind import (bind_gloo, bind_host, bound_checkpoint_server, bound_torchft,
-                               url_host)
+from lowband.comm.bind import (LIGHTHOUSE_ENV, bind_gloo, bind_host, bound_checkpoint_server,
+                               bound_torchft, url_host)
 from lowband.comm.lives import LIFE, LIFE_ENV, LighthouseLives
 from lowband.options import ConfigError, Options, needs_extra, option
 
-LIGHTHOUSE_ENV, REPLICA_ENV = "TORCHFT_LIGHTHOUSE", "LOWBAND_REPLICA"
+REPLICA_ENV = "LOWBAND_REPLICA"
 RETRY_S = 0.5  # while the Lighthouse is unreachable, torchft asks it again this often
 TIEBREAK = 1 << 20  # a group's quorum step: its progress's number (below) x TIEBREAK + tiebreak
 TORCHFT = ("elastic", "--elastic", "torchft")  # needs_extra's (extra, what, module)

@@ -38,9 +38,9 @@ from lowband.telemetry import RunDir, read_events, write_json_atomic
 
 
 def lighthouse(min_replicas: int, join_s: float, port: int = 0, heartbeat_timeout_s: float = 5.0):
-    """torchft's Lighthouse, serving in this process on bind_host() (port 0: a free one); join_s:
-    how long a quorum waits for a group that heartbeats but has not asked (comm/elastic.join_timeout_s);
-    a group whose heartbeats stop for heartbeat_timeout_s (torchft's default: 5 s) is left out
+    """torchft's Lighthouse, serving in this process on bind_host() (port 0: a free one);
+    join_s: how long a quorum waits for a group that heartbeats but has not asked
+    (comm/elastic.join_timeout_s); a group whose heartbeats stop for heartbeat_timeout_s (torchft's default: 5 s) is left out
     of the next quorum."""
     quiet_rust()
     needs_extra(*TORCHFT)
