@@ -11,17 +11,20 @@ once none is left, it stops waiting."""
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
-from lowband.comm.bind import bind_host, url_host
+from lowband.comm.bind import BIND_ENV, bind_host, url_host
 from lowband.comm.elastic import alive_groups
 from lowband.faults import lighthouse_kill_asked
 from lowband.launch.env import layout
 from lowband.launch.slurm import GROUPS_ARG, GroupJobs
 from lowband.launch.supervise import lighthouse, write_summary
+from lowband.options import ConfigError
 from lowband.telemetry import RunDir, read_events
 
 
@@ -46,6 +49,13 @@ def main(argv: list[str]) -> int:
                    " or every one failed past its restarts) before the job ends (default: the "
                    "job's --quorum-timeout; not with --slurm-groups, whose jobs say it)")
     a = p.parse_args(argv)
+    # its address: --bind's, else the route to its node as the rank-0 host variable names it
+    # (LOWBAND_RANK0_ENV, comm/bind.py), else to its own host name; Slurm's group jobs dial it
+    try:
+        os.environ[BIND_ENV] = bind_host(peer=socket.gethostname())
+    except ConfigError as e:
+        print(f"lowband: error: {e}", file=sys.stderr, flush=True)
+        return 2
     server = lighthouse(a.min_replicas, a.join_timeout, port=a.port,
                         heartbeat_timeout_s=a.heartbeat_timeout)
     print(f"lowband: lighthouse at {server.address()} for {a.replicas} replica groups",
