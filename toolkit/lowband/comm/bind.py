@@ -63,7 +63,7 @@ def resolve(value: str) -> str:
         raise ConfigError(f"'{value}' is neither an interface of this machine "
                           f"({', '.join(sorted(found))}) nor an IP address: give one of them "
                           f"(--bind, {BIND_ENV}).") from None
-    if address not in {a for addrs in found.values() for a in addrs}:
+    if not is_local(address):
         raise ConfigError(f"{address} is not an address of this machine, so nothing can listen "
                           f"on it: give one of its interfaces or addresses (--bind, {BIND_ENV}).")
     return address
@@ -128,9 +128,20 @@ def interfaces() -> dict[str, list[str]]:
     return out
 
 
-def interface_of(address: str) -> str:
-    """The interface that holds `address`."""
-    return next(name for name, addrs in interfaces().items() if address in addrs)
+def is_local(address: str) -> bool:
+    """Whether `address` is one of this machine's: whether a socket can bind it (a secondary
+    address too, which interfaces() does not list)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
+            s.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+def interface_of(address: str) -> str | None:
+    """The interface that holds `address` (None: a secondary address, not listed)."""
+    return next((name for name, addrs in interfaces().items() if address in addrs), None)
 
 
 def url_host(address: str) -> str:
@@ -158,8 +169,11 @@ def listen_socket(host: str, port: int = 0) -> socket.socket:
 
 def bind_gloo() -> None:
     """gloo binds the interface that holds bind_host() (GLOO_SOCKET_IFNAME, unless given): by
-    default it would bind the address the hostname resolves to."""
-    os.environ.setdefault(GLOO_IFNAME, interface_of(bind_host()))
+    default it binds the address the host name resolves to (never the wildcard, so that stays
+    for a secondary address, whose interface is not known here)."""
+    interface = interface_of(bind_host())
+    if interface is not None:
+        os.environ.setdefault(GLOO_IFNAME, interface)
 
 
 def world_store(rank: int, world: int, timeout: timedelta):
