@@ -18,6 +18,7 @@ import hmac
 import os
 import re
 import secrets
+import time
 from pathlib import Path
 
 from lowband.options import ConfigError
@@ -28,9 +29,10 @@ SIZE = 32
 TAG = 8  # bytes of a MAC that name a store prefix or sign a replica id
 
 
-def make(run_dir) -> Path:
-    """RUN_DIR/secret: made now (32 random bytes, mode 0600), or the one a resumed run made."""
-    path = Path(run_dir) / FILE
+def make(path) -> Path:
+    """The secret's file (RUN_DIR/secret): made now (32 random bytes, mode 0600), or kept as a
+    resumed run made it."""
+    path = Path(path)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
@@ -58,8 +60,12 @@ def read(path=None) -> bytes | None:
     return data
 
 
-def required(what: str) -> bytes:
-    """The run's secret, which `what` needs (one sentence without it)."""
+def required(what: str, wait_s: float = 60.0) -> bytes:
+    """The run's secret, which `what` needs (one sentence without it). A file not there yet is
+    waited for wait_s: a job's Lighthouse role writes it as the groups start (launch/lighthouse.py)."""
+    path, deadline = os.environ.get(SECRET_ENV), time.monotonic() + wait_s
+    while path and not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.2)
     key = read()
     if key is None:
         raise ConfigError(f"{what} needs the run's secret: run it through `lowband train "

@@ -32,7 +32,7 @@ def write_secret(run_dir: Path) -> None:
 
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        secret.make(run_dir)
+        secret.make(run_dir / secret.FILE)
     except OSError as e:
         raise ConfigError(f"lowband launch writes the run's secret into {run_dir} before it "
                           f"submits the job, and cannot ({e.strerror}): give a run directory on "

@@ -83,7 +83,7 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
     server, address = lighthouse_process(cfg.min_replicas, run.logs / "lighthouse.log",
                                          join_timeout_s(cfg))
     lives = {g: 0 for g in range(cfg.replicas)}
-    key = secret.make(run.root)  # the run's (a resumed run's: its own), for its groups only
+    key = secret.make(run.root / secret.FILE)  # the run's (a resumed run's: its own), for its groups only
 
     def start(g: int) -> LocalJob:
         # the group's lives, as torchrun counts them (checkpoint/lifecycle.py: restarted_group)
