@@ -285,7 +285,7 @@ def test_a_process_without_the_secret_never_meets_the_members(site, key, capsys)
     # torchft's own Manager with its own process group and transport: no secret
     peer, thread = _peer(site, "replica1", ProcessGroupGloo(timeout=timedelta(seconds=3)), step=0)
     try:
-        assert group.begin(1) is False
+        assert group.begin(1) is False and group.members == (0,)  # the intruder took no part
         group.barrier()  # the sync's exchange: refused at once, not with the intruder
         assert group.commit() is False
         assert capsys.readouterr().err.strip() == (

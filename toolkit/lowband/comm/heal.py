@@ -99,13 +99,15 @@ class MembersGloo(ProcessGroupGloo):
         self._key, self._quorum = key, quorum
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
-                  *rest) -> None:
+                  quorum_id=None, group_rank=None, group_world_size=None,
+                  global_ranks=None) -> None:
         why = intruder(self._key, self._quorum()[1])
         if why is not None:
             self.abort(errored=False)  # no exchange over the last quorum's group either
+            self._global_ranks = [global_ranks[rank]] if global_ranks else None  # (itself)
             raise Refused(why)
         super().configure(f"{store_addr}/{tag(self._key, 'torchft-store')}", replica_id, rank,
-                          world_size, *rest)
+                          world_size, quorum_id, group_rank, group_world_size, global_ranks)
 
 
 class HealTransport(CheckpointTransport):
