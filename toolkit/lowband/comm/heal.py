@@ -48,7 +48,7 @@ from lowband.comm.secret import hasher, mac, signed_group, tag
 
 MAC_HEADER, GROUP_HEADER = "X-Lowband-Mac", "X-Lowband-Group"
 MAC_BYTES = 32  # HMAC-SHA256, after the answer's body
-CHUNK = 1 << 20
+CHUNK = 8 << 20
 
 Quorum = Callable[[], tuple[int, list[str]]]  # this group's quorum now: (id, its replica ids)
 
@@ -247,12 +247,9 @@ class _Signing:
 
 
 def _read_signed(answer, check) -> tuple[io.BytesIO, bytes]:
-    """The answer's body (one buffer) with `check` updated over it, and the MAC after it."""
-    body, tail = io.BytesIO(), b""
-    while chunk := answer.read(CHUNK):
-        chunk = tail + chunk
-        body.write(chunk[:-MAC_BYTES])
-        check.update(chunk[:-MAC_BYTES])
-        tail = chunk[-MAC_BYTES:]
-    body.seek(0)
-    return body, tail
+    """The answer's body with `check` updated over it, and the MAC after it. (Read in large
+    pieces: a body of unknown length read at once goes 8 KiB at a time, a quarter slower.)"""
+    data = b"".join(iter(lambda: answer.read(CHUNK), b""))
+    body = memoryview(data)[:-MAC_BYTES]
+    check.update(body)
+    return io.BytesIO(body), data[-MAC_BYTES:]
