@@ -71,6 +71,21 @@ def pick_backend(requested: str, device: torch.device) -> str:
     return "nccl" if local_world_size() <= torch.cuda.device_count() else "gloo"
 
 
+def members_store(timeout: timedelta) -> dict:
+    """A run with a secret (comm/secret.py: an elastic group, a launched job) meets in its store
+    under a prefix derived from it, so a process without the secret never meets its ranks;
+    {} (torch's own rendezvous) for any other."""
+    from lowband.comm.secret import read, tag
+
+    key = read()
+    if key is None:
+        return {}
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    return {"store": dist.PrefixStore(f"default_pg/{tag(key, 'c10d')}", store), "rank": rank,
+            "world_size": world}
+
+
 def init(replicas: int, shards: int, device: str = "auto", backend: str = "auto",
          timeout_s: float = 300, replica: int | None = None) -> Topology:
     """Join the process group described by the environment (torchrun's variables).
@@ -96,7 +111,8 @@ def init(replicas: int, shards: int, device: str = "auto", backend: str = "auto"
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", str(world))  # a plain `python mine.py`: a world of one
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
-                                device_id=dev if backend == "nccl" else None)
+                                device_id=dev if backend == "nccl" else None,
+                                **members_store(timedelta(seconds=timeout_s)))
     mesh = init_device_mesh(dev.type, (groups, shards), mesh_dim_names=("replicate", "shard"))
     first = 0 if replica is None else replica * shards
     topo = Topology(rank=first + dist.get_rank(), world=replicas * shards, replicas=replicas, shards=shards,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Sequence
 
 from lowband.comm.elastic import TORCHFT, join_timeout_s
+from lowband.comm.secret import FILE, SECRET_ENV
 from lowband.config import ConfigError
 from lowband.flags import parse_train
 from lowband.launch.env import ELASTIC_ENV
@@ -161,6 +162,8 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
     if local:
         run_dir = str(local_run_dir)
     env = dict(env or {})
+    # the file, not the bytes: the job's spec (its dry run, a batch script) never holds them
+    env[SECRET_ENV] = os.path.join(run_dir, FILE)
     if local:  # the nodes run this interpreter's python3 and torchrun, as the agent expects
         env["PATH"] = os.pathsep.join(p for p in (os.path.dirname(sys.executable),
                                                   env.get("PATH")) if p)

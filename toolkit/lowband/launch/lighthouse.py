@@ -11,11 +11,14 @@ once none is left, it stops waiting."""
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+from lowband.comm import secret
 from lowband.comm.elastic import alive_groups
 from lowband.faults import lighthouse_kill_asked
 from lowband.launch.env import layout
@@ -50,6 +53,10 @@ def main(argv: list[str]) -> int:
     print(f"lowband: lighthouse at {server.address()} for {a.replicas} replica groups",
           file=sys.stderr, flush=True)
     run = RunDir(a.run_dir)
+    if os.environ.get(secret.SECRET_ENV):  # the job's secret, if `lowband launch` has not
+        path = Path(os.environ[secret.SECRET_ENV])  # written it (a `torchx run` of its own)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        secret.make(path)
     first_done, jobs, last_alive = None, None, time.monotonic()
     # a cancelled job's SIGTERM: cancel the group jobs on the way out (finally)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
