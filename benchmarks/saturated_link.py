@@ -126,7 +126,8 @@ def run(hosts: TestHosts, out: Path, argv: list[str], heartbeat_timeout: float,
     for name, (cmd, role_env) in roles.items():
         host = int(name[-1]) if name.startswith("group") else 0
         env = {**os.environ, **role_env, "PATH": path, "GLOO_SOCKET_IFNAME": hosts.devs[host],
-               "OMP_WAIT_POLICY": "PASSIVE"}  # four processes share this machine's cores
+               "OMP_WAIT_POLICY": "PASSIVE",  # four processes share this machine's cores
+               "LOWBAND_BIND_HOST": hosts.addrs[host]}  # the heal server: the host's link
         if name == "lighthouse":  # its quorum decisions, with the groups heartbeating then
             env["RUST_LOG"] = "torchft::lighthouse=info"
         procs[name] = hosts.popen(host, cmd, env, out / f"{name}.out", cwd=out)

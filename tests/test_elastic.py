@@ -99,8 +99,15 @@ def test_a_killed_group_restarts_and_heals_from_a_live_peer(tmp_path):
     assert "1 group death, 1 restart, 1 heal of group 1, 0 steps redone, 1.15 k tokens trained " \
         "and lost" in proc.stdout
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
-    logs = "".join(p.read_text() for p in (run / "logs").glob("*.log"))  # torchft's HTTP server
-    assert "GET /checkpoint" not in proc.stdout + proc.stderr + logs   # served the heal quietly
+    logs = "".join(p.read_text() for p in (run / "logs").glob("*.log"))  # the heal server
+    assert "GET /heal" not in proc.stdout + proc.stderr + logs   # served the heal quietly
+    # the run's secret (comm/secret.py) is its file's alone: in no output, event or record
+    key = (run / "secret").read_bytes()
+    assert len(key) == 32 and (run / "secret").stat().st_mode & 0o777 == 0o600
+    for path in [p for p in run.rglob("*") if p.is_file() and p.name != "secret"]:
+        data = path.read_bytes()
+        assert key not in data and key.hex().encode() not in data, path
+    assert key.hex() not in proc.stdout + proc.stderr
 
 
 def test_groups_killed_one_after_the_other_continue_from_their_checkpoints(tmp_path):

@@ -77,7 +77,8 @@ def test_a_killed_group_heals_from_a_live_peer_across_hosts(hosts, tmp_path):
     for name, (cmd, role_env) in roles.items():
         host = int(name[-1]) if name.startswith("group") else 0
         env = {**os.environ, **role_env, "PATH": path, "GLOO_SOCKET_IFNAME": hosts.devs[host],
-               "OMP_WAIT_POLICY": "PASSIVE"}  # four processes share two cores
+               "OMP_WAIT_POLICY": "PASSIVE",  # four processes share two cores
+               "LOWBAND_BIND_HOST": hosts.addrs[host]}  # the heal server: the host's link
         procs[name] = hosts.popen(host, cmd, env, tmp_path / f"{name}.out", cwd=tmp_path)
     deadline = time.monotonic() + 120  # ~20 s when it works; a role that fails ends the wait
     while time.monotonic() < deadline and any(p.poll() is None for p in procs.values()):

@@ -72,6 +72,20 @@ def pick_backend(requested: str, device: torch.device) -> str:
     return "nccl" if local_world_size() <= torch.cuda.device_count() else "gloo"
 
 
+def members_store(timeout: timedelta) -> dict:
+    """The world's store, as torch's env:// makes it but with rank 0's server on bind_host()
+    (comm/bind.py: world_store). A run with a secret (comm/secret.py: an elastic group, a
+    launched job) meets in it under a prefix derived from it, so a process without the secret
+    never meets its ranks."""
+    from lowband.comm.secret import read, tag
+
+    key = read()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    prefix = "default_pg" if key is None else f"default_pg/{tag(key, 'c10d')}"
+    return {"store": dist.PrefixStore(prefix, world_store(rank, world, timeout)), "rank": rank,
+            "world_size": world}
+
+
 def init(replicas: int, shards: int, device: str = "auto", backend: str = "auto",
          timeout_s: float = 300, replica: int | None = None) -> Topology:
     """Join the process group described by the environment (torchrun's variables).
@@ -97,13 +111,9 @@ def init(replicas: int, shards: int, device: str = "auto", backend: str = "auto"
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", str(world))  # a plain `python mine.py`: a world of one
         bind_gloo()  # rank 0's store and gloo's pairs listen on bind_host() only (comm/bind.py)
-        timeout = timedelta(seconds=timeout_s)
-        store = world_store(int(os.environ["RANK"]), world, timeout)
-        dist.init_process_group(backend, timeout=timeout,
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
                                 device_id=dev if backend == "nccl" else None,
-                                **({} if store is None else {"store": store,
-                                                             "rank": int(os.environ["RANK"]),
-                                                             "world_size": world}))
+                                **members_store(timedelta(seconds=timeout_s)))
     mesh = init_device_mesh(dev.type, (groups, shards), mesh_dim_names=("replicate", "shard"))
     first = 0 if replica is None else replica * shards
     topo = Topology(rank=first + dist.get_rank(), world=replicas * shards, replicas=replicas, shards=shards,

@@ -5,9 +5,9 @@ Unset (a launched job's node without --bind), a process binds the address of the
 routes to its job's Lighthouse or rendezvous host (bind_host: found by connecting a UDP socket,
 which sends nothing), and loopback when it has neither; a one-machine run's launcher sets
 loopback. Every listener of a lowband process binds it, never the wildcard: the torchft
-Lighthouse (launch/supervise.py), manager server and checkpoint server (bound_torchft), the heal
-server, the stores (bound_store_type: the world's, lowband's agent's) and gloo's pairs
-(bind_gloo: the interface that holds it).
+Lighthouse (launch/supervise.py), torchft's manager server (bound_manager_server), the heal
+server (comm/heal.py), the stores (bound_store_type: the world's, lowband's agent's) and gloo's
+pairs (bind_gloo: the interface that holds it).
 """
 
 from __future__ import annotations
@@ -177,16 +177,12 @@ def bind_gloo() -> None:
 
 
 def world_store(rank: int, world: int, timeout: timedelta):
-    """The world's store for init_process_group from MASTER_ADDR/MASTER_PORT, as torch's env://
-    makes it, with rank 0's server on bind_host(). None under torchrun's agent, whose own
-    process serves the store (lowband's agent binds it too: launch/node.py)."""
-    from torch.distributed import PrefixStore
-
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return None
-    store = bound_store_type()(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                               rank == 0, timeout=timeout, multi_tenant=True)
-    return PrefixStore("default_pg", store)
+    """The world's store from MASTER_ADDR/MASTER_PORT, as torch's env:// makes it, with rank 0's
+    server on bind_host(). Under torchrun's agent every rank is a client: the agent's process
+    serves it (lowband's agent on its bind address too: launch/node.py)."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return bound_store_type()(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              rank == 0 and not agent, timeout=timeout, multi_tenant=True)
 
 
 _STORE_ARGS = ("host_name", "port", "world_size", "is_master", "timeout", "wait_for_workers",
@@ -226,42 +222,19 @@ def bound_store_type():
 
 
 @contextmanager
-def bound_torchft(host: str):
-    """While torchft's Manager is built, its listeners bind `host` (comm/bind.py): torchft
-    hard-codes its ManagerServer's bind as f"[::]:{port}" (every interface) and its HTTP
-    checkpoint server's as ("", 0), so the two names torchft.manager and its HTTP transport
-    look up are replaced for that time by ones that bind `host` (the port stays torchft's)."""
-    import torchft.checkpointing.http_transport as http
+def bound_manager_server(host: str):
+    """While torchft's Manager is built, its ManagerServer binds `host`: torchft hard-codes its
+    bind as f"[::]:{port}" (every interface), so the name torchft.manager looks up is replaced
+    for that time by one that binds `host` (the port stays torchft's)."""
     import torchft.manager as manager
 
-    server, http_server = manager.ManagerServer, http._IPv6HTTPServer
+    server = manager.ManagerServer
 
     def manager_server(*args, bind: str, **kwargs):
         return server(*args, bind=f"{url_host(host)}:{bind.rsplit(':', 1)[1]}", **kwargs)
 
-    class HostHTTPServer(http_server):
-        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-
-        def server_bind(self):
-            self.server_address = (host, self.server_address[1])
-            super().server_bind()
-
-    manager.ManagerServer, http._IPv6HTTPServer = manager_server, HostHTTPServer
+    manager.ManagerServer = manager_server
     try:
         yield
     finally:
-        manager.ManagerServer, http._IPv6HTTPServer = server, http_server
-
-
-def bound_checkpoint_server(manager, host: str) -> None:
-    """torchft serves a healing group the state over HTTP (http.server), bound to `host`
-    (bound_torchft), and names it by socket.gethostname(), which need not resolve to `host`:
-    its address names `host`. Its access line per request (`"GET /checkpoint/4/full HTTP/1.1"
-    200 -`, on replica group 0's first rank the terminal) is dropped: heals are membership
-    events already."""
-    transport = getattr(manager, "_checkpoint_transport", None)
-    server = getattr(transport, "_server", None)
-    if server is not None:
-        server.RequestHandlerClass.log_message = lambda *args: None
-        port = server.socket.getsockname()[1]
-        transport.address = lambda: f"http://{url_host(host)}:{port}/checkpoint/"
+        manager.ManagerServer = server

@@ -9,8 +9,8 @@ each quorum. lowband writes no quorum, heartbeat or rendezvous protocol of its o
 One outer sync (diloco, streaming):
   begin(step)      Manager.start_quorum, synchronous: who takes part. A group behind the others
                    (restarted, or dropped from a quorum: it has trained less, _set_quorum_step)
-                   receives the algorithm's state from a live peer here (torchft's HTTP
-                   checkpoint transport; `register`) and loads it: model, inner optimizer, the
+                   receives the algorithm's state from a live peer here (weights only, from a
+                   member: comm/heal.py; `register`) and loads it: model, inner optimizer, the
                    algorithm's state_dict() (outer parameters and momentum...), the step. Its
                    time is a wait of the step, not compute.
   average(x, ...)  the mean over the groups that take part with what they trained: a group
@@ -44,8 +44,7 @@ from datetime import timedelta
 
 import torch
 
-from lowband.comm.bind import (LIGHTHOUSE_ENV, bind_gloo, bind_host, bound_checkpoint_server,
-                               bound_torchft, url_host)
+from lowband.comm.bind import LIGHTHOUSE_ENV, bind_gloo, bind_host, bound_manager_server, url_host
 from lowband.comm.lives import LIFE, LIFE_ENV, LighthouseLives
 from lowband.options import ConfigError, Options, needs_extra, option
 
@@ -119,7 +118,9 @@ class Membership:
         logging.getLogger("torchft").setLevel(logging.ERROR)  # and its Python side warns of NCCL
         needs_extra(*TORCHFT)
         from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
+
+        from lowband.comm import secret
+        from lowband.comm.heal import HealTransport, MembersGloo, quiet_refusals
 
         bind_gloo()  # torchft's gloo group binds bind_host()'s interface, as the world's does
 
@@ -127,12 +128,14 @@ class Membership:
         if not lighthouse:
             raise ConfigError(f"--elastic needs a Lighthouse: run it through `lowband train "
                               f"--elastic` or `lowband launch --elastic`, or set {LIGHTHOUSE_ENV}.")
+        key = secret.required("--elastic")
         self.topo, self.comm, self.events = topo, comm, comm.events
         timeout = timedelta(seconds=cfg.elastic_timeout)
-        self.pg = ProcessGroupGloo(timeout=timeout)
+        quiet_refusals()
+        self.pg = MembersGloo(key, self._quorum, timeout)
         self._heal = None  # (bytes, seconds, step, sender) of the state received in the last quorum
         host = bind_host()
-        with bound_torchft(host):
+        with bound_manager_server(host):
             self.manager = Manager(
                 pg=self.pg, load_state_dict=None, state_dict=None, hostname=url_host(host),
                 min_replica_size=cfg.min_replicas, use_async_quorum=False, timeout=timeout,
@@ -140,8 +143,8 @@ class Membership:
                 quorum_retries=max(1, int(cfg.quorum_timeout / RETRY_S)), rank=topo.shard,
                 world_size=topo.shards, store_addr=os.environ["MASTER_ADDR"],
                 store_port=int(os.environ["MASTER_PORT"]), lighthouse_addr=lighthouse,
-                replica_id=f"replica{topo.replica}", init_sync=False)
-        bound_checkpoint_server(self.manager, host)
+                replica_id=secret.replica_id(key, topo.replica), init_sync=False,
+                checkpoint_transport=HealTransport(key, topo.replica, timeout, self._quorum))
         self.manager._client = LighthouseLives(self.manager._client, os.environ.get(LIFE_ENV))
         self.life = 0  # the Lighthouse's life of this group's last quorum
         self.members: tuple[int, ...] = ()
@@ -188,6 +191,8 @@ class Membership:
     def begin(self, step: int) -> bool:
         """A quorum for the sync after inner step `step`. True when this group was healed in it
         (its state is now a live peer's, the step included)."""
+        from lowband.comm import heal
+
         t0 = time.perf_counter()
         self._heal, self.at = None, step
         self._set_quorum_step(step)
@@ -201,6 +206,7 @@ class Membership:
                                  "gone or too few groups are alive, so this group stops; start "
                                  "the run again.") from None
         self.healed_now = self._heal is not None
+        refused = heal.refusal(self.manager)  # (said on stderr; the state stays as it was)
         self._skipped = False  # read by this quorum: healed, or no group was further on
         members, quorum = self._members(), getattr(self.manager, "_quorum_id", -1)
         # the groups alive beside those that took part: the group's first rank asks (every
@@ -212,7 +218,7 @@ class Membership:
         at = self._heal[2] if self.healed_now else step  # a healed group: its state's step
         if alive:
             self.events.emit("quorum", step=at, quorum_id=quorum, members=list(members),
-                             healed=self.healed_now, wait_s=waited, **alive)
+                             healed=self.healed_now, wait_s=waited, **alive, **refused)
         if quorum != self.quorum_id:  # a new quorum: somebody left, joined or was replaced
             joined = sorted(set(members) - set(self.members)) if self.members else list(members)
             extra = {}
@@ -256,6 +262,15 @@ class Membership:
         self.manager.load_state_dict({"step": mine,
                                       "batches_committed": self.manager.batches_committed()})
 
+    def _quorum(self) -> tuple[int, list[str]]:
+        """The id and the replica ids of this group's last quorum (comm/heal.py checks them)."""
+        last = self.manager._client.last
+        return last.quorum_id, list(last.replica_ids)
+
+    def _size(self) -> int:
+        """The quorum's groups; 1 where its process group was not formed (a refused quorum)."""
+        return self.pg._pg.size() if self.pg._pg is not None else 1
+
     def _members(self) -> tuple[int, ...]:
         """The replica groups of the current quorum (torchft numbers a group's rank k in it as
         replica x S + k: the trailing digits of our replica ids)."""
@@ -287,7 +302,7 @@ class Membership:
 
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
-        return comm.run("all_reduce", "outer", self.pg.size(), t.numel() * t.element_size(),
+        return comm.run("all_reduce", "outer", self._size(), t.numel() * t.element_size(),
                         lambda: self._reported(lambda: self.pg.allreduce([t], opts)),
                         t, tag, "fp32", t)
 
@@ -295,7 +310,7 @@ class Membership:
         """Every group's t, in the order of their ranks in the quorum (`position`)."""
         from torch.distributed.distributed_c10d import AllgatherOptions
 
-        n = self.pg.size()
+        n = self._size()
         outs = [torch.empty_like(t) for _ in range(n)] if n > 1 else [t]
         return comm.run("all_gather", "outer", n, t.numel() * t.element_size(),
                         lambda: self._reported(lambda: self.pg.allgather([outs], [t],
@@ -306,7 +321,7 @@ class Membership:
         """This group's index among the groups of the quorum (their order in all_gather): the
         rank torchft configured the wrapped group with (the wrapper's own rank() is the one it
         was built with)."""
-        return self.pg._pg.rank()
+        return self.pg._pg.rank() if self.pg._pg is not None else 0
 
     def failed(self) -> bool:
         """Whether an exchange of this quorum failed (the commit vote will say False)."""

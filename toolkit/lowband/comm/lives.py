@@ -20,10 +20,12 @@ class LighthouseLives:
 
     def __init__(self, client, path: str | None):
         self._client, self._path = client, path
+        self.last = None  # the last quorum's result (its members: comm/heal.py checks them)
 
     def _quorum(self, *args, **kwargs):
         result = self._client._quorum(*args, **kwargs)
-        return Renumbered(result, lighthouse_life(self._path) * LIFE + result.quorum_id)
+        self.last = Renumbered(result, lighthouse_life(self._path) * LIFE + result.quorum_id)
+        return self.last
 
     def __getattr__(self, name):
         return getattr(self._client, name)

@@ -31,6 +31,7 @@ from torchx.components import dist
 from torchx.specs import macros
 
 from lowband.comm.bind import BIND_ENV, RANK0_ENV, check_bind
+from lowband.comm.secret import FILE as SECRET_FILE, SECRET_ENV
 from lowband.launch.env import ELASTIC_ENV, PROGRESS, REPLICAS, RUN_DIR, SHARDS
 
 # the workers' environment that tells a job's processes their layout (env.py reads it back)
@@ -134,8 +135,10 @@ def train(
         values = {"elastic": "1", "min_replicas": str(min_replicas),
                   "max_restarts": str(max_restarts), "quorum_timeout": f"{quorum_timeout:g}",
                   "elastic_timeout": f"{elastic_timeout:g}"}
-        # the job's elastic options, for a script's lowband.Sync (launch/env.py)
-        env = {**(env or {}), **{var: values[key] for key, (var, _) in ELASTIC_ENV.items()}}
+        # the job's elastic options, for a script's lowband.Sync (launch/env.py), and the path
+        # of its secret (comm/secret.py: the Lighthouse role writes it unless lowband launch has)
+        env = {SECRET_ENV: f"{run_dir or f'runs/{macros.app_id}'}/{SECRET_FILE}", **(env or {}),
+               **{var: values[key] for key, (var, _) in ELASTIC_ENV.items()}}
         return _elastic(flags, script, algo, replicas, shards, run_dir or f"runs/{macros.app_id}",
                         config, name, image, h, cpu, gpu, memMB, env, mounts,
                         rdzv_timeout, progress, debug, min_replicas, max_restarts, lighthouse_port,

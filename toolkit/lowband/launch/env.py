@@ -6,6 +6,8 @@
     LOWBAND_SHARDS     S, ranks inside each replica group
     LOWBAND_RUN_DIR    the run directory (on a filesystem every node shares)
     LOWBAND_PROGRESS   1 or 0: whether rank 0 shows a progress bar (0 for batch logs)
+    LOWBAND_SECRET_FILE  the run's secret's path, RUN_DIR/secret (comm/secret.py: the job's
+                       spec names the file; lowband launch writes it before it submits)
 
 and, in an elastic job (`lowband launch --elastic --script`), lowband train's elastic options,
 the launcher's for every group (its Lighthouse and restarts follow them):

@@ -24,6 +24,21 @@ ROLE = "node"
 TORCHX = ("launch", "lowband launch", "torchx")  # needs_extra's (extra, what, module)
 
 
+def write_secret(run_dir: Path) -> None:
+    """The run's secret (comm/secret.py), in the run directory before the job starts: its spec
+    names the file (job.launch), so the nodes read it from the filesystem they share with this
+    machine; a resumed run keeps its own."""
+    from lowband.comm import secret
+
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        secret.make(run_dir / secret.FILE)
+    except OSError as e:
+        raise ConfigError(f"lowband launch writes the run's secret into {run_dir} before it "
+                          f"submits the job, and cannot ({e.strerror}): give a run directory on "
+                          "a filesystem this machine shares with the nodes.") from None
+
+
 # -- the runner ------------------------------------------------------------------------------------
 
 _runner = None
@@ -140,8 +155,7 @@ class LaunchHandle:
         """Submit the job (once; later calls do nothing)."""
         with self._lock:
             if self.app_handle is None:
-                if self.scheduler in LOCAL_SCHEDULERS:
-                    self.run_dir.mkdir(parents=True, exist_ok=True)
+                write_secret(self.run_dir)  # (the run directory made here first)
                 with _keep_signals():
                     self.app_handle = self._runner.schedule(self.dryrun_info)
         return self

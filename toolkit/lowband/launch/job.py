@@ -19,6 +19,7 @@ from typing import Sequence
 
 from lowband.comm.bind import LOOPBACK, check_bind
 from lowband.comm.elastic import TORCHFT, join_timeout_s
+from lowband.comm.secret import FILE, SECRET_ENV
 from lowband.config import ConfigError
 from lowband.flags import parse_train
 from lowband.launch.env import ELASTIC_ENV
@@ -168,6 +169,8 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
     elif scheduler == "local_cwd":  # one machine, no containers: every listener on loopback
         bind = LOOPBACK
     env = dict(env or {})
+    # the file, not the bytes: the job's spec (its dry run, a batch script) never holds them
+    env[SECRET_ENV] = os.path.join(run_dir, FILE)
     if local:  # the nodes run this interpreter's python3 and torchrun, as the agent expects
         env["PATH"] = os.pathsep.join(p for p in (os.path.dirname(sys.executable),
                                                   env.get("PATH")) if p)

@@ -17,7 +17,9 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+from lowband.comm import secret
 from lowband.comm.bind import BIND_ENV, bind_host, url_host
 from lowband.comm.elastic import alive_groups
 from lowband.faults import lighthouse_kill_asked
@@ -61,6 +63,10 @@ def main(argv: list[str]) -> int:
     print(f"lowband: lighthouse at {server.address()} for {a.replicas} replica groups",
           file=sys.stderr, flush=True)
     run, here = RunDir(a.run_dir), url_host(bind_host())
+    if os.environ.get(secret.SECRET_ENV):  # the job's secret, if `lowband launch` has not
+        path = Path(os.environ[secret.SECRET_ENV])  # written it (a `torchx run` of its own)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        secret.make(path)
     first_done, jobs, last_alive = None, None, time.monotonic()
     # a cancelled job's SIGTERM: cancel the group jobs on the way out (finally)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from lowband.checkpoint.lifecycle import RESTART_COUNT
+from lowband.comm import secret
 from lowband.comm.bind import bind_host, url_host
 from lowband.comm.elastic import LIGHTHOUSE_ENV, REPLICA_ENV, TORCHFT, join_timeout_s, quiet_rust
 from lowband.comm.lives import LIFE_ENV, lighthouse_life
@@ -84,11 +85,12 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
     server, address = lighthouse_process(cfg.min_replicas, run.logs / "lighthouse.log",
                                          join_timeout_s(cfg))
     lives = {g: 0 for g in range(cfg.replicas)}
+    key = secret.make(run.root / secret.FILE)  # the run's (a resumed run's: its own), for its groups only
 
     def start(g: int) -> LocalJob:
         # the group's lives, as torchrun counts them (checkpoint/lifecycle.py: restarted_group)
         env = {LIGHTHOUSE_ENV: address, REPLICA_ENV: str(g), RESTART_COUNT: str(lives[g]),
-               LIFE_ENV: str(life_file(run))}
+               LIFE_ENV: str(life_file(run)), secret.SECRET_ENV: str(key)}
         return LocalJob(argv, cfg.shards, run, env, log_prefix=f"replica{g}-", terminal=g == 0,
                         node=(g * cfg.shards, cfg.world))
 
