@@ -126,7 +126,8 @@ def test_the_jobs_elastic_options_are_the_launchers(tmp_path, monkeypatch):
         "LOWBAND_QUORUM_TIMEOUT": "600", "LOWBAND_ELASTIC_TIMEOUT": "40",
         "LOWBAND_REPLICA": "1", "LOWBAND_REPLICAS": "2", "LOWBAND_SHARDS": "1",
         "LOWBAND_RUN_DIR": str(tmp_path / "r"), "LOWBAND_PROGRESS": "0", "LOWBAND_NODE": "group1",
-        "LOWBAND_SECRET_FILE": str(tmp_path / "r" / "secret")}  # (the file, not the secret)
+        "LOWBAND_SECRET_FILE": str(tmp_path / "r" / "secret"),  # (the file, not the secret)
+        "LOWBAND_BIND_HOST": "127.0.0.1"}  # local_cwd: one machine, every listener on loopback
     defaults = components().train.__kwdefaults__  # the component's are lowband train's
     assert (defaults["quorum_timeout"], defaults["elastic_timeout"]) == \
         (Config().quorum_timeout, Config().elastic_timeout)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lowband.comm.bind import bind_gloo, world_store
 from lowband.options import ConfigError
 
 
@@ -72,17 +73,16 @@ def pick_backend(requested: str, device: torch.device) -> str:
 
 
 def members_store(timeout: timedelta) -> dict:
-    """A run with a secret (comm/secret.py: an elastic group, a launched job) meets in its store
-    under a prefix derived from it, so a process without the secret never meets its ranks;
-    {} (torch's own rendezvous) for any other."""
+    """The world's store, as torch's env:// makes it but with rank 0's server on bind_host()
+    (comm/bind.py: world_store). A run with a secret (comm/secret.py: an elastic group, a
+    launched job) meets in it under a prefix derived from it, so a process without the secret
+    never meets its ranks."""
     from lowband.comm.secret import read, tag
 
     key = read()
-    if key is None:
-        return {}
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    store.set_timeout(timeout)
-    return {"store": dist.PrefixStore(f"default_pg/{tag(key, 'c10d')}", store), "rank": rank,
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    prefix = "default_pg" if key is None else f"default_pg/{tag(key, 'c10d')}"
+    return {"store": dist.PrefixStore(prefix, world_store(rank, world, timeout)), "rank": rank,
             "world_size": world}
 
 
@@ -110,6 +110,7 @@ def init(replicas: int, shards: int, device: str = "auto", backend: str = "auto"
         os.environ.setdefault("MASTER_PORT", "29500")
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", str(world))  # a plain `python mine.py`: a world of one
+        bind_gloo()  # rank 0's store and gloo's pairs listen on bind_host() only (comm/bind.py)
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
                                 device_id=dev if backend == "nccl" else None,
                                 **members_store(timedelta(seconds=timeout_s)))

@@ -44,10 +44,11 @@ from datetime import timedelta
 
 import torch
 
+from lowband.comm.bind import LIGHTHOUSE_ENV, bind_gloo, bind_host, bound_manager_server, url_host
 from lowband.comm.lives import LIFE, LIFE_ENV, LighthouseLives
 from lowband.options import ConfigError, Options, needs_extra, option
 
-LIGHTHOUSE_ENV, REPLICA_ENV = "TORCHFT_LIGHTHOUSE", "LOWBAND_REPLICA"
+REPLICA_ENV = "LOWBAND_REPLICA"
 RETRY_S = 0.5  # while the Lighthouse is unreachable, torchft asks it again this often
 TIEBREAK = 1 << 20  # a group's quorum step: its progress's number (below) x TIEBREAK + tiebreak
 TORCHFT = ("elastic", "--elastic", "torchft")  # needs_extra's (extra, what, module)
@@ -121,6 +122,8 @@ class Membership:
         from lowband.comm import secret
         from lowband.comm.heal import HealTransport, MembersGloo, quiet_refusals
 
+        bind_gloo()  # torchft's gloo group binds bind_host()'s interface, as the world's does
+
         lighthouse = os.environ.get(LIGHTHOUSE_ENV)
         if not lighthouse:
             raise ConfigError(f"--elastic needs a Lighthouse: run it through `lowband train "
@@ -131,15 +134,17 @@ class Membership:
         quiet_refusals()
         self.pg = MembersGloo(key, self._quorum, timeout)
         self._heal = None  # (bytes, seconds, step, sender) of the state received in the last quorum
-        self.manager = Manager(
-            pg=self.pg, load_state_dict=None, state_dict=None,
-            min_replica_size=cfg.min_replicas, use_async_quorum=False, timeout=timeout,
-            quorum_timeout=timedelta(seconds=cfg.quorum_timeout), connect_timeout=timeout,
-            quorum_retries=max(1, int(cfg.quorum_timeout / RETRY_S)), rank=topo.shard,
-            world_size=topo.shards, store_addr=os.environ["MASTER_ADDR"],
-            store_port=int(os.environ["MASTER_PORT"]), lighthouse_addr=lighthouse,
-            replica_id=secret.replica_id(key, topo.replica), init_sync=False,
-            checkpoint_transport=HealTransport(key, topo.replica, timeout, self._quorum))
+        host = bind_host()
+        with bound_manager_server(host):
+            self.manager = Manager(
+                pg=self.pg, load_state_dict=None, state_dict=None, hostname=url_host(host),
+                min_replica_size=cfg.min_replicas, use_async_quorum=False, timeout=timeout,
+                quorum_timeout=timedelta(seconds=cfg.quorum_timeout), connect_timeout=timeout,
+                quorum_retries=max(1, int(cfg.quorum_timeout / RETRY_S)), rank=topo.shard,
+                world_size=topo.shards, store_addr=os.environ["MASTER_ADDR"],
+                store_port=int(os.environ["MASTER_PORT"]), lighthouse_addr=lighthouse,
+                replica_id=secret.replica_id(key, topo.replica), init_sync=False,
+                checkpoint_transport=HealTransport(key, topo.replica, timeout, self._quorum))
         self.manager._client = LighthouseLives(self.manager._client, os.environ.get(LIFE_ENV))
         self.life = 0  # the Lighthouse's life of this group's last quorum
         self.members: tuple[int, ...] = ()

@@ -67,6 +67,10 @@ def launch_parser() -> argparse.ArgumentParser:
                    "(default: 29500; a free one locally)")
     p.add_argument("--rdzv-timeout", type=int, default=300, help="seconds a node waits for the "
                    "rendezvous before it fails (default: 300)")
+    p.add_argument("--bind", metavar="INTERFACE_OR_ADDRESS", help="the interface (eth0) or "
+                   "address every listener of the job binds on its node: the site link "
+                   "(default: the interface that routes to the first node; loopback for "
+                   "local_cwd; never every interface)")
     p.add_argument("--name", default="lowband", help="job name (default: lowband)")
     p.add_argument("--max-retries", type=int, default=0)
     p.add_argument("--dryrun", action="store_true", help="print the request; submit nothing")
@@ -112,7 +116,7 @@ def main(argv: list[str]) -> int:
                     h=args.h, cpu=args.cpu, gpu=args.gpu, memMB=args.memMB,
                     env=_pairs(args.env, "--env"), mounts=mounts, rdzv_port=args.rdzv_port,
                     rdzv_timeout=args.rdzv_timeout, max_retries=args.max_retries,
-                    start=False, **elastic)
+                    bind=args.bind, start=False, **elastic)
     if args.dryrun:
         print(handle.dryrun_info)
         return 0

@@ -30,6 +30,7 @@ import torchx.specs as specs
 from torchx.components import dist
 from torchx.specs import macros
 
+from lowband.comm.bind import BIND_ENV, RANK0_ENV, check_bind
 from lowband.comm.secret import FILE as SECRET_FILE, SECRET_ENV
 from lowband.launch.env import ELASTIC_ENV, PROGRESS, REPLICAS, RUN_DIR, SHARDS
 
@@ -72,6 +73,7 @@ def train(
     join_timeout: float = 60.0,
     quorum_timeout: float = 600.0,
     elastic_timeout: float = 120.0,
+    bind: Optional[str] = None,
 ) -> specs.AppDef:
     """Train a language model with `lowband train`, or your own training script, across nodes
     (one torchrun agent per node).
@@ -122,7 +124,13 @@ def train(
             takes it from LOWBAND_QUORUM_TIMEOUT)
         elastic_timeout: seconds an exchange or a heal may take (elastic; a script's
             lowband.Sync takes it from LOWBAND_ELASTIC_TIMEOUT)
+        bind: the interface (eth0) or address on which every listener of the job's processes
+            listens on its node (LOWBAND_BIND_HOST): stores, gloo, the Lighthouse and torchft's
+            servers; default: the interface that routes to the first node (never every
+            interface; lowband launch gives loopback to a local_cwd job)
     """
+    if bind is not None:  # (each node resolves an interface's name to its own address)
+        env = {**(env or {}), BIND_ENV: check_bind(bind, here=False)}
     if elastic:
         values = {"elastic": "1", "min_replicas": str(min_replicas),
                   "max_restarts": str(max_restarts), "quorum_timeout": f"{quorum_timeout:g}",
@@ -201,7 +209,10 @@ def _elastic(flags, script, algo, replicas, shards, run_dir, config, name, image
               str(min_replicas), "--run-dir", run_dir, "--replicas", str(replicas),
               "--join-timeout", f"{join_timeout:g}"],
         num_replicas=1, resource=specs.resource(cpu=1, gpu=0, memMB=1024),
-        env=dict(env), max_retries=0, mounts=specs.parse_mounts(mounts) if mounts else [])
+        # its bind address by default: the route to its own node, named by the rank-0 host
+        # variable (the name of that variable: its environment is not expanded by a shell)
+        env={**env, RANK0_ENV: macros.rank0_env}, max_retries=0,
+        mounts=specs.parse_mounts(mounts) if mounts else [])
     roles = [lighthouse]
     for g in range(replicas):
         group = _nodes(flags, script, algo, replicas, shards, 1, shards, run_dir, config, name,

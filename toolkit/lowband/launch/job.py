@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from lowband.comm.bind import LOOPBACK, check_bind
 from lowband.comm.elastic import TORCHFT, join_timeout_s
 from lowband.comm.secret import FILE, SECRET_ENV
 from lowband.config import ConfigError
@@ -109,8 +110,8 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
            name: str = "lowband", image: str | None = None, h: str | None = None, cpu: int = 2,
            gpu: int = 0, memMB: int = 4096, env: dict | None = None,
            mounts: Sequence[str] | None = None, rdzv_port: int = 0, rdzv_timeout: int = 300,
-           max_retries: int = 0, progress: bool = False, start: bool = True,
-           **options) -> LaunchHandle:
+           max_retries: int = 0, progress: bool = False, bind: str | None = None,
+           start: bool = True, **options) -> LaunchHandle:
     """Run `lowband train` (or your own training script) as a TorchX job; return its LaunchHandle
     at once.
 
@@ -129,8 +130,10 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
     scheduler: local_cwd, slurm, kubernetes or any TorchX scheduler; cfg: its run options (merged
     over .torchxconfig). The rest are the component's parameters (see
     lowband/launch/component.py): by default one replica group per node. rdzv_port 0 picks a
-    free port for local schedulers, 29500 elsewhere. start=False returns the handle unsubmitted:
-    inspect .dryrun_info, then start(). Bad input raises ConfigError with one sentence, before
+    free port for local schedulers, 29500 elsewhere. bind: the interface (eth0) or address
+    the job's listeners bind on each node (default: the interface that routes to the first
+    node; loopback for local_cwd; never every interface: comm/bind.py). start=False returns
+    the handle unsubmitted: inspect .dryrun_info, then start(). Bad input raises ConfigError with one sentence, before
     anything is submitted.
     """
     needs_extra(*TORCHX)
@@ -161,6 +164,10 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
     local_run_dir = Path(run_dir).resolve() if not os.path.isabs(run_dir) else Path(run_dir)
     if local:
         run_dir = str(local_run_dir)
+    if bind is not None:
+        check_bind(bind, here=scheduler == "local_cwd")
+    elif scheduler == "local_cwd":  # one machine, no containers: every listener on loopback
+        bind = LOOPBACK
     env = dict(env or {})
     # the file, not the bytes: the job's spec (its dry run, a batch script) never holds them
     env[SECRET_ENV] = os.path.join(run_dir, FILE)
@@ -180,7 +187,7 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
             nproc_per_node=nproc_per_node, run_dir=run_dir, config=config, name=name,
             h=h, cpu=cpu, gpu=gpu, memMB=memMB, env=env, mounts=list(mounts) if mounts else None,
             rdzv_port=rdzv_port or 29500, rdzv_timeout=rdzv_timeout, max_retries=max_retries,
-            progress=progress, **({"image": image} if image else {}),
+            progress=progress, bind=bind, **({"image": image} if image else {}),
             **{k: v for k, v in layout.items() if k not in ("replicas", "shards")})
     except ValueError as e:
         raise ConfigError(str(e)) from None

@@ -13,17 +13,20 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from lowband.comm import secret
+from lowband.comm.bind import BIND_ENV, bind_host, url_host
 from lowband.comm.elastic import alive_groups
 from lowband.faults import lighthouse_kill_asked
 from lowband.launch.env import layout
 from lowband.launch.slurm import GROUPS_ARG, GroupJobs
 from lowband.launch.supervise import lighthouse, write_summary
+from lowband.options import ConfigError
 from lowband.telemetry import RunDir, read_events
 
 
@@ -48,11 +51,18 @@ def main(argv: list[str]) -> int:
                    " or every one failed past its restarts) before the job ends (default: the "
                    "job's --quorum-timeout; not with --slurm-groups, whose jobs say it)")
     a = p.parse_args(argv)
+    # its address: --bind's, else the route to its node as the rank-0 host variable names it
+    # (LOWBAND_RANK0_ENV, comm/bind.py), else to its own host name; Slurm's group jobs dial it
+    try:
+        os.environ[BIND_ENV] = bind_host(peer=socket.gethostname())
+    except ConfigError as e:
+        print(f"lowband: error: {e}", file=sys.stderr, flush=True)
+        return 2
     server = lighthouse(a.min_replicas, a.join_timeout, port=a.port,
                         heartbeat_timeout_s=a.heartbeat_timeout)
     print(f"lowband: lighthouse at {server.address()} for {a.replicas} replica groups",
           file=sys.stderr, flush=True)
-    run = RunDir(a.run_dir)
+    run, here = RunDir(a.run_dir), url_host(bind_host())
     if os.environ.get(secret.SECRET_ENV):  # the job's secret, if `lowband launch` has not
         path = Path(os.environ[secret.SECRET_ENV])  # written it (a `torchx run` of its own)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -83,7 +93,7 @@ def main(argv: list[str]) -> int:
                     return 1
                 break
             if jobs is None and a.idle_timeout and not first_done:
-                if alive_groups((), lighthouse=f"http://localhost:{a.port}") != []:
+                if alive_groups((), lighthouse=f"http://{here}:{a.port}") != []:
                     last_alive = time.monotonic()  # (None: no answer, not the groups' fault)
                 elif time.monotonic() - last_alive > a.idle_timeout:
                     print(f"lowband: no replica group has reached the Lighthouse for "

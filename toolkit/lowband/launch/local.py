@@ -1,7 +1,8 @@
 """Start R x S worker processes on this machine, watch them, stop them all if one fails.
 
 Workers get torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1,
-MASTER_PORT), so the worker code path is the same as under torchrun or TorchX. With `hosts`
+MASTER_PORT) and LOWBAND_BIND_HOST=127.0.0.1 (on test hosts: the host's address; comm/bind.py),
+so the worker code path is the same as under torchrun or TorchX. With `hosts`
 (lowband.launch.hosts's test hosts: network namespaces joined by a shaped link), replica i's
 ranks run on host i instead, meeting at host 0's address over the hosts' link. Rank 0 writes
 to this terminal; the other ranks write to <run>/logs/rank<r>.log. If any worker exits with an
@@ -20,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from lowband.comm.bind import BIND_ENV, LOOPBACK
 from lowband.telemetry import RunDir
 
 
@@ -69,10 +71,12 @@ class LocalJob:
         for r in range(world):
             wenv = {**os.environ, **(env or {}), "RANK": str(r), "WORLD_SIZE": str(world),
                     "LOCAL_RANK": str(first + r), "LOCAL_WORLD_SIZE": str(on_node), "GROUP_RANK": "0",
-                    "MASTER_ADDR": master, "MASTER_PORT": str(port), "LOWBAND_WORKER": "1"}
+                    "MASTER_ADDR": master, "MASTER_PORT": str(port), "LOWBAND_WORKER": "1",
+                    BIND_ENV: LOOPBACK}  # one machine: every listener on loopback (comm/bind.py)
             prefix = []
-            if hosts is not None:  # gloo binds the host's link, not the namespace's loopback
+            if hosts is not None:  # its listeners and gloo on the host's link, not loopback
                 prefix = hosts.exec_prefix(r // shards)
+                wenv[BIND_ENV] = hosts.addrs[r // shards]
                 wenv["GLOO_SOCKET_IFNAME"] = hosts.devs[r // shards]
             to_terminal = r == 0 and terminal
             out = None if to_terminal else open(run.logs / f"{log_prefix}rank{r}.log", "a")

@@ -6,7 +6,9 @@ failures into one sentence and an exit status instead of a traceback. A worker t
 named in one sentence: the node, its global rank, how it ended and the node's log. With the
 job's run directory and node name in its environment (LOWBAND_RUN_DIR, LOWBAND_NODE), the agent
 also copies everything the node prints (its own lines, torchrun's, the workers') to
-RUN/logs/<node>.log, whatever the scheduler does with its output.
+RUN/logs/<node>.log, whatever the scheduler does with its output. Its stores and its workers'
+listeners bind the node's bind address (comm/bind.py: --bind, else the interface that routes
+to the rendezvous host), never every interface.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from lowband.comm.bind import BIND_ENV, bind_host, bound_store_type
+from lowband.options import ConfigError
 
 NODE_LOG = "LOWBAND_NODE_LOG"  # set for the agent's own process, under its tee
 
@@ -101,7 +106,9 @@ def _agent(argv: list[str]) -> int:
 
     if quiet:
         del os.environ["TORCH_CPP_LOG_LEVEL"]
+    import torch.distributed as dist
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import (RendezvousConnectionError,
@@ -124,6 +131,19 @@ def _agent(argv: list[str]) -> int:
                   f"{host} resolves here and that port {port} is open between the nodes.",
                   file=sys.stderr, flush=True)
             return 3
+    # every store this agent serves (the rendezvous's, the workers' shared one) listens on the
+    # node's bind address (the route to the rendezvous host unless --bind or a Lighthouse says),
+    # which the workers inherit and torchrun names them as their store's (--local-addr)
+    try:
+        os.environ[BIND_ENV] = bind_host(peer=host)
+    except ConfigError as e:
+        print(f"lowband: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if args.local_addr is None:
+        argv = ["--local-addr", bind_host(), *argv]
+    bound = bound_store_type()
+    for module in (dist, c10d_rendezvous_backend, static_tcp_rendezvous):
+        module.TCPStore = bound  # (this agent process only: its workers are processes of their own)
     try:
         torchrun.main(argv)
     except RendezvousTimeoutError:

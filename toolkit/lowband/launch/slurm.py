@@ -12,7 +12,7 @@ request be changed between dryrun and schedule):
                            its node and hands the Lighthouse the folder (--slurm-groups)
   group g                  its own batch job, `--requeue`, one srun step without
                            --kill-on-bad-exit, submitted by the Lighthouse (`GroupJobs`) with
-                           LOWBAND_LIGHTHOUSE_HOST set to the Lighthouse's node
+                           LOWBAND_LIGHTHOUSE_HOST set to the Lighthouse's address
 
 When a group's node is lost, Slurm fails that job alone (NODE_FAIL) and requeues it: the others
 train on, and the group starts again wherever Slurm can place it; it continues from its newest
@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-LIGHTHOUSE_HOST = "LOWBAND_LIGHTHOUSE_HOST"  # the Lighthouse's node, in each group job's env
+from lowband.comm.bind import bind_host, url_host
+
+LIGHTHOUSE_HOST = "LOWBAND_LIGHTHOUSE_HOST"  # the Lighthouse's address, in each group job's env
 GROUPS_ARG = "--slurm-groups"
 _END = "LOWBAND_GROUP_SCRIPT"  # the here-document's delimiter
 
@@ -84,7 +85,7 @@ class GroupJobs:
 
     def __init__(self, folder: str | os.PathLike, port: int):
         scripts = sorted(Path(folder).glob("group*-0.sh"), key=lambda p: int(p.stem[5:-2]))
-        host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        host = url_host(bind_host())  # where the Lighthouse listens (launch/lighthouse.py)
         # the group jobs are jobs of their own, not steps of this one: none of this job's Slurm
         # variables (SLURM_CONF, the client's configuration, stays)
         env = {k: v for k, v in os.environ.items()

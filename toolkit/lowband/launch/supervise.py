@@ -27,6 +27,7 @@ from pathlib import Path
 
 from lowband.checkpoint.lifecycle import RESTART_COUNT
 from lowband.comm import secret
+from lowband.comm.bind import bind_host, url_host
 from lowband.comm.elastic import LIGHTHOUSE_ENV, REPLICA_ENV, TORCHFT, join_timeout_s, quiet_rust
 from lowband.comm.lives import LIFE_ENV, lighthouse_life
 from lowband.faults import lighthouse_kill_asked
@@ -38,39 +39,40 @@ from lowband.telemetry import RunDir, read_events, write_json_atomic
 
 
 def lighthouse(min_replicas: int, join_s: float, port: int = 0, heartbeat_timeout_s: float = 5.0):
-    """torchft's Lighthouse, serving in this process (port 0: a free one); join_s: how long a
-    quorum waits for a group that heartbeats but has not asked (comm/elastic.join_timeout_s);
-    a group whose heartbeats stop for heartbeat_timeout_s (torchft's default: 5 s) is left out
+    """torchft's Lighthouse, serving in this process on bind_host() (port 0: a free one);
+    join_s: how long a quorum waits for a group that heartbeats but has not asked
+    (comm/elastic.join_timeout_s); a group whose heartbeats stop for heartbeat_timeout_s (torchft's default: 5 s) is left out
     of the next quorum."""
     quiet_rust()
     needs_extra(*TORCHFT)
     from torchft._torchft import LighthouseServer
 
-    return LighthouseServer(bind=f"[::]:{port}", min_replicas=min_replicas,
+    return LighthouseServer(bind=f"{url_host(bind_host())}:{port}", min_replicas=min_replicas,
                             join_timeout_ms=int(join_s * 1000),
                             heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
 
 
 def lighthouse_process(min_replicas: int, log: Path, join_s: float, ready_s: float = 30.0,
                        port: int = 0) -> tuple[subprocess.Popen, str]:
-    """torchft's Lighthouse program on `port` (0: a free local one), and its address once it
-    answers."""
+    """torchft's Lighthouse program on bind_host() and `port` (0: a free local one), and its
+    address once it answers."""
     exe = shutil.which("torchft_lighthouse") or str(Path(sys.executable).with_name("torchft_lighthouse"))
     if not Path(exe).exists():
         extra, what, _ = TORCHFT
         raise missing_extra(extra, what, "torchft_lighthouse")
-    port = port or free_port()
+    port, host = port or free_port(), bind_host()
     quiet_rust()
     with open(log, "ab") as out:
-        proc = subprocess.Popen([exe, "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}",
+        proc = subprocess.Popen([exe, "--min_replicas", str(min_replicas),
+                                 "--bind", f"{url_host(host)}:{port}",
                                  "--join_timeout_ms", str(int(join_s * 1000))],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=os.environ)
     deadline = time.monotonic() + ready_s
     while proc.poll() is None and time.monotonic() < deadline:
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc, f"http://localhost:{port}"
+            socket.create_connection((host, port), timeout=1).close()
+            return proc, f"http://{url_host(host)}:{port}"
         except OSError:
             time.sleep(0.05)
     proc.kill()
