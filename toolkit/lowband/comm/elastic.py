@@ -45,7 +45,7 @@ from datetime import timedelta
 import torch
 
 from lowband.comm.bind import LIGHTHOUSE_ENV, bind_gloo, bind_host, bound_manager_server, url_host
-from lowband.comm.lives import LIFE, LIFE_ENV, LighthouseLives
+from lowband.comm.lives import LIFE, LIFE_ENV, LighthouseLives, alive_groups
 from lowband.options import ConfigError, Options, needs_extra, option
 
 REPLICA_ENV = "LOWBAND_REPLICA"
@@ -358,28 +358,6 @@ class Membership:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
-
-
-def alive_groups(members, timeout_s: float = 2.0, lighthouse: str | None = None
-                 ) -> list[int] | None:
-    """The replica groups alive now in the Lighthouse's eyes: those whose heartbeat it saw
-    within its heartbeat timeout (its /status page lists every replica id it heard from, old
-    ones marked; a restarted group's lives have ids of their own, `replica1:<uuid>`), with the
-    quorum's members (healthy when it formed). None when the Lighthouse does not answer.
-    lighthouse: its address (default: TORCHFT_LIGHTHOUSE's)."""
-    from urllib.request import urlopen
-
-    try:
-        address = lighthouse or os.environ[LIGHTHOUSE_ENV]
-        with urlopen(address.rstrip("/") + "/status", timeout=timeout_s) as r:
-            page = r.read().decode("utf-8", "replace")
-    except (OSError, ValueError, KeyError):
-        return None
-    beating = {int(g) for old, g in _HEARTBEAT.findall(page) if not old}
-    return sorted(beating | set(members))
-
-
-_HEARTBEAT = re.compile(r'class="heartbeat\s*(old)?\s*">\s*replica(\d+)\b')
 
 
 def _nbytes(state) -> int:

@@ -1,8 +1,14 @@
 """A Lighthouse started again (launch/supervise.py: restart_lighthouse) and torchft's quorum
 ids: the new one counts from 1 again, so lowband numbers the quorums of its life n as
-n x LIFE + torchft's id (comm/elastic.py uses LighthouseLives; docs/elastic.md)."""
+n x LIFE + torchft's id (comm/elastic.py uses LighthouseLives; docs/elastic.md); and the groups
+alive in the Lighthouse's eyes (alive_groups: its status page)."""
 
 from __future__ import annotations
+
+import os
+import re
+
+from lowband.comm.bind import LIGHTHOUSE_ENV
 
 LIFE_ENV = "LOWBAND_LIGHTHOUSE_LIFE"  # a file: how often the launcher restarted the Lighthouse
 LIFE = 1_000_000  # quorum ids of the Lighthouse's life n: n x LIFE + torchft's quorum id
@@ -47,3 +53,25 @@ def lighthouse_life(path) -> int:
         return int(open(path).read().strip() or 0) if path else 0
     except (OSError, ValueError):
         return 0
+
+
+def alive_groups(members, timeout_s: float = 2.0, lighthouse: str | None = None
+                 ) -> list[int] | None:
+    """The replica groups alive now in the Lighthouse's eyes: those whose heartbeat it saw
+    within its heartbeat timeout (its /status page lists every replica id it heard from, old
+    ones marked; a restarted group's lives have ids of their own, `replica1:<uuid>`), with the
+    quorum's members (healthy when it formed). None when the Lighthouse does not answer.
+    lighthouse: its address (default: TORCHFT_LIGHTHOUSE's)."""
+    from urllib.request import urlopen
+
+    try:
+        address = lighthouse or os.environ[LIGHTHOUSE_ENV]
+        with urlopen(address.rstrip("/") + "/status", timeout=timeout_s) as r:
+            page = r.read().decode("utf-8", "replace")
+    except (OSError, ValueError, KeyError):
+        return None
+    beating = {int(g) for old, g in _HEARTBEAT.findall(page) if not old}
+    return sorted(beating | set(members))
+
+
+_HEARTBEAT = re.compile(r'class="heartbeat\s*(old)?\s*">\s*replica(\d+)\b')

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from lowband.comm import secret
 from lowband.comm.bind import BIND_ENV, bind_host, url_host
-from lowband.comm.elastic import alive_groups
+from lowband.comm.lives import alive_groups
 from lowband.faults import lighthouse_kill_asked
 from lowband.launch.env import layout
 from lowband.launch.slurm import GROUPS_ARG, GroupJobs
