@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -80,14 +81,15 @@ def main(argv=None) -> int:
                 addrs, ifaces = ((hosts.addrs, hosts.devs) if link == "plain"
                                  else (wg.addrs, wg.ifaces))
                 run_dir = out / f"{link}-{k + 1}"
-                b0 = veth_bytes(hosts)
+                b0, load = veth_bytes(hosts), os.getloadavg()[0]
                 run_real("streaming", a, run_dir, hosts, 29435, addrs, ifaces)
                 wire[link].append(veth_bytes(hosts) - b0)
                 r = result_of(run_dir)
                 rows[link].append(r)
                 print(f"  {link:>6} #{k + 1}: {r['tokens_per_s']:8,.0f} tokens/s, compute "
                       f"{100 * r['compute_utilization']:5.1f}%, veth {wire[link][-1] / 1e6:.2f} MB,"
-                      f" median compute {1000 * r['median_compute_s']:.0f} ms/step", flush=True)
+                      f" median compute {1000 * r['median_compute_s']:.0f} ms/step, load "
+                      f"average before {load:.1f}", flush=True)
         for link, addrs, ifaces in (("plain", hosts.addrs, hosts.devs),
                                     ("tunnel", wg.addrs, wg.ifaces)):
             cap = Capture(hosts, 1, out / f"{link}.cap").start()
@@ -103,6 +105,7 @@ def main(argv=None) -> int:
     med = {link: {key: statistics.median(r[key] for r in rs)
                   for key in ("tokens_per_s", "compute_utilization")} for link, rs in rows.items()}
     ratio = med["tunnel"]["tokens_per_s"] / med["plain"]["tokens_per_s"]
+    pairs = [t["tokens_per_s"] / q["tokens_per_s"] for t, q in zip(rows["tunnel"], rows["plain"])]
     overhead = statistics.median(wire["tunnel"]) / statistics.median(wire["plain"]) - 1
     print("\n| link | tokens/s (median) | compute util (median) | veth bytes per run (median) |")
     print("|---|---|---|---|")
@@ -110,18 +113,22 @@ def main(argv=None) -> int:
         print(f"| {link} | {med[link]['tokens_per_s']:,.0f} | "
               f"{100 * med[link]['compute_utilization']:.1f}% | "
               f"{statistics.median(wire[link]) / 1e6:.2f} MB |")
-    print(f"\ntunnel/plain tokens/s = {ratio:.3f} (goal >= 0.90: {'PASS' if ratio >= 0.9 else 'MISS'})"
+    verdict = "PASS" if ratio >= 0.9 else "MISS"
+    print(f"\ntunnel/plain tokens/s = {ratio:.3f} (goal >= 0.90: {verdict}; pairs "
+          f"{', '.join(f'{x:.3f}' for x in pairs)})"
           f"; compute utilization {100 * med['tunnel']['compute_utilization']:.1f}% vs "
           f"{100 * med['plain']['compute_utilization']:.1f}%; the tunnel's overhead on the veth: "
           f"{100 * overhead:+.1f}% bytes")
     print(f"capture of a known 256 KiB fp32 tensor broadcast over gloo: {seen['plain']}/{len(wins)}"
           f" 64-byte windows found on the plain link (positive control), {seen['tunnel']}/"
-          f"{len(wins)} through the tunnel ({'PASS' if seen['plain'] and not seen['tunnel'] else 'MISS'})")
+          f"{len(wins)} through the tunnel "
+          f"({'PASS' if seen['plain'] and not seen['tunnel'] else 'MISS'})")
     print(f"left over: {left or 'nothing'}; runs in {out}")
     if a.json:
         a.json.write_text(json.dumps({"rows": rows, "veth_bytes": wire, "median": med,
-                                      "ratio": ratio, "overhead": overhead, "found": seen,
-                                      "windows": len(wins), "lowband": revision()}, indent=1))
+                                      "ratio": ratio, "pair_ratios": pairs, "overhead": overhead,
+                                      "found": seen, "windows": len(wins),
+                                      "lowband": revision()}, indent=1))
     return 0 if seen["plain"] and not seen["tunnel"] and not left else 1
 
 

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=f"encrypted test link: {
 
 
 def _train(hosts, master, ifaces, run_dir, port):
-    """A streaming run (two syncs of each fragment) of nano, one group per host, rendezvous at `master`."""
+    """Streaming on nano (two syncs a fragment), one group per host, rendezvous at `master`."""
     procs = []
     for r in range(2):
         env = {**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": "0",

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from lowband.launch.hosts import TestHosts, _run
 
-SOCKETS = Path("/var/run/wireguard")  # wireguard-go's control sockets: one folder for all namespaces
+SOCKETS = Path("/var/run/wireguard")  # wireguard-go's control sockets, for every namespace
 PORT = 51820
 
 
