@@ -201,7 +201,7 @@ print("received" if ok else "corrupted", flush=True)
 _CAPTURE = """
 import signal, socket, sys
 s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))  # ETH_P_ALL
-s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 20)
+s.setsockopt(socket.SOL_SOCKET, 33, 64 << 20)  # SO_RCVBUFFORCE (root): past rmem_max, drop nothing
 s.bind((sys.argv[1], 0))
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
