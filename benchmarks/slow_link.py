@@ -127,14 +127,17 @@ def run_emulated(algo: str, a, run_dir: Path) -> list[str]:
     return cmd
 
 
-def run_real(algo: str, a, run_dir: Path, hosts: TestHosts, port: int) -> list[list[str]]:
-    """One worker in each namespace, rendezvous at rank 0's veth address."""
+def run_real(algo: str, a, run_dir: Path, hosts: TestHosts, port: int,
+             addrs: list[str] | None = None, ifaces: list[str] | None = None) -> list[list[str]]:
+    """One worker in each namespace, rendezvous at rank 0's veth address (or at addrs[0], gloo
+    on ifaces[r]: a tunnel's, benchmarks/tunnel.py)."""
+    addrs, ifaces = addrs or hosts.addrs, ifaces or hosts.devs
     cmds, procs, codes = [], [], [-1, -1]
     try:
         for r in range(2):
             env = {"RANK": r, "WORLD_SIZE": 2, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 2,
-                   "MASTER_ADDR": hosts.addrs[0], "MASTER_PORT": port,
-                   "GLOO_SOCKET_IFNAME": hosts.devs[r]}
+                   "MASTER_ADDR": addrs[0], "MASTER_PORT": port,
+                   "GLOO_SOCKET_IFNAME": ifaces[r]}
             cmd = ["env", *[f"{k}={v}" for k, v in env.items()], sys.executable, "-m",
                    "lowband.cli", "train", *common_args(a), *algo_args(algo, a), "--run-dir",
                    str(run_dir)]
