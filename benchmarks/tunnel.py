@@ -6,9 +6,10 @@ set with `wg set`). The same streaming run (R=2 S=1, one group per host; the slo
 benchmark's streaming row: recipe slow_link_streaming) runs over the plain veth addresses and
 over the tunnel's, alternating in pairs (this machine is shared and noisy). Prints tokens/s and
 compute utilization of each, the tunnel/plain ratios (goal: tokens/s within 10%), the bytes the
-veth carried per run (the tunnel's overhead), and the capture: a known fp32 tensor broadcast over
-gloo, once plain and once through the tunnel, recorded on the veth; how many of 16 64-byte
-windows of it appear in the capture (plain: the positive control; tunnel: goal 0).
+veth carried per run (the tunnel's overhead), wireguard-go's CPU seconds, and the capture: a
+known fp32 tensor broadcast over gloo, once plain and once through the tunnel, recorded on the
+veth; how many of 16 64-byte windows of it appear in the capture (plain: the positive
+control; tunnel: goal 0).
 
     python benchmarks/tunnel.py [--pairs 2] [--steps 36] [--sync-every 18] [--fragments 3]
         [--model mini] [--json out.json]
@@ -38,6 +39,16 @@ from lowband.testing.tunnel import Capture, WireGuard, exchange, found, known_te
 def veth_bytes(hosts: TestHosts) -> int:
     """Bytes sent by both veth ends so far."""
     return sum(c["tx_bytes"] for c in hosts.counters().values())
+
+
+def cpu_s(procs) -> float:
+    """CPU seconds (user + system) the processes (wireguard-go's) have used so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for p in procs:
+        fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
 
 
 def main(argv=None) -> int:
@@ -70,6 +81,7 @@ def main(argv=None) -> int:
     out = Path(tempfile.mkdtemp(prefix="lowband-tunnel-"))
     rows = {"plain": [], "tunnel": []}
     wire = {"plain": [], "tunnel": []}
+    wg_cpu = []  # wireguard-go's CPU seconds in each tunnel run, both hosts
     wins = windows(known_tensor())
     seen = {}
     wg = WireGuard(hosts, "10.77.35", "lbw")
@@ -81,9 +93,11 @@ def main(argv=None) -> int:
                 addrs, ifaces = ((hosts.addrs, hosts.devs) if link == "plain"
                                  else (wg.addrs, wg.ifaces))
                 run_dir = out / f"{link}-{k + 1}"
-                b0, load = veth_bytes(hosts), os.getloadavg()[0]
+                b0, c0, load = veth_bytes(hosts), cpu_s(wg.procs), os.getloadavg()[0]
                 run_real("streaming", a, run_dir, hosts, 29435, addrs, ifaces)
                 wire[link].append(veth_bytes(hosts) - b0)
+                if link == "tunnel":
+                    wg_cpu.append(cpu_s(wg.procs) - c0)
                 r = result_of(run_dir)
                 rows[link].append(r)
                 print(f"  {link:>6} #{k + 1}: {r['tokens_per_s']:8,.0f} tokens/s, compute "
@@ -119,6 +133,10 @@ def main(argv=None) -> int:
           f"; compute utilization {100 * med['tunnel']['compute_utilization']:.1f}% vs "
           f"{100 * med['plain']['compute_utilization']:.1f}%; the tunnel's overhead on the veth: "
           f"{100 * overhead:+.1f}% bytes")
+    ns = 1e9 * statistics.median(wg_cpu) / statistics.median(wire["tunnel"])
+    print(f"wireguard-go's CPU: {statistics.median(wg_cpu):.2f} s a run (both hosts; median), "
+          f"{ns:.0f} ns a byte on the veth: a full {a.rate_mbit:g} Mbit/s one way would take "
+          f"{ns * a.rate_mbit * 1e6 / 8 / 1e9:.2f} of a core")
     print(f"capture of a known 256 KiB fp32 tensor broadcast over gloo: {seen['plain']}/{len(wins)}"
           f" 64-byte windows found on the plain link (positive control), {seen['tunnel']}/"
           f"{len(wins)} through the tunnel "
@@ -127,6 +145,7 @@ def main(argv=None) -> int:
     if a.json:
         a.json.write_text(json.dumps({"rows": rows, "veth_bytes": wire, "median": med,
                                       "ratio": ratio, "pair_ratios": pairs, "overhead": overhead,
+                                      "wireguard_cpu_s": wg_cpu,
                                       "found": seen, "windows": len(wins),
                                       "lowband": revision()}, indent=1))
     return 0 if seen["plain"] and not seen["tunnel"] and not left else 1

@@ -1,6 +1,7 @@
 """The encrypted outer link (issue 35): two shaped test hosts, a wireguard-go tunnel between them,
-a tiny streaming run through it, and a capture on the veth showing a known tensor's bytes are
-readable on the plain link (the positive control) and not through the tunnel.
+a tiny streaming run through it (only WireGuard's UDP on the link), and a capture on the veth
+showing a known tensor's bytes are readable on the plain link (the positive control) and not
+through the tunnel.
 
 Needs root, `ip`, `tc`, /dev/net/tun, `wireguard-go` and `wg`; skipped with the reason if not.
 """
@@ -12,7 +13,8 @@ import sys
 import pytest
 
 from lowband.launch.hosts import TestHosts
-from lowband.testing.tunnel import Capture, WireGuard, exchange, found, known_tensor, windows
+from lowband.testing.tunnel import (PORT, Capture, WireGuard, exchange, found, ipv4_kinds,
+                                    known_tensor, windows)
 
 
 def _hosts() -> TestHosts:
@@ -49,7 +51,12 @@ def test_tunnel_carries_a_run_and_hides_the_bytes(tmp_path):
         except RuntimeError as e:  # a container without CAP_NET_ADMIN or without sch_tbf
             pytest.skip(f"cannot create network namespaces here: {e}")
         wg = WireGuard(hosts, "10.77.36", "lbwt").setup()
+        cap = Capture(hosts, 1, tmp_path / "run.cap").start()
         _train(hosts, wg.addrs[0], wg.ifaces, tmp_path / "run", 29436)
+        kinds = ipv4_kinds(cap.stop())
+        # the run's every IPv4 frame on the link was WireGuard's: none of its TCP (the store,
+        # gloo) went around the tunnel
+        assert set(kinds) == {f"udp {PORT}"}, kinds
         wins = windows(known_tensor())
         seen = {}
         for name, master, ifaces in (("plain", hosts.addrs[0], hosts.devs),

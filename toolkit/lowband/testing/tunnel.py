@@ -132,7 +132,7 @@ class Capture:
         return self
 
     def stop(self) -> bytes:
-        """Stop recording; the captured frames, concatenated."""
+        """Stop recording; the captured frames, each after its length (frames() splits them)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(timeout=10)
@@ -184,6 +184,30 @@ def found(capture: bytes, wins: list[bytes]) -> int:
     return sum(w in capture for w in wins)
 
 
+def frames(capture: bytes):
+    """The frames of a Capture's recording."""
+    at = 0
+    while at + 4 <= len(capture):
+        n = int.from_bytes(capture[at:at + 4], "big")
+        yield capture[at + 4:at + 4 + n]
+        at += 4 + n
+
+
+def ipv4_kinds(capture: bytes) -> dict[str, int]:
+    """How many IPv4 frames of a recording are TCP, UDP to or from a port (the lower of the two:
+    "udp 51820" is WireGuard's) or another protocol; ARP and IPv6 are left out."""
+    kinds: dict[str, int] = {}
+    for f in frames(capture):
+        if len(f) < 38 or f[12:14] != b"\x08\x00":  # Ethernet type IPv4
+            continue
+        proto, ihl = f[23], (f[14] & 0x0F) * 4
+        ports = (int.from_bytes(f[14 + ihl:16 + ihl], "big"),
+                 int.from_bytes(f[16 + ihl:18 + ihl], "big"))
+        kind = {6: "tcp", 17: f"udp {min(ports)}"}.get(proto, f"ip proto {proto}")
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
 _EXCHANGE = """
 import sys, torch, torch.distributed as dist
 dist.init_process_group("gloo")
@@ -197,7 +221,7 @@ dist.destroy_process_group()
 print("received" if ok else "corrupted", flush=True)
 """
 
-# in the host's namespace: frames to a file until SIGTERM
+# in the host's namespace: frames to a file (each after its length, 4 bytes) until SIGTERM
 _CAPTURE = """
 import signal, socket, sys
 s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))  # ETH_P_ALL
@@ -210,7 +234,8 @@ print("ready", flush=True)
 with open(sys.argv[2], "wb") as out:
     while not stop:
         try:
-            out.write(s.recv(1 << 16))
+            frame = s.recv(1 << 16)
+            out.write(len(frame).to_bytes(4, "big") + frame)
         except (socket.timeout, InterruptedError):
             pass
 """
