@@ -88,11 +88,12 @@ def role_commands(argv: list[str], run_dir: Path, host0: str, heartbeat_timeout:
     return out
 
 
-# on host 0: every 50 ms, the age of each group's last heartbeat on the Lighthouse's status page,
+# on host 0: every 50 ms, the age of each group's last heartbeat on the Lighthouse's status page
+# (at host 0's link address, which it binds),
 # and the bytes queued in each host's tbf (argv[4:]: namespace=device ...)
 _POLLER = r"""
 import json, re, subprocess, sys, time, urllib.request
-url = f"http://127.0.0.1:{sys.argv[1]}/status"
+url = f"http://{sys.argv[1]}/status"  # host:port the Lighthouse listens on
 out, until = open(sys.argv[2], "w"), float(sys.argv[3])
 devs = [a.split("=") for a in sys.argv[4:]]
 scale = {"s": 1.0, "ms": 1e-3, "µs": 1e-6, "us": 1e-6, "ns": 1e-9}
@@ -132,7 +133,7 @@ def run(hosts: TestHosts, out: Path, argv: list[str], heartbeat_timeout: float,
             env["RUST_LOG"] = "torchft::lighthouse=info"
         procs[name] = hosts.popen(host, cmd, env, out / f"{name}.out", cwd=out)
     t0 = time.time()
-    poller = hosts.popen(0, [sys.executable, "-c", _POLLER, str(PORT),
+    poller = hosts.popen(0, [sys.executable, "-c", _POLLER, f"{hosts.addrs[0]}:{PORT}",
                              str(out / "heartbeats.jsonl"), str(t0 + deadline_s),
                              *(f"{ns}={dev}" for ns, dev in queues)],
                          dict(os.environ), out / "poller.out")

@@ -68,8 +68,13 @@ def record_tokenizer(tokens, run_root: Path) -> dict | None:
     if not isinstance(tokens, ShardedTokens) or not (tokens.root / "tokenizer").is_dir():
         return None
     dest = Path(run_root) / "tokenizer"
-    shutil.rmtree(dest, ignore_errors=True)
-    shutil.copytree(tokens.root / "tokenizer", dest)
+    if not dest.is_dir():  # every rank gets here: one copies, whole, by renaming its copy
+        tmp = dest.with_name(f"tokenizer.{os.getpid()}.tmp")
+        shutil.copytree(tokens.root / "tokenizer", tmp, dirs_exist_ok=True)
+        try:
+            os.rename(tmp, dest)
+        except OSError:  # another rank's copy landed first
+            shutil.rmtree(tmp, ignore_errors=True)
     return {"sha256": tokens.meta.get("tokenizer_sha256"), "path": tokens.meta.get("tokenizer_path"),
             "data": str(tokens.root.resolve()), "vocab_size": tokens.vocab_size, "eos_id": tokens.meta.get("eos_id")}
 
