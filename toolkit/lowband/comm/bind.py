@@ -1,4 +1,5 @@
-"""The one address every listener of this process binds: $LOWBAND_BIND_HOST, set by the launchers, else loopback.
+"""The one address every listener of this process binds: $LOWBAND_BIND_HOST, set by the
+launchers, else loopback.
 
 LOWBAND_BIND_HOST holds an address of this machine or an interface's name (eth0: its address).
 Unset (a launched job's node without --bind), a process binds the address of the interface that

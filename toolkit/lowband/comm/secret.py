@@ -30,9 +30,10 @@ TAG = 8  # bytes of a MAC that name a store prefix or sign a replica id
 
 
 def make(path) -> Path:
-    """The secret's file (RUN_DIR/secret): made now (32 random bytes, mode 0600), or kept as a
-    resumed run made it."""
+    """The secret's file (RUN_DIR/secret, the directory made if need be): made now (32 random
+    bytes, mode 0600), or kept as a resumed run made it."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:

@@ -31,7 +31,6 @@ def write_secret(run_dir: Path) -> None:
     from lowband.comm import secret
 
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
         secret.make(run_dir / secret.FILE)
     except OSError as e:
         raise ConfigError(f"lowband launch writes the run's secret into {run_dir} before it "
@@ -155,7 +154,7 @@ class LaunchHandle:
         """Submit the job (once; later calls do nothing)."""
         with self._lock:
             if self.app_handle is None:
-                write_secret(self.run_dir)  # (the run directory made here first)
+                write_secret(self.run_dir)  # (the run directory with it)
                 with _keep_signals():
                     self.app_handle = self._runner.schedule(self.dryrun_info)
         return self

@@ -133,8 +133,8 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
     free port for local schedulers, 29500 elsewhere. bind: the interface (eth0) or address
     the job's listeners bind on each node (default: the interface that routes to the first
     node; loopback for local_cwd; never every interface: comm/bind.py). start=False returns
-    the handle unsubmitted: inspect .dryrun_info, then start(). Bad input raises ConfigError with one sentence, before
-    anything is submitted.
+    the handle unsubmitted: inspect .dryrun_info, then start(). Bad input raises ConfigError
+    with one sentence, before anything is submitted.
     """
     needs_extra(*TORCHX)
     if scheduler == "kubernetes":

@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from lowband.comm import secret
 from lowband.comm.bind import BIND_ENV, bind_host, url_host
@@ -54,7 +53,7 @@ def main(argv: list[str]) -> int:
     # its address: --bind's, else the route to its node as the rank-0 host variable names it
     # (LOWBAND_RANK0_ENV, comm/bind.py), else to its own host name; Slurm's group jobs dial it
     try:
-        os.environ[BIND_ENV] = bind_host(peer=socket.gethostname())
+        here = os.environ[BIND_ENV] = bind_host(peer=socket.gethostname())
     except ConfigError as e:
         print(f"lowband: error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -62,11 +61,9 @@ def main(argv: list[str]) -> int:
                         heartbeat_timeout_s=a.heartbeat_timeout)
     print(f"lowband: lighthouse at {server.address()} for {a.replicas} replica groups",
           file=sys.stderr, flush=True)
-    run, here = RunDir(a.run_dir), url_host(bind_host())
+    run = RunDir(a.run_dir)
     if os.environ.get(secret.SECRET_ENV):  # the job's secret, if `lowband launch` has not
-        path = Path(os.environ[secret.SECRET_ENV])  # written it (a `torchx run` of its own)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        secret.make(path)
+        secret.make(os.environ[secret.SECRET_ENV])  # written it (a `torchx run` of its own)
     first_done, jobs, last_alive = None, None, time.monotonic()
     # a cancelled job's SIGTERM: cancel the group jobs on the way out (finally)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -93,7 +90,7 @@ def main(argv: list[str]) -> int:
                     return 1
                 break
             if jobs is None and a.idle_timeout and not first_done:
-                if alive_groups((), lighthouse=f"http://{here}:{a.port}") != []:
+                if alive_groups((), lighthouse=f"http://{url_host(here)}:{a.port}") != []:
                     last_alive = time.monotonic()  # (None: no answer, not the groups' fault)
                 elif time.monotonic() - last_alive > a.idle_timeout:
                     print(f"lowband: no replica group has reached the Lighthouse for "

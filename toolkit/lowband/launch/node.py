@@ -135,12 +135,12 @@ def _agent(argv: list[str]) -> int:
     # node's bind address (the route to the rendezvous host unless --bind or a Lighthouse says),
     # which the workers inherit and torchrun names them as their store's (--local-addr)
     try:
-        os.environ[BIND_ENV] = bind_host(peer=host)
+        address = os.environ[BIND_ENV] = bind_host(peer=host)
     except ConfigError as e:
         print(f"lowband: error: {e}", file=sys.stderr, flush=True)
         return 2
     if args.local_addr is None:
-        argv = ["--local-addr", bind_host(), *argv]
+        argv = ["--local-addr", address, *argv]
     bound = bound_store_type()
     for module in (dist, c10d_rendezvous_backend, static_tcp_rendezvous):
         module.TCPStore = bound  # (this agent process only: its workers are processes of their own)

@@ -41,8 +41,8 @@ from lowband.telemetry import RunDir, read_events, write_json_atomic
 def lighthouse(min_replicas: int, join_s: float, port: int = 0, heartbeat_timeout_s: float = 5.0):
     """torchft's Lighthouse, serving in this process on bind_host() (port 0: a free one);
     join_s: how long a quorum waits for a group that heartbeats but has not asked
-    (comm/elastic.join_timeout_s); a group whose heartbeats stop for heartbeat_timeout_s (torchft's default: 5 s) is left out
-    of the next quorum."""
+    (comm/elastic.join_timeout_s); a group whose heartbeats stop for heartbeat_timeout_s
+    (torchft's default: 5 s) is left out of the next quorum."""
     quiet_rust()
     needs_extra(*TORCHFT)
     from torchft._torchft import LighthouseServer
@@ -85,12 +85,13 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
     server, address = lighthouse_process(cfg.min_replicas, run.logs / "lighthouse.log",
                                          join_timeout_s(cfg))
     lives = {g: 0 for g in range(cfg.replicas)}
-    key = secret.make(run.root / secret.FILE)  # the run's (a resumed run's: its own), for its groups only
+    # the run's secret (a resumed run's: its own), its groups' only
+    secret_file = secret.make(run.root / secret.FILE)
 
     def start(g: int) -> LocalJob:
         # the group's lives, as torchrun counts them (checkpoint/lifecycle.py: restarted_group)
         env = {LIGHTHOUSE_ENV: address, REPLICA_ENV: str(g), RESTART_COUNT: str(lives[g]),
-               LIFE_ENV: str(life_file(run)), secret.SECRET_ENV: str(key)}
+               LIFE_ENV: str(life_file(run)), secret.SECRET_ENV: str(secret_file)}
         return LocalJob(argv, cfg.shards, run, env, log_prefix=f"replica{g}-", terminal=g == 0,
                         node=(g * cfg.shards, cfg.world))
 
