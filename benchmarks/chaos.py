@@ -83,7 +83,7 @@ def judge(root: Path, out: Path, result: dict, a, say) -> int:
     """Check the soak in root (chaos/, reference/), print and keep (out/chaos.json) what it
     found; 1 when an invariant or the loss goal failed."""
     faults = [Fault(**f) for f in result["faults"]]
-    report = check(root / "chaos", a.quorum_timeout, faults)
+    report = check(root / "chaos", faults)
     ok, message, loss = compare(root / "chaos", root / "reference", a.tolerance)
     report.expect("5 loss", ok, message.removeprefix("5 loss: "))
     result = {k: v for k, v in result.items() if k not in ("passed", "failures", "figures")}

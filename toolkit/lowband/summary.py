@@ -97,6 +97,9 @@ def fault_text(s: dict) -> str:
     n_heals, redone, parts = sum(heals.values()), 0, []
     for life in lives:
         g, died, start, again = (life.get(k) for k in ("group", "died_after", "resumed_from", "redone"))
+        if life.get("left_out"):  # stopped at the end (launch/supervise.py)
+            parts.append(f"group {g} stopped after step {died}: {life['left_out']}")
+            continue
         text = f"group {g} died after step {died}"
         if start is None:
             parts.append(text + ", not restarted")
@@ -111,7 +114,8 @@ def fault_text(s: dict) -> str:
         parts.append(text + (f": {', '.join(notes)}" if notes else ""))
     restarts = sum(1 for life in lives if life.get("resumed_from") is not None)
     healed = ", ".join(f"group {g}" for g in heals)
-    counts = [_count(len(lives), "group death", "group deaths"),
+    deaths = sum(1 for life in lives if not life.get("left_out"))
+    counts = [_count(deaths, "group death", "group deaths"),
               _count(restarts, "restart", "restarts"),
               _count(n_heals, "heal", "heals") + (f" of {healed}" if n_heals else ""),
               _count(redone, "step redone", "steps redone")]

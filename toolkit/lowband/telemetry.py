@@ -114,7 +114,7 @@ class RunDir:
         for d in (self.events, self.checkpoints, self.groups):
             shutil.rmtree(d, ignore_errors=True)
         for log in [*self.logs.glob("rank*.log"), *self.logs.glob("replica*.log"),
-                    *self.logs.glob("kill*-*"), self.logs / "lighthouse.log"]:
+                    *self.logs.glob("kill*-*"), *self.logs.glob("lighthouse*")]:
             log.unlink(missing_ok=True)
 
     def claim(self, overwrite: bool) -> "RunDir":

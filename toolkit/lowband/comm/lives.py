@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import os
 import re
+import time
 
 from lowband.comm.bind import LIGHTHOUSE_ENV
 
 LIFE_ENV = "LOWBAND_LIGHTHOUSE_LIFE"  # a file: how often the launcher restarted the Lighthouse
 LIFE = 1_000_000  # quorum ids of the Lighthouse's life n: n x LIFE + torchft's quorum id
+STATUS_TIMEOUT_S = 2.0  # alive_groups' wait for the Lighthouse's status page (each socket step)
 
 
 class LighthouseLives:
@@ -27,9 +29,14 @@ class LighthouseLives:
     def __init__(self, client, path: str | None):
         self._client, self._path = client, path
         self.last = None  # the last quorum's result (its members: comm/heal.py checks them)
+        self.quorum_s = 0.0  # seconds the last quorum's answer took (torchft's retries included)
 
     def _quorum(self, *args, **kwargs):
-        result = self._client._quorum(*args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            result = self._client._quorum(*args, **kwargs)
+        finally:
+            self.quorum_s = time.perf_counter() - t0
         self.last = Renumbered(result, lighthouse_life(self._path) * LIFE + result.quorum_id)
         return self.last
 
@@ -55,7 +62,7 @@ def lighthouse_life(path) -> int:
         return 0
 
 
-def alive_groups(members, timeout_s: float = 2.0, lighthouse: str | None = None
+def alive_groups(members, timeout_s: float = STATUS_TIMEOUT_S, lighthouse: str | None = None
                  ) -> list[int] | None:
     """The replica groups alive now in the Lighthouse's eyes: those whose heartbeat it saw
     within its heartbeat timeout (its /status page lists every replica id it heard from, old

@@ -24,9 +24,9 @@ from lowband.comm.lives import alive_groups
 from lowband.faults import lighthouse_kill_asked
 from lowband.launch.env import layout
 from lowband.launch.slurm import GROUPS_ARG, GroupJobs
-from lowband.launch.supervise import lighthouse, write_summary
+from lowband.launch.supervise import leave_out_stragglers, lighthouse, write_summary
 from lowband.options import ConfigError
-from lowband.telemetry import RunDir, read_events
+from lowband.telemetry import RunDir
 
 
 def main(argv: list[str]) -> int:
@@ -122,18 +122,12 @@ def run_config(run: RunDir):
 
 
 def drop_stragglers(run: RunDir, jobs) -> None:
-    """A group has finished: a group left out of its last quorum (lost, and not back in time to
-    heal) has no live peer left and would train on alone; its Slurm job is cancelled, and the
-    summary leaves it out."""
-    cfg = run_config(run)
-    first = int(sorted(run.groups.glob("replica*.json"))[0].stem[len("replica"):])
-    quorums = [e for e in read_events(run, ("membership",)) if e["rank"] == first * cfg.shards]
-    if not quorums:
-        return
-    for g in sorted(set(range(cfg.replicas)) - set(quorums[-1]["members"])):
-        if not (run.groups / f"replica{g}.json").exists():
-            jobs.cancel_group(g, f"it was not in group {first}'s last quorum (step "
-                                 f"{quorums[-1]['step']}), so no live peer is left to heal it")
+    """A group has finished: the Slurm jobs of the groups that met no finished group since
+    they last started are cancelled, and the summary leaves them out
+    (supervise.leave_out_stragglers)."""
+    unfinished = dict.fromkeys(range(len(jobs.ids)), 0.0)  # (their lives: from their events)
+    for g, why in leave_out_stragglers(run_config(run), run, unfinished).items():
+        jobs.cancel_group(g, why)
 
 
 def _positive(text: str) -> float:

@@ -9,9 +9,10 @@ is started again, up to --max-restarts times: it continues from its newest intac
 trained further at the others' next sync, and trains on. A group that refuses its input (status
 2) or stops on purpose (3: no quorum within --quorum-timeout) stops the whole job: the others
 would meet it too. A Lighthouse that dies is started again on its port (restart_lighthouse);
-the groups' quorums wait for it. When
-every group has finished or is lost for good, the groups' records (RUN/groups/) become
-summary.json, with what the faults cost (elastic_record).
+the groups' quorums wait for it. Once a group has finished, the groups left out of its last
+quorum are stopped and a group that dies is not restarted (leave_out_stragglers): no live peer
+is left to heal them. When every group has finished or is lost for good, the groups' records
+(RUN/groups/) become summary.json, with what the faults cost (elastic_record).
 """
 
 from __future__ import annotations
@@ -88,7 +89,10 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
     # the run's secret (a resumed run's: its own), its groups' only
     secret_file = secret.make(run.root / secret.FILE)
 
+    began = {}  # each group's current life: when it was started (wall clock, as events are)
+
     def start(g: int) -> LocalJob:
+        began[g] = time.time()
         # the group's lives, as torchrun counts them (checkpoint/lifecycle.py: restarted_group)
         env = {LIGHTHOUSE_ENV: address, REPLICA_ENV: str(g), RESTART_COUNT: str(lives[g]),
                LIFE_ENV: str(life_file(run)), secret.SECRET_ENV: str(secret_file)}
@@ -115,6 +119,11 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
                 code, rank = result
                 del jobs[g]
                 if code == 0:
+                    if not finished:  # the run's result exists: no live peer for a late group
+                        for late, why in leave_out_stragglers(cfg, run, {j: began[j] for j in jobs}).items():
+                            jobs.pop(late).stop()
+                            print(f"lowband: replica group {late} is stopped: {why}.",
+                                  file=sys.stderr, flush=True)
                     finished.add(g)
                 elif code in (2, 3, 130):  # bad input (every group would refuse it), a stop
                     # on purpose (no quorum, NaN: a restart would meet it again), or Ctrl-C
@@ -123,6 +132,10 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
                     for other in jobs.values():
                         other.stop()
                     return code
+                elif finished:  # alone it would train on to a state of its own
+                    print(f"lowband: replica group {g} {describe_exit(code)} (rank {rank}) and is "
+                          "not restarted: a group has finished, so no live peer is left to heal "
+                          "it.", file=sys.stderr, flush=True)
                 elif lives[g] < cfg.max_restarts:
                     lives[g] += 1
                     print(f"lowband: replica group {g} {describe_exit(code)} (rank {rank}); "
@@ -148,15 +161,25 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
     return 0
 
 
+LEFT_OUT = "left-out.json"  # in RUN/groups/, beside the records (replica<i>.json)
+
+
 def life_file(run: RunDir) -> Path:
     """How often the Lighthouse was restarted (comm/elastic.py: LighthouseLives)."""
     return run.logs / "lighthouse-life"
 
 
+def down_file(run: RunDir) -> Path:
+    """Seconds each restart left the groups without a Lighthouse (summary.json: elastic)."""
+    return run.logs / "lighthouse-down.json"
+
+
 def restart_lighthouse(cfg, run: RunDir, address: str) -> subprocess.Popen | None:
     """A new Lighthouse on the dead one's port, its life written first (None: it did not start:
     the job stops). The pause lets every quorum the old one answered reach its group before
-    the file says the next life, and lets the old port go."""
+    the file says the next life, and lets the old port go. How long it was away (from its
+    death seen, within the supervisor's 0.1 s poll, to the new one answering) is recorded."""
+    t0 = time.monotonic()
     life = lighthouse_life(life_file(run)) + 1
     time.sleep(1.0)
     write_json_atomic(life_file(run), life)
@@ -168,9 +191,44 @@ def restart_lighthouse(cfg, run: RunDir, address: str) -> subprocess.Popen | Non
               f"{run.logs / 'lighthouse.log'}), so the groups stop; `lowband train --resume "
               f"{run.root}` continues them from their checkpoints.", file=sys.stderr, flush=True)
         return None
-    print(f"lowband: the Lighthouse stopped; a new one serves {address} (restart {life}), and "
-          "the groups' quorums wait for it.", file=sys.stderr, flush=True)
+    down = (run.read_json(down_file(run)) or []) + [round(time.monotonic() - t0, 3)]
+    write_json_atomic(down_file(run), down)
+    print(f"lowband: the Lighthouse stopped; a new one serves {address} (restart {life}, after "
+          f"{down[-1]:.1f} s), and the groups' quorums wait for it.", file=sys.stderr, flush=True)
     return server
+
+
+def leave_out_stragglers(cfg, run: RunDir, unfinished: dict[int, float]) -> dict[int, str]:
+    """Once a group has finished: the groups of `unfinished` (each with the wall-clock time its
+    current life began, or 0: from its last `run` event) that have met no finished group in a
+    quorum since then (restarted too late to heal), with why. No live peer is left to heal
+    them, and alone they would train on to a state of their own (and write model.pt over the
+    run's): the caller stops them, and the summary counts their work as lost (record_left_out)."""
+    done = {int(p.stem[len("replica"):]) for p in run.groups.glob("replica*.json")}
+    if not done:
+        return {}
+    events = [e for e in read_events(run, ("run", "membership"))
+              if e["rank"] % cfg.shards == 0 and e.get("replica") in unfinished]
+    left = {}
+    for g in sorted(set(unfinished) - done):
+        mine = [e for e in events if e["replica"] == g]
+        since = max([unfinished[g]] + [e["t"] for e in mine if e["kind"] == "run"
+                                       and e.get("phase") in ("start", "resume")])
+        if not any(e["kind"] == "membership" and e["t"] >= since and done & set(e["members"])
+                   for e in mine):
+            left[g] = ("since it last started it has met no group that finished, so no live "
+                       "peer is left to heal it")
+    record_left_out(run, left)
+    return left
+
+
+def record_left_out(run: RunDir, groups: dict[int, str]) -> None:
+    """RUN/groups/left-out.json: each group left out at the end, and why (elastic_record)."""
+    if groups:
+        run.groups.mkdir(exist_ok=True)
+        before = run.read_json(run.groups / LEFT_OUT) or {}
+        write_json_atomic(run.groups / LEFT_OUT, {**before, **{str(g): why
+                                                              for g, why in groups.items()}})
 
 
 def write_summary(cfg, run: RunDir) -> dict:
@@ -227,12 +285,15 @@ def elastic_record(cfg, run: RunDir, finished: list[int]) -> dict:
             later, default=float("inf")) and r["step"] < e["step"] <= died})
         lost.append({"group": g, "died_after": died, "resumed_from": r["step"],
                      "redone": [again[0], again[-1]] if again else None})
+    left_out = run.read_json(run.groups / LEFT_OUT) or {}
     for g in sorted(set(range(cfg.replicas)) - set(finished)):
         mine = [e["step"] for e in steps if e["replica"] == g]
+        why = {"left_out": left_out[str(g)]} if str(g) in left_out else {}
         lost.append({"group": g, "died_after": mine[-1] if mine else 0, "resumed_from": None,
-                     "redone": None})
+                     "redone": None, **why})
     lost.sort(key=lambda life: life["group"])  # (each group's lives stay in time order)
     return {"groups_finished": finished, "lighthouse_restarts": lighthouse_life(life_file(run)),
+            "lighthouse_down_s": run.read_json(down_file(run)) or [],
             "restarts": {str(g): n for g, n in sorted(Counter(e["replica"] for e in restarts).items())},
             "heals": {str(g): n for g, n in sorted(heals.items())}, "lost_work": lost,
             "participation": participation(sync_participation(events))}
