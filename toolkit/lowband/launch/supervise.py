@@ -9,9 +9,9 @@ is started again, up to --max-restarts times: it continues from its newest intac
 trained further at the others' next sync, and trains on. A group that refuses its input (status
 2) or stops on purpose (3: no quorum within --quorum-timeout) stops the whole job: the others
 would meet it too. A Lighthouse that dies is started again on its port (restart_lighthouse);
-the groups' quorums wait for it. Once a group has finished, the groups left out of its last
-quorum are stopped and a group that dies is not restarted (leave_out_stragglers): no live peer
-is left to heal them. When every group has finished or is lost for good, the groups' records
+the groups' quorums wait for it. Once a group has finished, a group that has met no finished
+group in a quorum since it last started is stopped, and a group that dies is not restarted
+(leave_out_stragglers): no live peer is left to heal them. When every group has finished or is lost for good, the groups' records
 (RUN/groups/) become summary.json, with what the faults cost (elastic_record).
 """
 
@@ -120,7 +120,8 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
                 del jobs[g]
                 if code == 0:
                     if not finished:  # the run's result exists: no live peer for a late group
-                        for late, why in leave_out_stragglers(cfg, run, {j: began[j] for j in jobs}).items():
+                        lives_now = {j: began[j] for j in jobs}
+                        for late, why in leave_out_stragglers(cfg, run, lives_now).items():
                             jobs.pop(late).stop()
                             print(f"lowband: replica group {late} is stopped: {why}.",
                                   file=sys.stderr, flush=True)
