@@ -122,9 +122,9 @@ def test_a_group_back_after_another_finished_is_left_out_and_said_so(tmp_path):
     for g in (0, 1):
         (rd.groups / f"replica{g}.json").write_text(json.dumps({"ranks": [{**rank, "replica": g}],
                                                                  "ddp_one_step": 8}))
-    why = ("since it last started it has met no group that finished, so no live peer is left "
-           "to heal it")
-    assert leave_out_stragglers(cfg, rd, {1: 0.0, 2: 0.0}) == {2: why}
+    why = "since it was restarted it has met no group that finished, so no live peer is left "
+    why += "to heal it"
+    assert leave_out_stragglers(cfg, rd, {1: 0.0, 2: 0.0}, restarted={2}) == {2: why}
     # one that met a finished group in this life is not left out (it heals at its next quorum)
     assert leave_out_stragglers(cfg, rd, {1: 0.0}) == {}
     summary = write_summary(cfg, rd)

@@ -113,6 +113,8 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
                         job.stop()
                     return 3
             for g, job in list(jobs.items()):
+                if g not in jobs:  # stopped in this round (leave_out_stragglers)
+                    continue
                 result = job.poll()
                 if result is None:
                     continue
@@ -121,7 +123,9 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
                 if code == 0:
                     if not finished:  # the run's result exists: no live peer for a late group
                         lives_now = {j: began[j] for j in jobs}
-                        for late, why in leave_out_stragglers(cfg, run, lives_now).items():
+                        restarted = {j for j in jobs if lives[j]}
+                        for late, why in leave_out_stragglers(cfg, run, lives_now,
+                                                              restarted).items():
                             jobs.pop(late).stop()
                             print(f"lowband: replica group {late} is stopped: {why}.",
                                   file=sys.stderr, flush=True)
@@ -199,12 +203,15 @@ def restart_lighthouse(cfg, run: RunDir, address: str) -> subprocess.Popen | Non
     return server
 
 
-def leave_out_stragglers(cfg, run: RunDir, unfinished: dict[int, float]) -> dict[int, str]:
+def leave_out_stragglers(cfg, run: RunDir, unfinished: dict[int, float],
+                         restarted: set[int] = frozenset()) -> dict[int, str]:
     """Once a group has finished: the groups of `unfinished` (each with the wall-clock time its
     current life began, or 0: from its last `run` event) that have met no finished group in a
     quorum since then (restarted too late to heal), with why. No live peer is left to heal
     them, and alone they would train on to a state of their own (and write model.pt over the
-    run's): the caller stops them, and the summary counts their work as lost (record_left_out)."""
+    run's): the caller stops them, and the summary counts their work as lost (record_left_out).
+    restarted: the groups whose current life is a restart (the reason says so: a life stopped
+    before its first event leaves no other trace of its restart)."""
     done = {int(p.stem[len("replica"):]) for p in run.groups.glob("replica*.json")}
     if not done:
         return {}
@@ -217,8 +224,8 @@ def leave_out_stragglers(cfg, run: RunDir, unfinished: dict[int, float]) -> dict
                                        and e.get("phase") in ("start", "resume")])
         if not any(e["kind"] == "membership" and e["t"] >= since and done & set(e["members"])
                    for e in mine):
-            left[g] = ("since it last started it has met no group that finished, so no live "
-                       "peer is left to heal it")
+            left[g] = (f"since it {'was restarted' if g in restarted else 'started'} it has "
+                       "met no group that finished, so no live peer is left to heal it")
     record_left_out(run, left)
     return left
 

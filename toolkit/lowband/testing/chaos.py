@@ -224,11 +224,12 @@ def check(run_dir, faults: list[Fault] = ()) -> Report:
     every_step = _every_step(run_dir, cfg["shards"])
     _heal_sources(rep, first, every_step)
     _equal_state(rep, [e for e in events if e["kind"] == "sync"], cfg["shards"])
-    finals = {json.loads(p.read_text())["outer_sha256"]
-              for p in (run_dir / "groups").glob("*.json")}
+    records = {int(p.stem[len("replica"):]): json.loads(p.read_text())
+               for p in (run_dir / "groups").glob("replica*.json")}
+    finals = {r["outer_sha256"] for r in records.values()}
     rep.expect("2 equal state", len(finals) == 1,
                f"the groups end with {len(finals)} different outer parameters")
-    _tokens_once(rep, cfg, summary, steps, len(every_step))
+    _tokens_once(rep, cfg, summary, steps, len(every_step), set(records))
     _bounded_waits(rep, [e for e in first if e["kind"] == "membership"], cfg,
                    summary.get("elastic", {}).get("lighthouse_down_s", []))
     rep.figures.update(_participation(first, faults, cfg["replicas"]))
@@ -322,10 +323,12 @@ def _equal_state(rep: Report, syncs: list[dict], shards: int) -> None:
     rep.figures["syncs_compared"] = len(seen)
 
 
-def _tokens_once(rep: Report, cfg: dict, summary: dict, steps: list[dict], every: int) -> None:
+def _tokens_once(rep: Report, cfg: dict, summary: dict, steps: list[dict], every: int,
+                 finished: set[int]) -> None:
     """3: per group, the steps kept (a lost life's after its checkpoint superseded) only grow
     and each adds its tokens once; summary.json's tokens are every life's recorded steps (`every`
-    step events), and those not kept are its elastic.tokens_lost."""
+    step events), and those not kept (all of a group that did not finish: left out at the end)
+    are its elastic.tokens_lost."""
     per_step = cfg["batch_size"] * cfg["seq_len"] * cfg.get("grad_accum", 1)
     kept = 0
     for g in sorted({e["replica"] for e in steps}):
@@ -336,7 +339,7 @@ def _tokens_once(rep: Report, cfg: dict, summary: dict, steps: list[dict], every
         counted = [e["tokens"] for e in mine]
         rep.expect("3 tokens once", counted == [per_step * (i + 1) for i in range(len(mine))],
                    f"group {g}'s tokens do not grow by {per_step} a recorded step")
-        kept += counted[-1] if counted else 0
+        kept += counted[-1] if counted and g in finished else 0
     tokens, lost = summary["tokens"], summary.get("elastic", {}).get("tokens_lost", 0)
     rep.expect("3 tokens once", tokens == every * per_step * cfg["shards"],
                f"summary.json counts {tokens} tokens, the groups' recorded steps (every life) "
