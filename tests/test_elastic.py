@@ -74,7 +74,10 @@ def test_a_killed_group_restarts_and_heals_from_a_live_peer(tmp_path):
     assert "replica group 1 was killed by SIGKILL" in proc.stderr
     healed = [e for e in read_events(run, ("membership",)) if e["healed"]]
     assert [e["replica"] for e in healed] == [1]
-    assert healed[0]["step"] == 12 and healed[0]["heal_bytes"] > 0  # the others' next sync
+    # the others' next sync (step 12), or a later one (syncs every 4 steps) when its restart
+    # took longer than their quorum of step 12 waited (a loaded machine)
+    h = healed[0]["step"]
+    assert h in (12, 16, 20) and healed[0]["heal_bytes"] > 0, h
     records = groups(run)
     assert sorted(records) == [0, 1, 2]
     assert len({r["outer_sha256"] for r in records.values()}) == 1  # bitwise equal
@@ -82,20 +85,21 @@ def test_a_killed_group_restarts_and_heals_from_a_live_peer(tmp_path):
         steps = [e for e in read_events(run, ("step",)) if e["replica"] == g]
         assert [e["step"] for e in steps] == list(range(1, 25)), (g, steps)
         # their quorums inside steps (all but the first) are waits, not compute: the one of
-        # step 12 waited for group 1 to start again
+        # step 12 waited for group 1 (its heartbeats to stop, or it to start again)
         waits = sum([e["wait_s"] for e in read_events(run, ("membership",)) if e["rank"] == g][1:])
         assert waits > 0.5 and sum(e["compute_s"] for e in steps) <= \
             sum(e["step_s"] for e in steps) - waits + 1e-3
     restarted = [e["step"] for e in read_events(run, ("step",)) if e["replica"] == 1]
-    assert restarted == list(range(1, 10)) + list(range(13, 25))  # killed in step 10; healed to 12
+    assert restarted == list(range(1, 10)) + list(range(h + 1, 25))  # killed in step 10; healed
     summary = json.loads((run / "summary.json").read_text())
     assert summary["elastic"]["restarts"] == {"1": 1} and summary["elastic"]["heals"] == {"1": 1}
     assert summary["elastic"]["lost_work"] == [{"group": 1, "died_after": 9, "resumed_from": 0,
                                                 "redone": None}]
     # every life's steps count: the first life's 9 were trained and lost (its successor began
-    # afresh and healed to step 12), 4 x 32 tokens a step
-    assert summary["steps_run_per_replica"] == [24, 9 + 12, 24]
-    assert summary["tokens"] == (24 + 21 + 24) * 128 and summary["elastic"]["tokens_lost"] == 9 * 128
+    # afresh and healed to step h), 4 x 32 tokens a step
+    assert summary["steps_run_per_replica"] == [24, 9 + 24 - h, 24]
+    assert summary["tokens"] == (24 + 9 + 24 - h + 24) * 128
+    assert summary["elastic"]["tokens_lost"] == 9 * 128
     assert "1 group death, 1 restart, 1 heal of group 1, 0 steps redone, 1.15 k tokens trained " \
         "and lost" in proc.stdout
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
