@@ -273,7 +273,10 @@ def test_adaptive_counts_follow_speed_within_ddps_tokens(runs):
     run = runs[0]["acco-adaptive"]
     steps = read_events(run, ("step",))
     tokens = {r: max(e["tokens"] for e in steps if e["rank"] == r) for r in (0, 1)}
-    assert tokens[0] > 2 * tokens[1] > 0  # (its compute utilization: benchmarks/acco.py)
+    # fixed or speed-blind counts give 1x; about 2.6-2.9x here on an idle machine, 1.95x seen in
+    # a loaded CI run (the caps' growth from step 0's one micro-batch each and the rounds'
+    # all-gathers keep it below the straggler's 4x); its compute utilization: benchmarks/acco.py
+    assert tokens[0] > 1.5 * tokens[1] > 0
     summary = run.read_json(run.summary)
     assert summary["tokens"] == sum(tokens.values()) == ddp_tokens(RUNS["acco-adaptive"])
     taken = summary["steps_run"]

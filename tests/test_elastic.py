@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import lowband, train_in_one_job
-from lowband.telemetry import read_events
+from lowband.telemetry import RunDir, read_events
+from lowband.testing.chaos import RECONNECT_S
 
 pytest.importorskip("torchft")
 
@@ -25,8 +26,7 @@ def train(tmp_path, name, *args):
 
 
 def groups(run) -> dict[int, dict]:
-    return {int(p.stem[len("replica"):]): json.loads(p.read_text())
-            for p in (run / "groups").glob("replica*.json")}
+    return {g: json.loads(p.read_text()) for g, p in RunDir(run).group_records().items()}
 
 
 EQUAL = [("diloco", 1), ("ddp", 2), ("edit", 1)]  # (algo, shards) compared with the plain run
@@ -246,7 +246,7 @@ def test_a_lost_lighthouse_is_restarted_and_a_stopped_run_resumes_from_checkpoin
     assert elastic["lighthouse_restarts"] == 1 and len(elastic["lighthouse_down_s"]) == 1
     # the quorum waited for the new Lighthouse too: its time away, and torchft's reconnection
     assert all(e["quorum_id"] > 1_000_000 and e["quorum_s"] <= e["wait_s"]
-               < 20 + elastic["lighthouse_down_s"][0] + 10 for e in after)
+               < 20 + elastic["lighthouse_down_s"][0] + RECONNECT_S for e in after)
     assert "lost, 1 Lighthouse restart (group 2 died after step 1" in proc.stdout
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["replica0", "replica1"]
 

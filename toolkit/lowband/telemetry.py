@@ -77,6 +77,15 @@ class RunDir:
         """--elastic: each replica group's ranks (groups/replica<i>.json), merged into summary.json"""
         return self.root / "groups"
 
+    def group_record(self, replica: int) -> Path:
+        """--elastic: the record a replica group writes when it finishes."""
+        return self.groups / f"replica{replica}.json"
+
+    def group_records(self) -> dict[int, Path]:
+        """--elastic: the finished groups' records, by replica, in replica order."""
+        found = {int(p.stem[len("replica"):]): p for p in self.groups.glob("replica*.json")}
+        return dict(sorted(found.items()))
+
     def event_file(self, rank: int) -> Path:
         return self.events / f"rank{rank}.jsonl"
 

@@ -201,7 +201,7 @@ def write_results(cfg, topo, run, events, model, algo, comm, done: "Progress",
     if cfg.elastic:  # each group's ranks; the launcher writes summary.json from every group's
         if dist.get_rank() == 0:
             run.groups.mkdir(exist_ok=True)
-            write_json_atomic(run.groups / f"replica{topo.replica}.json",
+            write_json_atomic(run.group_record(topo.replica),
                               {"ranks": everyone, "ddp_one_step": _ddp_one_step(model, cfg),
                                "outer_sha256": _digest(outer), "model_sha256": _digest(weights)})
         dist.barrier()

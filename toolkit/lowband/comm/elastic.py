@@ -213,13 +213,13 @@ class Membership:
         # quorum); its time is part of the quorum's wait
         alive = {"alive": alive_groups(members)} if self.topo.shard == 0 else {}
         waited = time.perf_counter() - t0
-        parts = {"quorum_s": self.manager._client.quorum_s}  # the Lighthouse's answer, of wait_s
+        answered = self.manager._client.quorum_s  # the Lighthouse's answer, part of wait_s
         if not self._joining:  # inside a step: a wait, not compute (the trainer subtracts it)
             self.comm.wait_s += waited
         at = self._heal[2] if self.healed_now else step  # a healed group: its state's step
         if alive:
             self.events.emit("quorum", step=at, quorum_id=quorum, members=list(members),
-                             healed=self.healed_now, wait_s=waited, **parts, **alive,
+                             healed=self.healed_now, wait_s=waited, quorum_s=answered, **alive,
                              **refused)
         if quorum != self.quorum_id:  # a new quorum: somebody left, joined or was replaced
             joined = sorted(set(members) - set(self.members)) if self.members else list(members)
@@ -233,7 +233,7 @@ class Membership:
             self.events.emit("membership", step=at, quorum_id=quorum, size=len(members),
                              members=list(members), joined=joined,
                              left=sorted(set(self.members) - set(members)),
-                             healed=self.healed_now, wait_s=waited, **parts, **alive, **extra)
+                             healed=self.healed_now, wait_s=waited, quorum_s=answered, **alive, **extra)
             self.members, self.quorum_id, self.life = members, quorum, life
         return self.healed_now
 

@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
                 print(f"lowband: error: {e}; the run cannot start.", file=sys.stderr)
                 return 1
         while True:
-            done = len(list(run.groups.glob("replica*.json"))) if run.groups.is_dir() else 0
+            done = len(run.group_records())
             if done and first_done is None:
                 first_done = time.monotonic()
                 if jobs is not None:
@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
                 break
             if jobs is not None and not jobs.alive(late=first_done is not None):  # all ended
                 time.sleep(2.0)  # (a record written just before its job ended)
-                if not (run.groups.is_dir() and any(run.groups.glob("replica*.json"))):
+                if not run.group_records():
                     print("lowband: every replica group's Slurm job ended without a record, so "
                           f"the run has no result: see {run.logs}.", file=sys.stderr)
                     return 1

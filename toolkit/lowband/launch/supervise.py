@@ -212,7 +212,7 @@ def leave_out_stragglers(cfg, run: RunDir, unfinished: dict[int, float],
     run's): the caller stops them, and the summary counts their work as lost (record_left_out).
     restarted: the groups whose current life is a restart (the reason says so: a life stopped
     before its first event leaves no other trace of its restart)."""
-    done = {int(p.stem[len("replica"):]) for p in run.groups.glob("replica*.json")}
+    done = set(run.group_records())
     if not done:
         return {}
     events = [e for e in read_events(run, ("run", "membership"))
@@ -241,7 +241,7 @@ def record_left_out(run: RunDir, groups: dict[int, str]) -> None:
 
 def write_summary(cfg, run: RunDir) -> dict:
     """summary.json from the groups that finished, with what faults cost them (`elastic`)."""
-    records = [run.read_json(p) for p in sorted(run.groups.glob("replica*.json"))]
+    records = [run.read_json(p) for p in run.group_records().values()]
     records = [r for r in records if r]
     ranks = [rank for r in records for rank in r["ranks"]]
     summary = summarize(cfg, ranks)

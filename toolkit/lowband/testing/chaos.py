@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lowband.comm.lives import LIFE, STATUS_TIMEOUT_S
-from lowband.telemetry import parse_event, read_events
+from lowband.telemetry import RunDir, parse_event, read_events
 
 RECONNECT_S = 10.0  # torchft reconnects to a Lighthouse with a backoff of at most 10 s a try
 STATUS_S = 2 * STATUS_TIMEOUT_S  # the status page a first rank reads in each quorum (connect, read)
@@ -224,8 +224,7 @@ def check(run_dir, faults: list[Fault] = ()) -> Report:
     every_step = _every_step(run_dir, cfg["shards"])
     _heal_sources(rep, first, every_step)
     _equal_state(rep, [e for e in events if e["kind"] == "sync"], cfg["shards"])
-    records = {int(p.stem[len("replica"):]): json.loads(p.read_text())
-               for p in (run_dir / "groups").glob("replica*.json")}
+    records = {g: json.loads(p.read_text()) for g, p in RunDir(run_dir).group_records().items()}
     finals = {r["outer_sha256"] for r in records.values()}
     rep.expect("2 equal state", len(finals) == 1,
                f"the groups end with {len(finals)} different outer parameters")
