@@ -4,6 +4,8 @@ restart's row, what a lost life redid or lost, and a group left out at the end; 
 
 import json
 
+from lowband.telemetry import RunDir
+
 
 def test_each_groups_restart_says_what_it_redid_or_lost(tmp_path):
     """The records of the case above, written by hand (in-process): each group's restart is a
@@ -135,3 +137,25 @@ def test_a_group_back_after_another_finished_is_left_out_and_said_so(tmp_path):
     text = fault_text(summary)
     assert text.startswith("1 group death, 1 restart, 0 heals, 0 steps redone"), text
     assert text.endswith(f"group 2 stopped after step 13: {why})"), text
+
+
+def test_a_resumed_launch_does_not_take_its_earlier_records_for_results(tmp_path, capsys,
+                                                                         monkeypatch):
+    """The records of a run's earlier launch (before --resume) are not this launch's: the
+    Lighthouse role waits for its groups instead of ending the job on the old records (it
+    wrote summary.json and left the groups without a Lighthouse), and left-out.json stays."""
+    from lowband.launch.lighthouse import main
+    from lowband.launch.local import free_port
+
+    monkeypatch.setenv("LOWBAND_BIND_HOST", "127.0.0.1")  # (the role sets it: undone after)
+    run = RunDir(tmp_path / "r").create()
+    run.groups.mkdir()
+    for g in (0, 1):
+        run.group_record(g).write_text(json.dumps({"ranks": [], "outer_sha256": "old"}))
+    (run.groups / "left-out.json").write_text(json.dumps({"1": "an earlier launch's"}))
+    assert list(run.group_records()) == [0, 1]
+    code = main(["--replicas", "2", "--run-dir", str(run.root), "--port", str(free_port()),
+                 "--idle-timeout", "1"])
+    assert code == 1 and "no replica group has reached the Lighthouse" in capsys.readouterr().err
+    assert not run.group_records() and not run.summary.exists()
+    assert (run.groups / "left-out.json").exists()

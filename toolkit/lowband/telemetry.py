@@ -86,6 +86,13 @@ class RunDir:
         found = {int(p.stem[len("replica"):]): p for p in self.groups.glob("replica*.json")}
         return dict(sorted(found.items()))
 
+    def clear_group_records(self) -> None:
+        """--elastic, as a launch begins: records of an earlier launch of this run (a resumed
+        one) are not this launch's results; each group writes its own again when it finishes.
+        (groups/left-out.json stays: the events of the work it names stay too.)"""
+        for path in self.group_records().values():
+            path.unlink(missing_ok=True)
+
     def event_file(self, rank: int) -> Path:
         return self.events / f"rank{rank}.jsonl"
 

@@ -62,6 +62,7 @@ def main(argv: list[str]) -> int:
     print(f"lowband: lighthouse at {server.address()} for {a.replicas} replica groups",
           file=sys.stderr, flush=True)
     run = RunDir(a.run_dir)
+    run.clear_group_records()  # (a resumed run's earlier part: its groups finish again)
     if os.environ.get(secret.SECRET_ENV):  # the job's secret, if `lowband launch` has not
         secret.make(os.environ[secret.SECRET_ENV])  # written it (a `torchx run` of its own)
     first_done, jobs, last_alive = None, None, time.monotonic()

@@ -86,6 +86,7 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
     server, address = lighthouse_process(cfg.min_replicas, run.logs / "lighthouse.log",
                                          join_timeout_s(cfg))
     lives = {g: 0 for g in range(cfg.replicas)}
+    run.clear_group_records()  # (a resumed run's earlier part: its groups finish again)
     # the run's secret (a resumed run's: its own), its groups' only
     secret_file = secret.make(run.root / secret.FILE)
 
