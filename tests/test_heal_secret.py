@@ -12,6 +12,7 @@ import os
 import secrets
 import stat
 import threading
+import time
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
@@ -97,8 +98,9 @@ def test_a_member_heals_and_a_process_without_the_secret_gets_no_byte(key):
     try:
         state = {"user": {"w": torch.arange(6.0)}, "torchft": {"step": 5}}
         sender.send_checkpoint([1], 5, state, T)
+        state["user"]["w"].add_(1)  # the sender trains on after its quorum: the heal is as it was
         got = receiver.recv_checkpoint(0, sender.metadata(), 5, T)
-        assert torch.equal(got["user"]["w"], state["user"]["w"]) and got["torchft"] == {"step": 5}
+        assert torch.equal(got["user"]["w"], torch.arange(6.0)) and got["torchft"] == {"step": 5}
         for headers in ({}, {MAC_HEADER: secret.mac(stranger, "heal-request", "/heal/7/5/n").hex()}):
             with pytest.raises(HTTPError) as e:
                 urlopen(Request(sender.metadata() + "/heal/7/5/n", headers=headers), timeout=10)
@@ -270,6 +272,11 @@ def test_a_group_keeps_its_state_when_its_heal_source_serves_code(site, key, tmp
             "data, so replica group 0 loaded nothing of it.")
         assert not marker.exists() and algo.healed_step is None
         assert all(torch.equal(a, b) for a, b in zip(before, _state(algo)))
+        # behind and not healed, it takes no part in the sync's exchange: it fails at once
+        # (not after the process group's timeout, waiting for peers in another step's sync)
+        began = time.monotonic()
+        group.barrier()
+        assert time.monotonic() - began < T.total_seconds() / 5 and group.failed()
         assert group.commit() is False  # its vote fails: the sync is not applied
     finally:
         group.shutdown()

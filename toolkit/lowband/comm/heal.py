@@ -11,6 +11,7 @@ one, HealTransport:
   - answers with the sender's replica group and, after the body, a MAC of the request's path,
     that group and the body: the receiver checks it before it loads a byte, so a peer without
     the secret cannot feed a healing group anything (nor replay an old answer: the nonce);
+  - serves a copy of the state taken inside the quorum (the sender trains on meanwhile);
   - loads with torch.load(weights_only=True): tensors and plain data only, even from a member;
   - heals only from the source torchft's quorum names when that source is a member: its
     replica id in the quorum signed with the secret (secret.replica_id), its group the one the
@@ -135,7 +136,13 @@ class HealTransport(CheckpointTransport):
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def send_checkpoint(self, dst_ranks, step: int, state_dict, timeout: timedelta) -> None:
-        state = tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, state_dict)
+        """Serve a copy of the state as it is now, inside the quorum (torchft calls this while
+        the group waits for its quorum): the group trains on while the heal is served (an
+        overlapped sync lands steps later), and torch.save streams tensors' memory as it is,
+        so a state served by reference reached the joining group torn (and its MAC, taken
+        over the bytes before they went out, then failed: a refused heal)."""
+        state = tree_map(lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor)
+                         else v, state_dict)
         with self._cond:
             self._state, self._serving = state, (self._quorum()[0], step)
             self._cond.notify_all()
