@@ -21,9 +21,11 @@ def test_aedit_straggler_syncs_by_time(train_run):
                     "--link-bandwidth", "none")
     syncs = [e for e in sync_events(run) if e["block"] == "root"]
     assert len(syncs) >= 3
-    for e in syncs[:-1]:  # the last window is what was left of the time budget
-        fast, slow = e["replica_steps"]
-        assert fast >= 3 * slow, [e["replica_steps"] for e in syncs]
+    # the last window is what was left of the time budget; 4.5x to 9.8x a window measured, under
+    # load too; a window where the machine slowed the fast one alone still holds 2x
+    windows = [e["replica_steps"] for e in syncs[:-1]]
+    assert all(fast >= 2 * slow for fast, slow in windows), windows
+    assert sum(fast for fast, _ in windows) >= 3 * sum(slow for _, slow in windows), windows
     assert syncs[-1]["replica_steps"][0] >= syncs[-1]["replica_steps"][1]
     steps = {r: max(e["step"] for e in read_events(run, ("step",)) if e["rank"] == r) for r in (0, 1)}
     assert steps[0] >= 3 * steps[1]  # each replica's own step count is in its events

@@ -121,7 +121,7 @@ def test_dashboard_updates_live_in_a_kernel(tmp_path):
         _, msgs = kernel.run(f"d = Dashboard({str(rd.root)!r}, interval=0.2)\nd")
         took = time.monotonic() - began
         # the cell returned at once: the writer goes on for up to a minute, and the view is live
-        assert took < 3, f"displaying the dashboard took {took:.1f} s"
+        assert took < 10, f"displaying the dashboard took {took:.1f} s"  # (about 1 s here)
         assert writer.poll() is None, "the writer ended before the dashboard was shown"
         views = [m for m in msgs if m["msg_type"] in ("display_data", "execute_result")
                  and "application/vnd.jupyter.widget-view+json" in m["content"]["data"]]

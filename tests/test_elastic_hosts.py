@@ -29,7 +29,7 @@ QUORUM_TIMEOUT = 60
 FLAGS = ["--algo", "streaming", "--model", "nano", "--seq-len", "32", "--batch-size", "4",
          "--eval-every", "0", "--eval-batches", "1", "--steps", "24", "--sync-every", "8",
          "--fragments", "2", "--kill", "1:10", "--quorum-timeout", str(QUORUM_TIMEOUT),
-         "--link-bandwidth", "none"]
+         "--link-bandwidth", "none", "--heartbeat-timeout", "12"]  # (test_elastic.HOLD)
 RANK0 = "LOWBAND_RANK0_HOST"  # the scheduler's rank-0 host variable, as Slurm's names role 0
 
 

@@ -35,7 +35,7 @@ def test_netns_link_is_throttled_and_removed():
         assert "tbf" in qdisc and "100Mbit" in qdisc, qdisc
         seconds = link.measure_tcp(2_000_000, port=29398)
         # 16 Mbit at 100 Mbit/s = 0.16 s (+ ~5% of headers); loopback-speed would be ~0.002 s
-        assert 0.14 <= seconds <= 0.4, seconds
+        assert 0.14 <= seconds <= 0.8, seconds  # (a loaded machine: up to 0.3 s seen)
     finally:
         link.teardown()
     assert link.leftovers() == []

@@ -115,7 +115,7 @@ def test_the_jobs_elastic_options_are_the_launchers(tmp_path, monkeypatch):
     script.write_text("")
     h = lowband.launch(script=str(script), script_args=["--lr", "3e-4"], replicas=2,
                        run_dir=str(tmp_path / "r"), elastic=True, min_replicas=2,
-                       elastic_timeout=40, start=False)
+                       elastic_timeout=40, heartbeat_timeout=12, start=False)
     params = h.dryrun_info.request.role_params
     assert sorted(params) == ["group0", "group1", "lighthouse"]
     (group,) = params["group1"]
@@ -124,13 +124,16 @@ def test_the_jobs_elastic_options_are_the_launchers(tmp_path, monkeypatch):
     assert {k: group.env[k] for k in group.env if k.startswith("LOWBAND_")} == {
         "LOWBAND_ELASTIC": "1", "LOWBAND_MIN_REPLICAS": "2", "LOWBAND_MAX_RESTARTS": "3",
         "LOWBAND_QUORUM_TIMEOUT": "600", "LOWBAND_ELASTIC_TIMEOUT": "40",
+        "LOWBAND_HEARTBEAT_TIMEOUT": "12",
         "LOWBAND_REPLICA": "1", "LOWBAND_REPLICAS": "2", "LOWBAND_SHARDS": "1",
         "LOWBAND_RUN_DIR": str(tmp_path / "r"), "LOWBAND_PROGRESS": "0", "LOWBAND_NODE": "group1",
         "LOWBAND_SECRET_FILE": str(tmp_path / "r" / "secret"),  # (the file, not the secret)
         "LOWBAND_BIND_HOST": "127.0.0.1"}  # local_cwd: one machine, every listener on loopback
+    (lighthouse,) = params["lighthouse"]  # the Lighthouse holds a quorum that long
+    assert " ".join(lighthouse.args).endswith("--heartbeat-timeout 12"), lighthouse.args
     defaults = components().train.__kwdefaults__  # the component's are lowband train's
-    assert (defaults["quorum_timeout"], defaults["elastic_timeout"]) == \
-        (Config().quorum_timeout, Config().elastic_timeout)
+    assert [defaults[k] for k in ("quorum_timeout", "elastic_timeout", "heartbeat_timeout")] == \
+        [Config().quorum_timeout, Config().elastic_timeout, Config().heartbeat_timeout]
     with pytest.raises(ConfigError, match=r"^min_replicas= is an option of an elastic job"):
         lowband.launch(script=str(script), min_replicas=2, start=False)
     with pytest.raises(ConfigError, match=r"--min-replicas 3 must lie in 1\.\.2"):

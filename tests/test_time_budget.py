@@ -68,7 +68,7 @@ def _within_one_evaluation(run: RunDir, budget: float, eval_every: int) -> None:
     assert summary["final_val_loss"] == pytest.approx(evals[-1]["val_loss"])
 
 
-BUDGET, EVERY = 1.5, 4
+BUDGET, EVERY = 3.0, 4  # (the last step within 1-2% of it: its lr near the end of the decay)
 TIMED = ["--time-budget", BUDGET, "--eval-every", EVERY, *TINY]
 
 

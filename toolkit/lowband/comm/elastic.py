@@ -73,6 +73,9 @@ class ElasticOptions(Options):
                                     "the peer is counted as lost; a quorum waits half as long "
                                     "(at most half the quorum timeout) for a late group")
     max_restarts: int = option(3, "times the launcher restarts a replica group that died")
+    heartbeat_timeout: float = option(5.0, "seconds without a group's heartbeats before the "
+                                      "Lighthouse leaves it out: how long the others hold a "
+                                      "quorum for a killed group to come back (torchft's 5 s)")
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -81,7 +84,7 @@ class ElasticOptions(Options):
         if not 1 <= cfg.min_replicas <= cfg.replicas:
             raise ConfigError(f"--min-replicas {cfg.min_replicas} must lie in 1..{cfg.replicas} "
                               f"(the replica groups of the run).")
-        for name in ("quorum_timeout", "elastic_timeout"):
+        for name in ("quorum_timeout", "elastic_timeout", "heartbeat_timeout"):
             if not getattr(cfg, name) > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive seconds.")
         if cfg.max_restarts < 0:
@@ -95,7 +98,7 @@ def join_timeout_s(cfg) -> float:
     forms a quorum at once when every member of the last one asks (its fast quorum), so a group
     once left out met the others only to heal from them, or formed quorums of its own: out of
     phase for good (docs/elastic.md, participation). A dead group drops out when its heartbeats
-    stop (the Lighthouse's heartbeat timeout, 5 s); a live one stuck in an exchange with a lost
+    stop (the Lighthouse's heartbeat timeout: --heartbeat-timeout, 5 s); a live one stuck in an exchange with a lost
     peer (up to --elastic-timeout) costs the others at most half of that, once, and the others
     go on before their own quorum timeout."""
     return min(cfg.quorum_timeout, cfg.elastic_timeout) / 2
@@ -207,6 +210,10 @@ class Membership:
                                  "the run again.") from None
         self.healed_now = self._heal is not None
         refused = heal.refusal(self.manager)  # (said on stderr; the state stays as it was)
+        if refused:  # behind the others, not healed: its sync would meet theirs with another
+            # step's bytes (a peer's gloo ends its process on the size mismatch), so it takes
+            # no part, and their exchange fails at once (every vote with it: a skipped sync)
+            self.pg.abort(errored=False)
         self._skipped = False  # read by this quorum: healed, or no group was further on
         members, quorum = self._members(), getattr(self.manager, "_quorum_id", -1)
         # the groups alive beside those that took part: the group's first rank asks (every

@@ -41,7 +41,8 @@ def launch_parser() -> argparse.ArgumentParser:
                               "with"), ("--max-restarts", int, "restarts of a group that died"),
                              ("--quorum-timeout", float, "seconds a group waits for a quorum"),
                              ("--elastic-timeout", float, "seconds an exchange or a heal may "
-                              "take")):
+                              "take"), ("--heartbeat-timeout", float, "seconds the Lighthouse "
+                                        "counts a group alive after its last heartbeat")):
         p.add_argument(flag, type=kind, help=f"--elastic: {what} (lowband train's default)")
     p.add_argument("--replicas", type=int, help="R, replica groups (default: 2)")
     p.add_argument("--shards", type=int, help="S, ranks in each replica group (default: 1)")

@@ -71,6 +71,7 @@ def train(
     max_restarts: int = 3,
     lighthouse_port: int = 29510,
     join_timeout: float = 60.0,
+    heartbeat_timeout: float = 5.0,
     quorum_timeout: float = 600.0,
     elastic_timeout: float = 120.0,
     bind: Optional[str] = None,
@@ -120,6 +121,8 @@ def train(
         join_timeout: seconds a quorum waits for a group that heartbeats but has not asked
             (elastic; lowband launch passes half the shorter of the run's quorum and elastic
             timeouts)
+        heartbeat_timeout: seconds without a group's heartbeats before the Lighthouse leaves it
+            out of quorums (elastic; `lowband train --heartbeat-timeout`)
         quorum_timeout: seconds a group waits for a quorum (elastic; a script's lowband.Sync
             takes it from LOWBAND_QUORUM_TIMEOUT)
         elastic_timeout: seconds an exchange or a heal may take (elastic; a script's
@@ -134,7 +137,8 @@ def train(
     if elastic:
         values = {"elastic": "1", "min_replicas": str(min_replicas),
                   "max_restarts": str(max_restarts), "quorum_timeout": f"{quorum_timeout:g}",
-                  "elastic_timeout": f"{elastic_timeout:g}"}
+                  "elastic_timeout": f"{elastic_timeout:g}",
+                  "heartbeat_timeout": f"{heartbeat_timeout:g}"}
         # the job's elastic options, for a script's lowband.Sync (launch/env.py), and the path
         # of its secret (comm/secret.py: the Lighthouse role writes it unless lowband launch has)
         env = {SECRET_ENV: f"{run_dir or f'runs/{macros.app_id}'}/{SECRET_FILE}", **(env or {}),
@@ -142,7 +146,7 @@ def train(
         return _elastic(flags, script, algo, replicas, shards, run_dir or f"runs/{macros.app_id}",
                         config, name, image, h, cpu, gpu, memMB, env, mounts,
                         rdzv_timeout, progress, debug, min_replicas, max_restarts, lighthouse_port,
-                        join_timeout)
+                        join_timeout, heartbeat_timeout)
     n, p = node_layout(replicas, shards, replicas_per_node, nnodes, nproc_per_node)
     return _nodes(flags, script, algo, replicas, shards, n, p, run_dir or f"runs/{macros.app_id}",
                   config, name, image, h, cpu, gpu, memMB, dict(env or {}), mounts, rdzv_port,
@@ -189,7 +193,7 @@ def _nodes(flags, script, algo, replicas, shards, n, p, run_dir, config, name, i
 
 def _elastic(flags, script, algo, replicas, shards, run_dir, config, name, image, h, cpu, gpu,
              memMB, env, mounts, rdzv_timeout, progress, debug, min_replicas, max_restarts,
-             port, join_timeout) -> specs.AppDef:
+             port, join_timeout, heartbeat_timeout) -> specs.AppDef:
     """--elastic: role 0 runs the Lighthouse (python -m lowband.launch lighthouse, which also
     writes summary.json from the groups' records when they are done); role 1 + g is replica
     group g, `shards` processes on one node whose agent restarts them when one dies: `lowband
@@ -207,7 +211,8 @@ def _elastic(flags, script, algo, replicas, shards, run_dir, config, name, image
         name="lighthouse", image=image, entrypoint="python3",
         args=["-m", "lowband.launch", "lighthouse", "--port", str(port), "--min-replicas",
               str(min_replicas), "--run-dir", run_dir, "--replicas", str(replicas),
-              "--join-timeout", f"{join_timeout:g}"],
+              "--join-timeout", f"{join_timeout:g}", "--heartbeat-timeout",
+              f"{heartbeat_timeout:g}"],
         num_replicas=1, resource=specs.resource(cpu=1, gpu=0, memMB=1024),
         # its bind address by default: the route to its own node, named by the rank-0 host
         # variable (the name of that variable: its environment is not expanded by a shell)

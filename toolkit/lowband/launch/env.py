@@ -39,7 +39,8 @@ REPLICAS, SHARDS, RUN_DIR, PROGRESS = ("LOWBAND_REPLICAS", "LOWBAND_SHARDS", "LO
 ELASTIC_ENV = {"elastic": ("LOWBAND_ELASTIC", bool), "min_replicas": ("LOWBAND_MIN_REPLICAS", int),
                "max_restarts": ("LOWBAND_MAX_RESTARTS", int),
                "quorum_timeout": ("LOWBAND_QUORUM_TIMEOUT", float),
-               "elastic_timeout": ("LOWBAND_ELASTIC_TIMEOUT", float)}
+               "elastic_timeout": ("LOWBAND_ELASTIC_TIMEOUT", float),
+               "heartbeat_timeout": ("LOWBAND_HEARTBEAT_TIMEOUT", float)}
 
 
 def layout() -> dict:

@@ -53,10 +53,11 @@ def lighthouse(min_replicas: int, join_s: float, port: int = 0, heartbeat_timeou
                             heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
 
 
-def lighthouse_process(min_replicas: int, log: Path, join_s: float, ready_s: float = 30.0,
+def lighthouse_process(cfg, log: Path, ready_s: float = 30.0,
                        port: int = 0) -> tuple[subprocess.Popen, str]:
-    """torchft's Lighthouse program on bind_host() and `port` (0: a free local one), and its
-    address once it answers."""
+    """torchft's Lighthouse program for the run of `cfg` (its --min-replicas, join timeout and
+    --heartbeat-timeout) on bind_host() and `port` (0: a free local one), and its address once
+    it answers."""
     exe = shutil.which("torchft_lighthouse") or str(Path(sys.executable).with_name("torchft_lighthouse"))
     if not Path(exe).exists():
         extra, what, _ = TORCHFT
@@ -64,9 +65,10 @@ def lighthouse_process(min_replicas: int, log: Path, join_s: float, ready_s: flo
     port, host = port or free_port(), bind_host()
     quiet_rust()
     with open(log, "ab") as out:
-        proc = subprocess.Popen([exe, "--min_replicas", str(min_replicas),
+        proc = subprocess.Popen([exe, "--min_replicas", str(cfg.min_replicas),
                                  "--bind", f"{url_host(host)}:{port}",
-                                 "--join_timeout_ms", str(int(join_s * 1000))],
+                                 "--join_timeout_ms", str(int(join_timeout_s(cfg) * 1000)),
+                                 "--heartbeat_timeout_ms", str(int(cfg.heartbeat_timeout * 1000))],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=os.environ)
     deadline = time.monotonic() + ready_s
@@ -83,8 +85,7 @@ def lighthouse_process(min_replicas: int, log: Path, join_s: float, ready_s: flo
 
 def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
     """Run the replica groups to the end; the job's exit status."""
-    server, address = lighthouse_process(cfg.min_replicas, run.logs / "lighthouse.log",
-                                         join_timeout_s(cfg))
+    server, address = lighthouse_process(cfg, run.logs / "lighthouse.log")
     lives = {g: 0 for g in range(cfg.replicas)}
     run.clear_group_records()  # (a resumed run's earlier part: its groups finish again)
     # the run's secret (a resumed run's: its own), its groups' only
@@ -190,8 +191,8 @@ def restart_lighthouse(cfg, run: RunDir, address: str) -> subprocess.Popen | Non
     time.sleep(1.0)
     write_json_atomic(life_file(run), life)
     try:
-        server, _ = lighthouse_process(cfg.min_replicas, run.logs / "lighthouse.log",
-                                       join_timeout_s(cfg), port=int(address.rsplit(":", 1)[1]))
+        server, _ = lighthouse_process(cfg, run.logs / "lighthouse.log",
+                                       port=int(address.rsplit(":", 1)[1]))
     except ConfigError:
         print(f"lowband: the Lighthouse stopped and a new one did not start on {address} (see "
               f"{run.logs / 'lighthouse.log'}), so the groups stop; `lowband train --resume "
