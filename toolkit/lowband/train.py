@@ -246,8 +246,8 @@ def start_training(cfg, topo, events, model, optimizer, algo, comm, resume_from,
         done = Progress(**resume_from[1]["progress"])
         comm.totals.restore(resume_from[1]["comm"])
         torch.set_rng_state(resume_from[1]["rng"])
-        for key, obj in (extra_state or {}).items():
-            obj.load_state_dict(resume_from[1]["user"][key])
+        if extra_state:
+            checkpoint.load_user_state(extra_state, resume_from[1]["user"])
     # one run event a rank: where this process starts (a resumed run continues the same files)
     events.emit("run", phase="start" if resume_from is None else "resume", world=topo.world,
                 config_hash=cfg.hash(), step=done.step, **attempt)
@@ -361,7 +361,7 @@ def _checkpoint(run, events, model, optimizer, algo, topo, comm, cfg, done, elap
         out = {"progress": {**done.__dict__, "wall_s": elapsed}, "comm": comm.totals.state(),
                "rng": torch.get_rng_state(), "events_offset": run.event_file(topo.rank).stat().st_size}
         if extra_state:  # a lowband.Sync user's own objects (their state: plain data and tensors)
-            out["user"] = {key: obj.state_dict() for key, obj in extra_state.items()}
+            out["user"] = checkpoint.user_state(extra_state)
         return out
 
     path = checkpoint.save(run, done.step, model, optimizer, algo, topo.replica, extra,

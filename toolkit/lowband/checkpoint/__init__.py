@@ -178,3 +178,15 @@ def load(path: Path, model, optimizer, algo, replica: int, rank_state: dict) -> 
     mine = state[f"replica{replica}"]
     set_state_dict(model, optimizer, model_state_dict=mine["model"], optim_state_dict=mine["optim"])
     algo.load_state_dict(rank_state["algorithm"])
+
+
+def user_state(objects: dict | None) -> dict:
+    """A lowband.Sync user's own objects (state=), each its state_dict (plain data and tensors),
+    for a checkpoint and a heal."""
+    return {key: obj.state_dict() for key, obj in (objects or {}).items()}
+
+
+def load_user_state(objects: dict | None, state: dict) -> None:
+    """user_state's inverse: each object loads its own part."""
+    for key, obj in (objects or {}).items():
+        obj.load_state_dict(state[key])

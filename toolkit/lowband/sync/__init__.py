@@ -34,6 +34,7 @@ import torch
 
 from lowband import topology as topo_mod
 from lowband.algorithms import ALGORITHMS
+from lowband import checkpoint
 from lowband.checkpoint import lifecycle
 from lowband.clock import RunClock
 from lowband.comm.elastic import replica_of_env
@@ -99,8 +100,9 @@ class Sync:
             raise ConfigError(f"algo={algo!r} builds its own inner optimizer, so it cannot step "
                               "yours: run it with `lowband train`.")
         if self.comm.elastic is not None and self.state:  # a heal hands them over too
-            self.comm.elastic.manager.register_state_dict_fn("user", self._load_user_state,
-                                                             self._user_state)
+            self.comm.elastic.manager.register_state_dict_fn(
+                "user", lambda got: checkpoint.load_user_state(self.state, got),
+                lambda: checkpoint.user_state(self.state))
         setattr(model, WRAPPED, self)
         self.ledger = Ledger(topo.shards, cfg.elastic)
         self.done = start_training(cfg, topo, self.events, model, optimizer, self.algo, self.comm,
@@ -244,13 +246,6 @@ class Sync:
 
     def _optimizer_stepped(self, optimizer, args, kwargs) -> None:
         self._stepped += 1
-
-    def _user_state(self) -> dict:
-        return {key: obj.state_dict() for key, obj in self.state.items()}
-
-    def _load_user_state(self, got: dict) -> None:
-        for key, state in got.items():
-            self.state[key].load_state_dict(state)
 
     def _begin_step(self) -> None:
         """The set-up of the next step, as the trainer does it before the step reads its data:
