@@ -21,7 +21,7 @@ from lowband.data import Batches, load_tokens
 from lowband.models import num_params
 from lowband.models.gpt import GPT, gpt_config
 from lowband.schedule import lr_at
-from lowband.summary import one_line
+from lowband.summary import comparison, one_line
 from lowband.telemetry import RunDir, read_events
 from test_ddp import ACCUM as DDP_ACCUM
 from test_ddp import BATCH as DDP_BATCH
@@ -281,6 +281,10 @@ def test_adaptive_counts_follow_speed_within_ddps_tokens(runs):
     assert summary["tokens"] == sum(tokens.values()) == ddp_tokens(RUNS["acco-adaptive"])
     taken = summary["steps_run"]
     assert taken == max(e["step"] for e in steps) >= 3
+    # what ddp would have sent is for the same tokens: its own 6 steps, not acco's larger ones
+    assert summary["ddp_steps"] == RUNS["acco-adaptive"]["steps"]
+    said = "6 steps (computed" if taken == 6 else "tokens (6 of its steps; computed"
+    assert f"for the same model and {said}" in comparison(summary, "1Gbit")
     per_step = summary["tokens"] / (BATCH * SEQ) / WORLD / taken
     assert summary["micro_batches_per_step"] == pytest.approx(per_step)
     assert f"{per_step:.1f} micro-batches/step over {taken} steps" in one_line(summary)

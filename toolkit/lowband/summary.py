@@ -61,11 +61,13 @@ def add_ddp_bytes(summary: dict, one_step: int, replicas: int,
     """ddp_outer_wire_bytes: what ddp would have sent for the inner steps the run took
     (R x steps_run), from its bytes for one step; with tokens_per_step (ddp's tokens in one
     step over all ranks), for the tokens the run trained on (the same for every algorithm whose
-    step is ddp's; acco's steps take more micro-batches)."""
+    step is ddp's; acco's steps take more micro-batches). ddp_steps: ddp's steps they are for."""
     if tokens_per_step:
         summary["ddp_outer_wire_bytes"] = one_step * summary["tokens"] // tokens_per_step
+        summary["ddp_steps"] = round(summary["tokens"] / tokens_per_step, 2)
     else:
         summary["ddp_outer_wire_bytes"] = one_step * sum(summary["steps_run_per_replica"]) // replicas
+        summary["ddp_steps"] = round(sum(summary["steps_run_per_replica"]) / replicas, 2)
 
 
 def one_line(s: dict) -> str:
@@ -149,8 +151,9 @@ def target_text(t) -> str:
 
 def comparison(s: dict, link_bandwidth=None) -> str:
     """The run's headline, which `lowband train` prints and its report opens with: what ddp
-    would have sent over the outer link for the same model and steps (computed from the
-    parameters' sizes, summary field ddp_outer_wire_bytes) beside what the run sent, and on an
+    would have sent over the outer link for the same model and tokens (computed from the
+    parameters' sizes, summary field ddp_outer_wire_bytes; ddp_steps of its steps, which are the
+    run's own unless its steps are larger, as acco's) beside what the run sent, and on an
     emulated link (link_bandwidth: the run's --link-bandwidth, '100Mbit' or bits per second)
     the link time that takes a step against the run's compute a step; "" for ddp itself."""
     ddp, sent = s.get("ddp_outer_wire_bytes"), s.get("outer_wire_bytes", 0)
@@ -163,13 +166,18 @@ def comparison(s: dict, link_bandwidth=None) -> str:
     times = ddp / sent if sent else 0
     times = f"{times:,.0f}" if times >= 10 else f"{times:.2g}"
     ratio = f"{times}x what {s.get('algorithm')} sent" if sent else "where this run sent nothing"
+    ran = s.get("steps_run", s.get("steps"))
+    steps = s.get("ddp_steps", ran)  # ddp's steps for the run's tokens (acco's steps are larger)
+    same = steps == ran
     line = (f"ddp would have sent {fmt_si(ddp, 'B')} over the outer link for the same model and "
-            f"{s.get('steps_run', s.get('steps'))} steps (computed from the parameter sizes): {ratio}")
-    if link_bandwidth_bps > 0 and s.get("replicas") and s.get("steps"):
-        per_step = ddp / s["replicas"] / s.get("steps_run", s["steps"])
-        line += (f"; on this link that is {8 * per_step / link_bandwidth_bps:.2f} s a step of "
-                 f"sending alone, against {s.get('compute_s', 0) / max(s.get('steps_run', s['steps']), 1):.2f} s "
-                 "of compute a step")
+            + (f"{ran} steps (" if same else f"tokens ({steps:g} of its steps; ")
+            + f"computed from the parameter sizes): {ratio}")
+    if link_bandwidth_bps > 0 and s.get("replicas") and steps:
+        send, compute = 8 * ddp / s["replicas"] / steps / link_bandwidth_bps, s.get("compute_s", 0) / steps
+        line += (f"; on this link that is {send:.2f} s a step of sending alone, against "
+                 f"{compute:.2f} s of compute a step" if same else
+                 f"; on this link that is {send:.2f} s of sending alone a ddp step, against "
+                 f"{compute:.2f} s of this run's compute for a ddp step's tokens")
     return line
 
 
