@@ -26,6 +26,7 @@ LABELS = {
     "wall_s": "wall time", "tokens_per_s": "tokens/s", "compute_s": "compute time per rank",
     "compute_utilization": "compute utilization", "outer_wire_bytes": "outer bytes (wire)",
     "ddp_outer_wire_bytes": "outer bytes ddp would have sent",
+    "ddp_steps": "ddp's steps for the same tokens",
     "inner_wire_bytes": "inner bytes (wire)", "setup_wire_bytes": "setup bytes (wire, once)",
     "peak_outer_payload_bytes": "peak outer payload", "bytes_per_token": "outer bytes/token",
     "peak_outer_bytes_per_s": "outer peak bandwidth",
