@@ -173,7 +173,8 @@ def comparison(s: dict, link_bandwidth=None) -> str:
             + (f"{ran} steps (" if same else f"tokens ({steps:g} of its steps; ")
             + f"computed from the parameter sizes): {ratio}")
     if link_bandwidth_bps > 0 and s.get("replicas") and steps:
-        send, compute = 8 * ddp / s["replicas"] / steps / link_bandwidth_bps, s.get("compute_s", 0) / steps
+        send = 8 * ddp / s["replicas"] / steps / link_bandwidth_bps
+        compute = s.get("compute_s", 0) / steps
         line += (f"; on this link that is {send:.2f} s a step of sending alone, against "
                  f"{compute:.2f} s of compute a step" if same else
                  f"; on this link that is {send:.2f} s of sending alone a ddp step, against "

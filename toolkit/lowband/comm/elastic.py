@@ -98,9 +98,9 @@ def join_timeout_s(cfg) -> float:
     forms a quorum at once when every member of the last one asks (its fast quorum), so a group
     once left out met the others only to heal from them, or formed quorums of its own: out of
     phase for good (docs/elastic.md, participation). A dead group drops out when its heartbeats
-    stop (the Lighthouse's heartbeat timeout: --heartbeat-timeout, 5 s); a live one stuck in an exchange with a lost
-    peer (up to --elastic-timeout) costs the others at most half of that, once, and the others
-    go on before their own quorum timeout."""
+    stop (the Lighthouse's heartbeat timeout: --heartbeat-timeout, 5 s); a live one stuck in an
+    exchange with a lost peer (up to --elastic-timeout) costs the others at most half of that,
+    once, and the others go on before their own quorum timeout."""
     return min(cfg.quorum_timeout, cfg.elastic_timeout) / 2
 
 
@@ -240,7 +240,8 @@ class Membership:
             self.events.emit("membership", step=at, quorum_id=quorum, size=len(members),
                              members=list(members), joined=joined,
                              left=sorted(set(self.members) - set(members)),
-                             healed=self.healed_now, wait_s=waited, quorum_s=answered, **alive, **extra)
+                             healed=self.healed_now, wait_s=waited, quorum_s=answered, **alive,
+                             **extra)
             self.members, self.quorum_id, self.life = members, quorum, life
         return self.healed_now
 

@@ -124,9 +124,9 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
     environment gives it the layout lowband owns: LOWBAND_REPLICAS, LOWBAND_SHARDS,
     LOWBAND_RUN_DIR and LOWBAND_PROGRESS (lowband.launch.layout() / launch_config() read them).
     elastic=True (with min_replicas=, max_restarts=, quorum_timeout=, elastic_timeout=,
-    heartbeat_timeout=, which are then the job's, not the script's) runs each replica group as a job of its own joined by
-    a Lighthouse, restarted when it dies: a script whose lowband.Sync takes them from its
-    environment (docs/elastic.md).
+    heartbeat_timeout=, which are then the job's, not the script's) runs each replica group as
+    a job of its own joined by a Lighthouse, restarted when it dies: a script whose lowband.Sync
+    takes them from its environment (docs/elastic.md).
     scheduler: local_cwd, slurm, kubernetes or any TorchX scheduler; cfg: its run options (merged
     over .torchxconfig). The rest are the component's parameters (see
     lowband/launch/component.py): by default one replica group per node. rdzv_port 0 picks a

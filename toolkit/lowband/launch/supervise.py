@@ -11,8 +11,9 @@ trained further at the others' next sync, and trains on. A group that refuses it
 would meet it too. A Lighthouse that dies is started again on its port (restart_lighthouse);
 the groups' quorums wait for it. Once a group has finished, a group that has met no finished
 group in a quorum since it last started is stopped, and a group that dies is not restarted
-(leave_out_stragglers): no live peer is left to heal them. When every group has finished or is lost for good, the groups' records
-(RUN/groups/) become summary.json, with what the faults cost (elastic_record).
+(leave_out_stragglers): no live peer is left to heal them. When every group has finished or is
+lost for good, the groups' records (RUN/groups/) become summary.json, with what the faults cost
+(elastic_record).
 """
 
 from __future__ import annotations
