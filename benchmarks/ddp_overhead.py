@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from machine import describe, model_line, write_llama_mini  # benchmarks/machine.py
-from lowband import topology
+from lowband.comm import topology
 from lowband.algorithms.ddp import DDP
 from lowband.comm import Comm
 from lowband.config import Config

@@ -47,7 +47,7 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from lowband import topology
+    from lowband.comm import topology
     from lowband.comm import Comm
     from lowband.comm.codecs import payload_bytes
 

@@ -1,4 +1,4 @@
-"""What lowband's heal transport (comm/heal.py: a copy of the state taken in the quorum,
+"""What lowband's heal transport (comm/membership/heal.py: a copy of the state taken in the quorum,
 torch.save streamed with a MAC, torch.load(weights_only=True) after the check) costs against
 torchft's own HTTP transport (no copy, no MAC, weights_only=False), both on loopback in this
 process, for one state of --mib MiB (fp32 tensors of 1 MiB each, as a model's would be).
@@ -20,8 +20,8 @@ from datetime import timedelta
 import torch
 from torchft.checkpointing.http_transport import HTTPTransport
 
-from lowband.comm import secret
-from lowband.comm.heal import HealTransport
+from lowband.comm.membership import secret
+from lowband.comm.membership.heal import HealTransport
 
 T = timedelta(seconds=60)
 

@@ -480,7 +480,7 @@ def _roundtrip(rank, world) -> dict:
     parameters and the shard's state must come out bitwise equal."""
     import io
 
-    from lowband import topology
+    from lowband.comm import topology
     from lowband.algorithms import ALGORITHMS
     from lowband.comm import Comm
     from lowband.train import build_model, make_optimizer_factory

@@ -1,4 +1,4 @@
-"""Bind only what is needed (comm/bind.py): every listening socket of a one-machine run is on
+"""Bind only what is needed (comm/membership/bind.py): every listening socket of a one-machine run is on
 loopback, elastic (the Lighthouse, torchft's servers, the stores, gloo) or not; a launched job's
 --bind (the TorchX component's bind) reaches every role and is refused, in one sentence, when
 it is no interface or address of the machine, or every interface."""
@@ -14,7 +14,7 @@ import time
 import pytest
 
 import lowband
-from lowband.comm.bind import BIND_ENV, RANK0_ENV, bind_host, check_bind, interfaces, resolve
+from lowband.comm.membership.bind import BIND_ENV, RANK0_ENV, bind_host, check_bind, interfaces, resolve
 from lowband.config import ConfigError
 
 SMALL = ["--model", "nano", "--seq-len", 32, "--batch-size", 4, "--eval-every", 0,

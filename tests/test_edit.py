@@ -452,7 +452,7 @@ def test_edit_with_several_shards_a_replica_still_uses_fsdp(own_model_runs):
 
 ROUND_TRIP = textwrap.dedent("""
     import io, os, torch
-    from lowband import topology
+    from lowband.comm import topology
     from lowband.algorithms.edit import EDiT
     from lowband.algorithms.penalty import EWMA
     from lowband.comm import Comm

@@ -1,4 +1,4 @@
-"""--elastic (comm/elastic.py, launch/supervise.py): replica groups joined through torchft's
+"""--elastic (comm/membership/elastic.py, launch/supervise.py): replica groups joined through torchft's
 Lighthouse.
 A group killed mid-run (SIGKILL of all its ranks) does not stop the others; restarted, it heals
 from a live peer, not from disk; one that never comes back leaves the others to finish; without
@@ -111,7 +111,7 @@ def test_a_killed_group_restarts_and_heals_from_a_live_peer(tmp_path):
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
     logs = "".join(p.read_text() for p in (run / "logs").glob("*.log"))  # the heal server
     assert "GET /heal" not in proc.stdout + proc.stderr + logs   # served the heal quietly
-    # the run's secret (comm/secret.py) is its file's alone: in no output, event or record
+    # the run's secret (comm/membership/secret.py) is its file's alone: in no output, event or record
     key = (run / "secret").read_bytes()
     assert len(key) == 32 and (run / "secret").stat().st_mode & 0o777 == 0o600
     for path in [p for p in run.rglob("*") if p.is_file() and p.name != "secret"]:

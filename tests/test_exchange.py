@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lowband import topology
+from lowband.comm import topology
 from lowband.comm import Comm
 from lowband.comm.codecs import TWO_PHASE, payload_bytes
 from lowband.comm.wire import exchange_plan, exchange_wire_bytes

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from lowband import topology
+from lowband.comm import topology
 from lowband.comm import Comm
 from lowband.config import ConfigError
 from lowband.launch.local import free_port

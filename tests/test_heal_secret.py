@@ -1,4 +1,4 @@
-"""Healing with weights only, between members of a run (comm/heal.py, comm/secret.py).
+"""Healing with weights only, between members of a run (comm/membership/heal.py, comm/membership/secret.py).
 
 A heal source that serves a pickle that would run code is refused with one sentence, nothing
 runs and the healing group keeps its state; so is an answer in the right format without the
@@ -22,12 +22,12 @@ from urllib.request import Request, urlopen
 import pytest
 import torch
 
-from lowband.comm import secret
+from lowband.comm.membership import secret
 from lowband.config import ConfigError
 
 pytest.importorskip("torchft")
 
-from lowband.comm.heal import (GROUP_HEADER, MAC_HEADER, HealTransport, MembersGloo,  # noqa: E402
+from lowband.comm.membership.heal import (GROUP_HEADER, MAC_HEADER, HealTransport, MembersGloo,  # noqa: E402
                                Refused)
 
 T = timedelta(seconds=10)
@@ -187,7 +187,7 @@ def site(tmp_path, monkeypatch, key):
     """A Lighthouse, the run's secret, and a store for each of two groups."""
     from torch.distributed import TCPStore
 
-    from lowband.comm.elastic import LIGHTHOUSE_ENV
+    from lowband.comm.membership.elastic import LIGHTHOUSE_ENV
     from lowband.launch.supervise import lighthouse
 
     path = tmp_path / "secret"
@@ -204,7 +204,7 @@ def site(tmp_path, monkeypatch, key):
 
 def _group0(algo):
     """Replica group 0's Membership (one rank), its algorithm registered."""
-    from lowband.comm.elastic import Membership
+    from lowband.comm.membership.elastic import Membership
 
     topo = SimpleNamespace(replica=0, shard=0, shards=1)
     cfg = SimpleNamespace(elastic_timeout=10.0, quorum_timeout=30.0, min_replicas=2)
@@ -235,7 +235,7 @@ def _peer(site, replica_id, pg, transport=None, step=1 << 40):
     source), its quorum started in a thread."""
     from torchft.manager import Manager
 
-    from lowband.comm.lives import LighthouseLives
+    from lowband.comm.membership.lives import LighthouseLives
 
     manager = Manager(pg=pg, load_state_dict=lambda s: None, state_dict=lambda: {},
                       min_replica_size=2, use_async_quorum=False, timeout=T,

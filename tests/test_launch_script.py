@@ -78,7 +78,7 @@ def test_slurm_request_runs_the_script_through_the_agent():
     # the script as given (a path on the cluster), its arguments as given, keywords as its flags
     assert "jobs/train_mine.py /shared/models/llama --lr 3e-4 --steps 100'" in script
     assert "lowband.cli" not in script and "--no-progress" not in script
-    # the run's secret travels as its file's path (comm/secret.py), never as its bytes
+    # the run's secret travels as its file's path (comm/membership/secret.py), never as its bytes
     assert ("--export=ALL,NCCL_DEBUG=INFO,LOWBAND_SECRET_FILE=/shared/runs/mine/secret,"
             "LOWBAND_REPLICAS=2,LOWBAND_SHARDS=4,LOWBAND_RUN_DIR=/shared/runs/mine,"
             "LOWBAND_PROGRESS=0,") in script

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lowband import topology
+from lowband.comm import topology
 from lowband.comm import Comm, Link, parse_bandwidth, parse_duration
 from lowband.launch.local import free_port
 

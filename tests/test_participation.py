@@ -65,7 +65,7 @@ def test_alive_groups_are_those_heartbeating_to_the_lighthouse(monkeypatch):
 
     from torchft._torchft import LighthouseClient, LighthouseServer
 
-    from lowband.comm.lives import LIGHTHOUSE_ENV, alive_groups
+    from lowband.comm.membership.lives import LIGHTHOUSE_ENV, alive_groups
 
     server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100)
     try:

@@ -25,7 +25,7 @@ def cmd_train(argv: list[str]) -> int:
     if is_worker():
         import torch.distributed as dist
 
-        from lowband.comm.elastic import ElasticStopped
+        from lowband.comm.membership.elastic import ElasticStopped
         from lowband.train import TrainingStopped, train
 
         def leave(code: int):

@@ -26,7 +26,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from lowband.algorithms import ALGORITHMS, option_groups, registry, users
-from lowband.comm.elastic import ElasticOptions
+from lowband.comm.membership.elastic import ElasticOptions
 from lowband.comm.link import LinkOptions
 from lowband.faults import FaultOptions
 from lowband.options import ArgParser, ConfigError, Options, flag, option  # noqa: F401 (re-exported)

@@ -26,11 +26,11 @@ import torch.nn as nn
 from lowband import checkpoint
 from lowband.checkpoint import lifecycle
 from lowband.clock import RunClock
-from lowband import topology as topo_mod
+from lowband.comm import topology as topo_mod
 from lowband.algorithms import ALGORITHMS
 from lowband.algorithms.ddp import outer_wire_bytes as ddp_outer_wire_bytes
 from lowband.comm import Comm
-from lowband.comm.elastic import Membership, replica_of_env
+from lowband.comm.membership.elastic import Membership, replica_of_env
 from lowband.comm.link import LinkOptions
 from lowband.config import Config
 from lowband.data import Batches, load_corpus, record_tokenizer, vocab_needed

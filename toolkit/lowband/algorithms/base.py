@@ -22,7 +22,7 @@ from typing import ClassVar
 from lowband.comm import Comm
 from lowband.params import local_piece, local_state, sharded_state
 from lowband.schedule import lr_at
-from lowband.topology import Topology
+from lowband.comm.topology import Topology
 
 # How an algorithm uses the slow outer link, read by the dashboard, the report and the planner:
 EVERY_STEP = "every-step"  # traffic over the outer link every step (ddp, zero1, acco)
@@ -36,7 +36,7 @@ class Algorithm:
     (values of its fields left None, or functions of the config giving them), `summary` (one
     line for --help and `lowband recipes`).
 
-    An elastic algorithm takes torchft's quorums (comm.elastic, a comm/elastic.py Membership:
+    An elastic algorithm takes torchft's quorums (comm.elastic, a comm/membership/elastic.py Membership:
     join() in join, begin() before each sync) and votes on each outer update (commit()); its
     state_dict() holds all of its own state, so that a group healed from a live peer gets it
     with the model and the inner optimizer (heal_state, below); subclasses inherit all that."""
@@ -105,7 +105,7 @@ class Algorithm:
 
     def quorum_progress(self, step: int) -> int:
         """--elastic: what this group has trained, `step` inner steps done, as a number every
-        group in the same sync agrees on (comm/elastic.py: torchft heals from the highest): the
+        group in the same sync agrees on (comm/membership/elastic.py: torchft heals from the highest): the
         inner step."""
         return step
 

@@ -8,7 +8,7 @@ after_backward waits for every bucket and writes the averages back into the grad
 of one rank (a world of one; a replica of one shard) has nothing to average: no buckets, no
 hooks, no copies.
 
---elastic (comm/elastic.py): the world is one replica group, so the buckets average over its S
+--elastic (comm/membership/elastic.py): the world is one replica group, so the buckets average over its S
 ranks, and then the group's mean gradient is averaged over the groups of the current quorum
 (torchft's process group, fp32) and the commit vote gates the optimizer step (a failed vote:
 no update this step, a `skip` event what=commit). A quorum starts every step (should_stop, before

@@ -4,7 +4,7 @@ penalty.py, or in penalty_reference.py with --edit-penalty reference). aedit (ae
 class with syncs triggered by wall-clock time.
 
 Sharding. Each replica group shards its model with FSDP2 over the "shard" dimension of the
-R x S DeviceMesh (topology.py): `fully_shard` on every block, then on the root, with the
+R x S DeviceMesh (comm/topology.py): `fully_shard` on every block, then on the root, with the
 1-D "shard" sub-mesh. So parameters, gradients and inner-optimizer state are split over the
 replica's S ranks (the fast inner link), and nothing FSDP does crosses the outer link: replicas
 train independently (FSDP2's own HSDP mode would all-reduce every gradient over replicas). Every

@@ -40,7 +40,7 @@ from lowband.algorithms.ddp import DDP
 from lowband.algorithms.outer import (OuterOptions, Staging, kept_at, nesterov_step, outer_home,
                                       settle, sgd_step)
 from lowband.algorithms.exchange import ExchangeOptions, exchange_block
-from lowband.comm.elastic import lineage_tiebreak
+from lowband.comm.membership.elastic import lineage_tiebreak
 from lowband.comm.sends import Schedule, average
 from lowband.options import ConfigError, Options, option
 from lowband.params import flatten, split_fragments, write_flat
@@ -204,7 +204,7 @@ class Streaming(Algorithm):
         if p is not None:
             self._start(self.fragments[p], s)
 
-    # --elastic (comm/elastic.py): a quorum before each sync, the commit vote before each apply;
+    # --elastic (comm/membership/elastic.py): a quorum before each sync, the commit vote before each apply;
     # a heal hands over state_dict() at the start of a sync or in the first quorum (nothing in
     # flight then, but a resumed exchange that already landed)
     def join(self, step: int) -> None:

@@ -33,7 +33,7 @@ from lowband.comm.exchanges import Average, TwoPhase, Weighted, encoded
 from lowband.comm.link import Link
 from lowband.comm.wire import exchange_plan, wire_bytes
 from lowband.telemetry import EventWriter
-from lowband.topology import Topology
+from lowband.comm.topology import Topology
 
 
 @dataclass
@@ -159,7 +159,7 @@ class Comm:
         """clock: times transfers by CUDA events; made at the first transfer of a CUDA tensor."""
         self.topo, self.events, self.link, self.clock = topology, events, link, clock
         self.totals = Totals()
-        self.elastic = None  # comm/elastic.py's Membership when replica groups are elastic
+        self.elastic = None  # comm/membership/elastic.py's Membership when replica groups are elastic
         self.wait_s = 0.0  # seconds the training thread spent blocked on transfers
         self._lock = threading.Lock()
         self._second: dict[str, dist.ProcessGroup] = {}  # the two-phase all-gathers' groups
@@ -193,7 +193,7 @@ class Comm:
     def run(self, op, link, n, payload, launch, result, tag, codec, tensor, is_root=False,
             setup=False) -> Transfer:
         """Record and start one collective of `n` ranks over `link` (outer or inner): launch()
-        starts it and returns its work. What every collective here goes through; comm/elastic.py
+        starts it and returns its work. What every collective here goes through; comm/membership/elastic.py
         calls it with torchft's process group."""
         record = {"op": op, "group": link, "tag": tag, "codec": codec,
                   "payload_bytes": int(payload), "wire_bytes": wire_bytes(op, payload, n, is_root),
@@ -283,7 +283,7 @@ class Comm:
         weight: this rank's weight (--merge-weights tokens); the result is then the weighted
         mean sum_i w_i x_i / sum_i w_i (see Weighted).
         """
-        if group == "outer" and self.elastic is not None:  # torchft's group (comm/elastic.py)
+        if group == "outer" and self.elastic is not None:  # torchft's group (comm/membership/elastic.py)
             return self.elastic.average(self, x, codec, block, tag)
         if weight is not None:
             total = self.all_reduce(x.new_tensor([float(weight)]), group, f"{tag}-weight")

@@ -65,7 +65,7 @@ from lowband.config import ConfigError  # noqa: E402
 from lowband.models import blocks_of  # noqa: E402
 from lowband.sync import UNWRAPPABLE, Sync  # noqa: E402
 from lowband.sync.options import config_of  # noqa: E402
-from lowband.topology import pick_device  # noqa: E402
+from lowband.comm.topology import pick_device  # noqa: E402
 
 # torchrun's variables: with them accelerate makes a process one of a data-parallel job
 JOB_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")

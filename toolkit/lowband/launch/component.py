@@ -30,8 +30,8 @@ import torchx.specs as specs
 from torchx.components import dist
 from torchx.specs import macros
 
-from lowband.comm.bind import BIND_ENV, RANK0_ENV, check_bind
-from lowband.comm.secret import FILE as SECRET_FILE, SECRET_ENV
+from lowband.comm.membership.bind import BIND_ENV, RANK0_ENV, check_bind
+from lowband.comm.membership.secret import FILE as SECRET_FILE, SECRET_ENV
 from lowband.launch.env import ELASTIC_ENV, PROGRESS, REPLICAS, RUN_DIR, SHARDS
 
 # the workers' environment that tells a job's processes their layout (env.py reads it back)
@@ -140,7 +140,7 @@ def train(
                   "elastic_timeout": f"{elastic_timeout:g}",
                   "heartbeat_timeout": f"{heartbeat_timeout:g}"}
         # the job's elastic options, for a script's lowband.Sync (launch/env.py), and the path
-        # of its secret (comm/secret.py: the Lighthouse role writes it unless lowband launch has)
+        # of its secret (comm/membership/secret.py: the Lighthouse role writes it unless lowband launch has)
         env = {SECRET_ENV: f"{run_dir or f'runs/{macros.app_id}'}/{SECRET_FILE}", **(env or {}),
                **{var: values[key] for key, (var, _) in ELASTIC_ENV.items()}}
         return _elastic(flags, script, algo, replicas, shards, run_dir or f"runs/{macros.app_id}",

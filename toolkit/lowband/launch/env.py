@@ -6,7 +6,7 @@
     LOWBAND_SHARDS     S, ranks inside each replica group
     LOWBAND_RUN_DIR    the run directory (on a filesystem every node shares)
     LOWBAND_PROGRESS   1 or 0: whether rank 0 shows a progress bar (0 for batch logs)
-    LOWBAND_SECRET_FILE  the run's secret's path, RUN_DIR/secret (comm/secret.py: the job's
+    LOWBAND_SECRET_FILE  the run's secret's path, RUN_DIR/secret (comm/membership/secret.py: the job's
                        spec names the file; lowband launch writes it before it submits)
 
 and, in an elastic job (`lowband launch --elastic --script`), lowband train's elastic options,
@@ -18,7 +18,7 @@ the launcher's for every group (its Lighthouse and restarts follow them):
     LOWBAND_QUORUM_TIMEOUT   --quorum-timeout (seconds)
     LOWBAND_ELASTIC_TIMEOUT  --elastic-timeout (seconds)
 
-beside torchft's TORCHFT_LIGHTHOUSE and the group's LOWBAND_REPLICA (comm/elastic.py), so the
+beside torchft's TORCHFT_LIGHTHOUSE and the group's LOWBAND_REPLICA (comm/membership/elastic.py), so the
 script builds its Config from them:
 
     from lowband.launch import launch_config
@@ -34,7 +34,7 @@ import os
 
 REPLICAS, SHARDS, RUN_DIR, PROGRESS = ("LOWBAND_REPLICAS", "LOWBAND_SHARDS", "LOWBAND_RUN_DIR",
                                        "LOWBAND_PROGRESS")
-# an elastic job's options (Config's names, ElasticOptions in comm/elastic.py): their variables
+# an elastic job's options (Config's names, ElasticOptions in comm/membership/elastic.py): their variables
 # and types; component.py sets them on every replica group of an elastic job
 ELASTIC_ENV = {"elastic": ("LOWBAND_ELASTIC", bool), "min_replicas": ("LOWBAND_MIN_REPLICAS", int),
                "max_restarts": ("LOWBAND_MAX_RESTARTS", int),

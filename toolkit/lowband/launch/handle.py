@@ -25,10 +25,10 @@ TORCHX = ("launch", "lowband launch", "torchx")  # needs_extra's (extra, what, m
 
 
 def write_secret(run_dir: Path) -> None:
-    """The run's secret (comm/secret.py), in the run directory before the job starts: its spec
+    """The run's secret (comm/membership/secret.py), in the run directory before the job starts: its spec
     names the file (job.launch), so the nodes read it from the filesystem they share with this
     machine; a resumed run keeps its own."""
-    from lowband.comm import secret
+    from lowband.comm.membership import secret
 
     try:
         secret.make(run_dir / secret.FILE)

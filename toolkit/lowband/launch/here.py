@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from lowband.comm.elastic import TORCHFT
+from lowband.comm.membership.elastic import TORCHFT
 from lowband.config import Config
 from lowband.launch.local import LocalJob, describe_exit, last_line
 from lowband.options import needs_extra

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from lowband.comm.bind import LOOPBACK, check_bind
-from lowband.comm.elastic import TORCHFT, join_timeout_s
-from lowband.comm.secret import FILE, SECRET_ENV
+from lowband.comm.membership.bind import LOOPBACK, check_bind
+from lowband.comm.membership.elastic import TORCHFT, join_timeout_s
+from lowband.comm.membership.secret import FILE, SECRET_ENV
 from lowband.config import ConfigError
 from lowband.flags import parse_train
 from lowband.launch.env import ELASTIC_ENV
@@ -132,7 +132,7 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
     lowband/launch/component.py): by default one replica group per node. rdzv_port 0 picks a
     free port for local schedulers, 29500 elsewhere. bind: the interface (eth0) or address
     the job's listeners bind on each node (default: the interface that routes to the first
-    node; loopback for local_cwd; never every interface: comm/bind.py). start=False returns
+    node; loopback for local_cwd; never every interface: comm/membership/bind.py). start=False returns
     the handle unsubmitted: inspect .dryrun_info, then start(). Bad input raises ConfigError
     with one sentence, before anything is submitted.
     """
@@ -258,7 +258,7 @@ def _script_job(script, argv, replicas, shards, run_dir, local, elastic: dict):
     """A user's training script: its arguments passed as given; only the layout lowband owns
     (replicas, shards, run directory; elastic: the job's elastic options) is checked here. A
     local script must exist here; a remote one lives on the nodes."""
-    from lowband.comm.elastic import ElasticOptions
+    from lowband.comm.membership.elastic import ElasticOptions
     from lowband.config import Config
 
     script = os.fspath(script)

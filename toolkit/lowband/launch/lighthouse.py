@@ -18,9 +18,9 @@ import subprocess
 import sys
 import time
 
-from lowband.comm import secret
-from lowband.comm.bind import BIND_ENV, bind_host, url_host
-from lowband.comm.lives import alive_groups
+from lowband.comm.membership import secret
+from lowband.comm.membership.bind import BIND_ENV, bind_host, url_host
+from lowband.comm.membership.lives import alive_groups
 from lowband.faults import lighthouse_kill_asked
 from lowband.launch.env import layout
 from lowband.launch.slurm import GROUPS_ARG, GroupJobs
@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--replicas", type=int, required=True, help="the run's replica groups")
     p.add_argument("--join-timeout", type=_positive, default=60.0,
                    help="seconds a quorum waits for a group that heartbeats but has not asked "
-                   "(lowband.comm.elastic.join_timeout_s)")
+                   "(lowband.comm.membership.elastic.join_timeout_s)")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--wait", type=float, default=600.0,
                    help="seconds the other groups get once the first has finished")
@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
                    "job's --quorum-timeout; not with --slurm-groups, whose jobs say it)")
     a = p.parse_args(argv)
     # its address: --bind's, else the route to its node as the rank-0 host variable names it
-    # (LOWBAND_RANK0_ENV, comm/bind.py), else to its own host name; Slurm's group jobs dial it
+    # (LOWBAND_RANK0_ENV, comm/membership/bind.py), else to its own host name; Slurm's group jobs dial it
     try:
         here = os.environ[BIND_ENV] = bind_host(peer=socket.gethostname())
     except ConfigError as e:

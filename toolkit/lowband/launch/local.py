@@ -1,7 +1,7 @@
 """Start R x S worker processes on this machine, watch them, stop them all if one fails.
 
 Workers get torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1,
-MASTER_PORT) and LOWBAND_BIND_HOST=127.0.0.1 (on test hosts: the host's address; comm/bind.py),
+MASTER_PORT) and LOWBAND_BIND_HOST=127.0.0.1 (on test hosts: the host's address; comm/membership/bind.py),
 so the worker code path is the same as under torchrun or TorchX. With `hosts`
 (lowband.launch.hosts's test hosts: network namespaces joined by a shaped link), replica i's
 ranks run on host i instead, meeting at host 0's address over the hosts' link. Rank 0 writes
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from lowband.comm.bind import BIND_ENV, LOOPBACK
+from lowband.comm.membership.bind import BIND_ENV, LOOPBACK
 from lowband.telemetry import RunDir
 
 
@@ -72,7 +72,7 @@ class LocalJob:
             wenv = {**os.environ, **(env or {}), "RANK": str(r), "WORLD_SIZE": str(world),
                     "LOCAL_RANK": str(first + r), "LOCAL_WORLD_SIZE": str(on_node), "GROUP_RANK": "0",
                     "MASTER_ADDR": master, "MASTER_PORT": str(port), "LOWBAND_WORKER": "1",
-                    BIND_ENV: LOOPBACK}  # one machine: every listener on loopback (comm/bind.py)
+                    BIND_ENV: LOOPBACK}  # one machine: every listener on loopback (comm/membership/bind.py)
             prefix = []
             if hosts is not None:  # its listeners and gloo on the host's link, not loopback
                 prefix = hosts.exec_prefix(r // shards)

@@ -7,7 +7,7 @@ named in one sentence: the node, its global rank, how it ended and the node's lo
 job's run directory and node name in its environment (LOWBAND_RUN_DIR, LOWBAND_NODE), the agent
 also copies everything the node prints (its own lines, torchrun's, the workers') to
 RUN/logs/<node>.log, whatever the scheduler does with its output. Its stores and its workers'
-listeners bind the node's bind address (comm/bind.py: --bind, else the interface that routes
+listeners bind the node's bind address (comm/membership/bind.py: --bind, else the interface that routes
 to the rendezvous host), never every interface.
 """
 
@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from lowband.comm.bind import BIND_ENV, bind_host, bound_store_type
+from lowband.comm.membership.bind import BIND_ENV, bind_host, bound_store_type
 from lowband.options import ConfigError
 
 NODE_LOG = "LOWBAND_NODE_LOG"  # set for the agent's own process, under its tee

@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from lowband.comm.bind import bind_host, url_host
+from lowband.comm.membership.bind import bind_host, url_host
 
 LIGHTHOUSE_HOST = "LOWBAND_LIGHTHOUSE_HOST"  # the Lighthouse's address, in each group job's env
 GROUPS_ARG = "--slurm-groups"

@@ -3,7 +3,7 @@ job of its own (S local workers, launch.local.LocalJob), restarted when it dies.
 
 The Lighthouse is torchft's own program (`torchft_lighthouse`), a process of its own whose
 output goes to RUN/logs/lighthouse.log; every worker finds it through TORCHFT_LIGHTHOUSE, and
-its group through LOWBAND_REPLICA (comm/elastic.py). A group that dies (a killed node, a crash)
+its group through LOWBAND_REPLICA (comm/membership/elastic.py). A group that dies (a killed node, a crash)
 is started again, up to --max-restarts times: it continues from its newest intact checkpoint
 (checkpoint/lifecycle.py: restarted_group), or afresh without one, heals from a live peer that
 trained further at the others' next sync, and trains on. A group that refuses its input (status
@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 
 from lowband.checkpoint.lifecycle import RESTART_COUNT
-from lowband.comm import secret
-from lowband.comm.bind import bind_host, url_host
-from lowband.comm.elastic import LIGHTHOUSE_ENV, REPLICA_ENV, TORCHFT, join_timeout_s, quiet_rust
-from lowband.comm.lives import LIFE_ENV, lighthouse_life
+from lowband.comm.membership import secret
+from lowband.comm.membership.bind import bind_host, url_host
+from lowband.comm.membership.elastic import LIGHTHOUSE_ENV, REPLICA_ENV, TORCHFT, join_timeout_s, quiet_rust
+from lowband.comm.membership.lives import LIFE_ENV, lighthouse_life
 from lowband.faults import lighthouse_kill_asked
 from lowband.launch.local import LocalJob, describe_exit, free_port, last_line
 from lowband.options import ConfigError, missing_extra, needs_extra
@@ -43,7 +43,7 @@ from lowband.telemetry import RunDir, read_events, write_json_atomic
 def lighthouse(min_replicas: int, join_s: float, port: int = 0, heartbeat_timeout_s: float = 5.0):
     """torchft's Lighthouse, serving in this process on bind_host() (port 0: a free one);
     join_s: how long a quorum waits for a group that heartbeats but has not asked
-    (comm/elastic.join_timeout_s); a group whose heartbeats stop for heartbeat_timeout_s
+    (comm/membership/elastic.join_timeout_s); a group whose heartbeats stop for heartbeat_timeout_s
     (torchft's default: 5 s) is left out of the next quorum."""
     quiet_rust()
     needs_extra(*TORCHFT)
@@ -173,7 +173,7 @@ LEFT_OUT = "left-out.json"  # in RUN/groups/, beside the records (replica<i>.jso
 
 
 def life_file(run: RunDir) -> Path:
-    """How often the Lighthouse was restarted (comm/elastic.py: LighthouseLives)."""
+    """How often the Lighthouse was restarted (comm/membership/elastic.py: LighthouseLives)."""
     return run.logs / "lighthouse-life"
 
 

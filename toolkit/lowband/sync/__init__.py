@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import torch
 
-from lowband import topology as topo_mod
+from lowband.comm import topology as topo_mod
 from lowband.algorithms import ALGORITHMS
 from lowband import checkpoint
 from lowband.checkpoint import lifecycle
 from lowband.clock import RunClock
-from lowband.comm.elastic import replica_of_env
+from lowband.comm.membership.elastic import replica_of_env
 from lowband.config import ConfigError
 from lowband.ledger import Ledger
 from lowband.models import blocks_of

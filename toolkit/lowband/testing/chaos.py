@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lowband.comm.lives import LIFE, STATUS_TIMEOUT_S
+from lowband.comm.membership.lives import LIFE, STATUS_TIMEOUT_S
 from lowband.telemetry import RunDir, parse_event, read_events
 
 RECONNECT_S = 10.0  # torchft reconnects to a Lighthouse with a backoff of at most 10 s a try

@@ -6,8 +6,8 @@ directory's. The processes of the run find it through SECRET_ENV, which names th
 bytes: a job's spec (TorchX's dry run, a Slurm batch script, a pod's spec, which other users of
 a cluster may read) then carries a path, and the bytes stay in the run directory, on the
 filesystem every node shares. lowband checks it where it owns the protocol: heal requests and
-answers (comm/heal.py), the replica ids its groups give torchft and the store prefix of every
-process group of the run (topology.init, comm/heal.MembersGloo). It is never printed, nor
+answers (comm/membership/heal.py), the replica ids its groups give torchft and the store prefix of every
+process group of the run (topology.init, comm/membership/heal.MembersGloo). It is never printed, nor
 written to config.json, the events or the summary.
 """
 

@@ -10,7 +10,7 @@ One outer sync (diloco, streaming):
   begin(step)      Manager.start_quorum, synchronous: who takes part. A group behind the others
                    (restarted, or dropped from a quorum: it has trained less, _set_quorum_step)
                    receives the algorithm's state from a live peer here (weights only, from a
-                   member: comm/heal.py; `register`) and loads it: model, inner optimizer, the
+                   member: comm/membership/heal.py; `register`) and loads it: model, inner optimizer, the
                    algorithm's state_dict() (outer parameters and momentum...), the step. Its
                    time is a wait of the step, not compute.
   average(x, ...)  the mean over the groups that take part with what they trained: a group
@@ -44,8 +44,8 @@ from datetime import timedelta
 
 import torch
 
-from lowband.comm.bind import LIGHTHOUSE_ENV, bind_gloo, bind_host, bound_manager_server, url_host
-from lowband.comm.lives import LIFE, LIFE_ENV, LighthouseLives, alive_groups
+from lowband.comm.membership.bind import LIGHTHOUSE_ENV, bind_gloo, bind_host, bound_manager_server, url_host
+from lowband.comm.membership.lives import LIFE, LIFE_ENV, LighthouseLives, alive_groups
 from lowband.options import ConfigError, Options, needs_extra, option
 
 REPLICA_ENV = "LOWBAND_REPLICA"
@@ -122,8 +122,8 @@ class Membership:
         needs_extra(*TORCHFT)
         from torchft.manager import Manager
 
-        from lowband.comm import secret
-        from lowband.comm.heal import HealTransport, MembersGloo, quiet_refusals
+        from lowband.comm.membership import secret
+        from lowband.comm.membership.heal import HealTransport, MembersGloo, quiet_refusals
 
         bind_gloo()  # torchft's gloo group binds bind_host()'s interface, as the world's does
 
@@ -194,7 +194,7 @@ class Membership:
     def begin(self, step: int) -> bool:
         """A quorum for the sync after inner step `step`. True when this group was healed in it
         (its state is now a live peer's, the step included)."""
-        from lowband.comm import heal
+        from lowband.comm.membership import heal
 
         t0 = time.perf_counter()
         self._heal, self.at = None, step
@@ -273,7 +273,7 @@ class Membership:
                                       "batches_committed": self.manager.batches_committed()})
 
     def _quorum(self) -> tuple[int, list[str]]:
-        """The id and the replica ids of this group's last quorum (comm/heal.py checks them)."""
+        """The id and the replica ids of this group's last quorum (comm/membership/heal.py checks them)."""
         last = self.manager._client.last
         return last.quorum_id, list(last.replica_ids)
 

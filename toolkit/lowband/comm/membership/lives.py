@@ -1,6 +1,6 @@
 """A Lighthouse started again (launch/supervise.py: restart_lighthouse) and torchft's quorum
 ids: the new one counts from 1 again, so lowband numbers the quorums of its life n as
-n x LIFE + torchft's id (comm/elastic.py uses LighthouseLives; docs/elastic.md); and the groups
+n x LIFE + torchft's id (comm/membership/elastic.py uses LighthouseLives; docs/elastic.md); and the groups
 alive in the Lighthouse's eyes (alive_groups: its status page)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import re
 import time
 
-from lowband.comm.bind import LIGHTHOUSE_ENV
+from lowband.comm.membership.bind import LIGHTHOUSE_ENV
 
 LIFE_ENV = "LOWBAND_LIGHTHOUSE_LIFE"  # a file: how often the launcher restarted the Lighthouse
 LIFE = 1_000_000  # quorum ids of the Lighthouse's life n: n x LIFE + torchft's quorum id
@@ -28,7 +28,7 @@ class LighthouseLives:
 
     def __init__(self, client, path: str | None):
         self._client, self._path = client, path
-        self.last = None  # the last quorum's result (its members: comm/heal.py checks them)
+        self.last = None  # the last quorum's result (its members: comm/membership/heal.py checks them)
         self.quorum_s = 0.0  # seconds the last quorum's answer took (torchft's retries included)
 
     def _quorum(self, *args, **kwargs):

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lowband.comm.bind import bind_gloo, world_store
+from lowband.comm.membership.bind import bind_gloo, world_store
 from lowband.options import ConfigError
 
 
@@ -74,10 +74,10 @@ def pick_backend(requested: str, device: torch.device) -> str:
 
 def members_store(timeout: timedelta) -> dict:
     """The world's store, as torch's env:// makes it but with rank 0's server on bind_host()
-    (comm/bind.py: world_store). A run with a secret (comm/secret.py: an elastic group, a
+    (comm/membership/bind.py: world_store). A run with a secret (comm/membership/secret.py: an elastic group, a
     launched job) meets in it under a prefix derived from it, so a process without the secret
     never meets its ranks."""
-    from lowband.comm.secret import read, tag
+    from lowband.comm.membership.secret import read, tag
 
     key = read()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -91,7 +91,7 @@ def init(replicas: int, shards: int, device: str = "auto", backend: str = "auto"
     """Join the process group described by the environment (torchrun's variables).
 
     replica: --elastic, where the job is one replica group (its S ranks) of R; the outer group
-    is then torchft's (comm/elastic.py), and rank and world stay the global ones (replica x S +
+    is then torchft's (comm/membership/elastic.py), and rank and world stay the global ones (replica x S +
     shard, R x S), which data order and event files are keyed on."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     groups = 1 if replica is not None else replicas
@@ -110,7 +110,7 @@ def init(replicas: int, shards: int, device: str = "auto", backend: str = "auto"
         os.environ.setdefault("MASTER_PORT", "29500")
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", str(world))  # a plain `python mine.py`: a world of one
-        bind_gloo()  # rank 0's store and gloo's pairs listen on bind_host() only (comm/bind.py)
+        bind_gloo()  # rank 0's store and gloo's pairs listen on bind_host() only (comm/membership/bind.py)
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
                                 device_id=dev if backend == "nccl" else None,
                                 **members_store(timedelta(seconds=timeout_s)))

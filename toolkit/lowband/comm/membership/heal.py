@@ -1,12 +1,12 @@
-"""Healing with weights only, between members of the run (comm/elastic.py's Membership uses it).
+"""Healing with weights only, between members of the run (comm/membership/elastic.py's Membership uses it).
 
 torchft's Manager hands a group behind the others a live peer's state through a checkpoint
 transport; torchft's own (HTTP) loads whatever the answering address sends with
 torch.load(weights_only=False), asks nobody who they are, and listens on every interface. This
 one, HealTransport:
-  - serves the state on bind_host() (comm/bind.py: loopback unless the job names its site link)
+  - serves the state on bind_host() (comm/membership/bind.py: loopback unless the job names its site link)
     with torch.save, streamed into the socket, to a request that carries a MAC of its path
-    (quorum id, step and a fresh nonce) under the run's secret (comm/secret.py); any other gets
+    (quorum id, step and a fresh nonce) under the run's secret (comm/membership/secret.py); any other gets
     403 and no body;
   - answers with the sender's replica group and, after the body, a MAC of the request's path,
     that group and the body: the receiver checks it before it loads a byte, so a peer without
@@ -44,8 +44,8 @@ from torch.utils._pytree import tree_map
 from torchft.checkpointing.transport import CheckpointTransport
 from torchft.process_group import ProcessGroupGloo
 
-from lowband.comm.bind import bind_host
-from lowband.comm.secret import hasher, mac, signed_group, tag
+from lowband.comm.membership.bind import bind_host
+from lowband.comm.membership.secret import hasher, mac, signed_group, tag
 
 MAC_HEADER, GROUP_HEADER = "X-Lowband-Mac", "X-Lowband-Group"
 MAC_BYTES = 32  # HMAC-SHA256, after the answer's body

@@ -7,7 +7,7 @@ routes to its job's Lighthouse or rendezvous host (bind_host: found by connectin
 which sends nothing), and loopback when it has neither; a one-machine run's launcher sets
 loopback. Every listener of a lowband process binds it, never the wildcard: the torchft
 Lighthouse (launch/supervise.py), torchft's manager server (bound_manager_server), the heal
-server (comm/heal.py), the stores (bound_store_type: the world's, lowband's agent's) and gloo's
+server (comm/membership/heal.py), the stores (bound_store_type: the world's, lowband's agent's) and gloo's
 pairs (bind_gloo: the interface that holds it).
 """
 
@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 from lowband.options import ConfigError
 
 BIND_ENV = "LOWBAND_BIND_HOST"
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # (comm/elastic.py's, which imports this module)
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # (comm/membership/elastic.py's, which imports this module)
 RANK0_ENV = "LOWBAND_RANK0_ENV"  # the name of the scheduler's variable naming the first node
 LOOPBACK = "127.0.0.1"
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
