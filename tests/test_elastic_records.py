@@ -16,7 +16,7 @@ def test_each_groups_restart_says_what_it_redid_or_lost(tmp_path):
     from lowband.dashboard.model import RunModel
     from lowband.dashboard.restarts import restart_text
     from lowband.dashboard.tables import restarts_table
-    from lowband.launch.supervise import write_summary
+    from lowband.summary import write_elastic as write_summary
     from lowband.summary import fault_text
     from lowband.telemetry import EventWriter, RunDir
     from lowband.units import fmt_si
@@ -99,7 +99,8 @@ def test_a_group_back_after_another_finished_is_left_out_and_said_so(tmp_path):
     and write model.pt over the run's); the summary counts one death and says why it was left
     out."""
     from lowband.config import Config
-    from lowband.launch.supervise import leave_out_stragglers, write_summary
+    from lowband.launch.supervise import leave_out_stragglers
+    from lowband.summary import write_elastic as write_summary
     from lowband.summary import fault_text
     from lowband.telemetry import EventWriter, RunDir
 

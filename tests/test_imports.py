@@ -111,6 +111,35 @@ def test_the_walk_sees_lazy_imports(tmp_path):
     assert circles(edges(pkg)) == [["lowband.a", "lowband.b"]]
 
 
+# -- the house's shape (docs/architecture.md) ----------------------------------------------------
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def test_files_stay_short_and_the_top_level_small():
+    """No module over 450 lines, at most 18 modules at the package's top level, and train.py
+    the loop alone (its run is session.py's): under 320 lines."""
+    long = {m: _lines(p) for m, p in modules(PACKAGE).items() if _lines(p) > 450}
+    assert not long, long
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 18, top
+    assert _lines(PACKAGE / "train.py") < 320
+
+
+def test_the_loops_share_the_session_not_private_names():
+    """lowband.Sync and the integrations are adapters over session.Session: they import no
+    private name (`_x`) of another lowband module, and nothing imports one of train.py's."""
+    for folder in ("sync", "integrations"):
+        for path in (PACKAGE / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lowband"):
+                    private = [a.name for a in node.names if a.name.startswith("_")]
+                    assert not private, (path.name, node.module, private)
+    users = [m for m, targets in edges(PACKAGE).items() if "lowband.train" in targets]
+    assert users == ["lowband.cli"], users  # (the command; its run is the Session's)
+
+
 if __name__ == "__main__":
     root = Path(sys.argv[1]) if len(sys.argv) > 1 else PACKAGE
     graph = edges(root)

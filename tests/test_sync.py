@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from conftest import train_in_one_job
@@ -163,3 +164,42 @@ def test_bad_input_gets_one_sentence_and_changes_nothing(tmp_path):
     assert all(s.endswith(".") and s.count(". ") == 0 for s in said), said
     assert "DIRS []" in proc.stdout  # refused before the run directory was made
     assert "SAME True" in proc.stdout and "EVENTS ['run']" in proc.stdout, proc.stdout
+
+
+def test_each_algorithm_says_how_it_fits_your_loop(monkeypatch):
+    """Sync and the Hugging Face callback read one class attribute (user_loop), not lists of
+    names: a registered subclass of DiLoCo fits both, as DiLoCo does; one of ddp fits Sync (it
+    calls sync.backward) and not the Trainer; one that says nothing needs lowband's loop, and
+    the refusal gives its reason and the algorithms that fit."""
+    from lowband.algorithms import ALGORITHMS, Algorithm
+    from lowband.algorithms.base import AT_STEP_EDGES, IN_BACKWARD, OWN_LOOP
+    from lowband.algorithms.ddp import DDP
+    from lowband.algorithms.streaming import DiLoCo
+    from lowband.config import ConfigError
+    from lowband.sync import check_fits, fitting
+
+    class MyDiLoCo(DiLoCo):
+        name = "my-diloco"
+
+    class MyDDP(DDP):
+        name = "my-ddp"
+
+    class Mine(Algorithm):
+        name = "mine"
+
+    for cls in (MyDiLoCo, MyDDP, Mine):
+        monkeypatch.setitem(ALGORITHMS, cls.name, cls)
+    assert (MyDiLoCo.user_loop, MyDDP.user_loop, Mine.user_loop) == \
+        (AT_STEP_EDGES, IN_BACKWARD, OWN_LOOP)
+    trainer = {IN_BACKWARD: "the Trainer runs the backward pass"}  # what its loop refuses
+    assert {"ddp", "my-ddp", "diloco", "my-diloco", "streaming"} <= set(fitting())
+    assert {"diloco", "my-diloco", "streaming"} == set(fitting(tuple(trainer)))
+    check_fits("my-diloco", "lowband.Sync")
+    check_fits("my-diloco", "LowbandCallback", trainer)
+    check_fits("my-ddp", "lowband.Sync")
+    with pytest.raises(ConfigError, match="LowbandCallback cannot run algo='my-ddp'"):
+        check_fits("my-ddp", "LowbandCallback", trainer)
+    for name in ("mine", "acco", "edit", "aedit", "zero1"):
+        with pytest.raises(ConfigError) as e:
+            check_fits(name, "lowband.Sync")
+        assert ALGORITHMS[name].own_loop_why in str(e.value) and "pick ddp" in str(e.value)

@@ -1,10 +1,40 @@
-"""summary.json: a run's totals over its ranks, and the one line that prints them."""
+"""summary.json: a run's totals over its ranks, written here and nowhere else (a plain run's by
+its rank 0, write_plain; an elastic run's by its launcher from the groups' records,
+write_elastic), and the one line that prints them."""
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
+from lowband.comm.membership.lives import lighthouse_life
+from lowband.telemetry import RunDir, read_events, write_json_atomic
 from lowband.units import fmt_si, parse_bandwidth
+
+
+def save(run: RunDir, summary: dict) -> None:
+    """summary.json, whole or not at all (a reader never sees half)."""
+    write_json_atomic(run.summary, summary)
+
+
+def write_plain(cfg, run: RunDir, ranks: list[dict], ddp_one_step: int,
+                tokens_per_step: int | None) -> dict:
+    """A run's summary.json from every rank's totals (session.py), with the baseline's bytes
+    for the same model and steps (add_ddp_bytes)."""
+    summary = summarize(cfg, ranks)
+    add_ddp_bytes(summary, ddp_one_step, cfg.replicas, tokens_per_step)
+    save(run, summary)
+    return summary
+
+
+def write_group_record(run: RunDir, replica: int, ranks: list[dict], ddp_one_step: int,
+                       outer_sha256: str | None, model_sha256: str | None) -> None:
+    """--elastic: a finished replica group's record (its ranks' totals, what ddp would send a
+    step, digests of its final state), which write_elastic sums with the others'."""
+    run.groups.mkdir(exist_ok=True)
+    write_json_atomic(run.group_record(replica),
+                      {"ranks": ranks, "ddp_one_step": ddp_one_step,
+                       "outer_sha256": outer_sha256, "model_sha256": model_sha256})
 
 
 def summarize(cfg, ranks: list[dict]) -> dict:
@@ -37,7 +67,7 @@ def target(evals: list, loss: float) -> dict:
     """summary.json's `target` (--target-loss): what the first evaluation whose validation loss
     (mean over replicas) is at or below `loss` took, from the run-wide records of the
     evaluations every rank took ([step, val_loss, elapsed_s, tokens, outer_bytes], in order:
-    train.Progress.evals); when none is, the best loss evaluated."""
+    session.Progress.evals); when none is, the best loss evaluated."""
     for step, val, elapsed, tokens, outer in evals:
         if val <= loss:
             return {"loss": loss, "reached": True, "step": step, "val_loss": val,
@@ -69,6 +99,75 @@ def add_ddp_bytes(summary: dict, one_step: int, replicas: int,
         summary["ddp_outer_wire_bytes"] = one_step * sum(summary["steps_run_per_replica"]) // replicas
         summary["ddp_steps"] = round(sum(summary["steps_run_per_replica"]) / replicas, 2)
 
+
+
+def write_elastic(cfg, run: RunDir) -> dict:
+    """--elastic: summary.json from the groups' records (write_group_record), with what faults
+    cost them (`elastic`); the launcher writes it once the groups have finished."""
+    records = [run.read_json(p) for p in run.group_records().values()]
+    records = [r for r in records if r]
+    ranks = [rank for r in records for rank in r["ranks"]]
+    summary = summarize(cfg, ranks)
+    summary["run_dir"] = str(run.root)  # (the launcher may have named it: cfg's is empty then)
+    summary["elastic"] = elastic_record(cfg, run, sorted({r["replica"] for r in ranks}))
+    group_step = cfg.grad_accum * cfg.batch_size * cfg.seq_len * cfg.shards
+    count_every_life(summary, cfg, run, ranks, group_step)
+    add_ddp_bytes(summary, records[0]["ddp_one_step"], cfg.replicas, cfg.replicas * group_step)
+    save(run, summary)
+    return summary
+
+
+def count_every_life(summary: dict, cfg, run: RunDir, ranks: list[dict], group_step: int) -> None:
+    """`tokens`, `tokens_per_s`, `steps_run` and `steps_run_per_replica` (one entry a group)
+    count what every life of every group trained: the step events of each group's first rank,
+    a lost life's included (a group's ranks' totals cover only its last life and the
+    checkpoint it went on from; a healed group's skipped steps were never trained). Tokens
+    trained but thrown away (by a life that died, after the step its group went on from; all of
+    a group lost for good) are `elastic.tokens_lost`. group_step: a group's tokens in one step."""
+    steps = [run.count_events(g * cfg.shards, "step") for g in range(cfg.replicas)]
+    kept = sum(r["tokens"] for r in ranks)
+    summary["tokens"] = sum(steps) * group_step
+    summary["tokens_per_s"] = summary["tokens"] / summary["wall_s"] if summary["wall_s"] > 0 else 0.0
+    summary["steps_run_per_replica"] = steps
+    mean = sum(steps) / len(steps)
+    summary["steps_run"] = int(mean) if mean == int(mean) else round(mean, 2)
+    summary["elastic"]["tokens_lost"] = summary["tokens"] - kept
+
+
+def elastic_record(cfg, run: RunDir, finished: list[int]) -> dict:
+    """summary.json's `elastic`, from the events of each group's first rank: the groups that
+    finished; the times each was restarted (its `run` events marked restart); its heals (its
+    membership events, healed: a live peer's state received); and `lost_work`, one entry a
+    life lost: the group, the step its life died after, the step its next life began at (its
+    newest checkpoint's, 0 without one; None: lost for good) and the steps of the lost life
+    it trained again (`redone`, [first, last]; None when a peer's state came first)."""
+    events = [e for e in read_events(run, ("run", "membership", "step", "quorum"))
+              if e["rank"] % cfg.shards == 0 and "replica" in e]
+    restarts = [e for e in events if e["kind"] == "run" and e.get("restart")]
+    heals = Counter(e["replica"] for e in events if e["kind"] == "membership" and e.get("healed"))
+    steps = [e for e in events if e["kind"] == "step"]
+    lost = []
+    for r in restarts:
+        g, t = r["replica"], r["t"]
+        before = [e["step"] for e in steps if e["replica"] == g and e["t"] < t]
+        died = r.get("superseded_to", before[-1] if before else 0)
+        later = [e["t"] for e in restarts if e["replica"] == g and e["t"] > t]
+        again = sorted({e["step"] for e in steps if e["replica"] == g and t < e["t"] < min(
+            later, default=float("inf")) and r["step"] < e["step"] <= died})
+        lost.append({"group": g, "died_after": died, "resumed_from": r["step"],
+                     "redone": [again[0], again[-1]] if again else None})
+    left_out = run.read_json(run.left_out) or {}
+    for g in sorted(set(range(cfg.replicas)) - set(finished)):
+        mine = [e["step"] for e in steps if e["replica"] == g]
+        why = {"left_out": left_out[str(g)]} if str(g) in left_out else {}
+        lost.append({"group": g, "died_after": mine[-1] if mine else 0, "resumed_from": None,
+                     "redone": None, **why})
+    lost.sort(key=lambda life: life["group"])  # (each group's lives stay in time order)
+    return {"groups_finished": finished, "lighthouse_restarts": lighthouse_life(run.lighthouse_life),
+            "lighthouse_down_s": run.read_json(run.lighthouse_down) or [],
+            "restarts": {str(g): n for g, n in sorted(Counter(e["replica"] for e in restarts).items())},
+            "heals": {str(g): n for g, n in sorted(heals.items())}, "lost_work": lost,
+            "participation": participation(sync_participation(events))}
 
 def one_line(s: dict) -> str:
     return (f"{s.get('algorithm')} R={s.get('replicas')} S={s.get('shards')}: "

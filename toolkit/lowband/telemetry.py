@@ -93,6 +93,21 @@ class RunDir:
         for path in self.group_records().values():
             path.unlink(missing_ok=True)
 
+    @property
+    def left_out(self) -> Path:
+        """--elastic: each group left out at the end, and why (launch/supervise.py)."""
+        return self.groups / "left-out.json"
+
+    @property
+    def lighthouse_life(self) -> Path:
+        """--elastic: how often the Lighthouse was restarted (comm/membership/lives.py)."""
+        return self.logs / "lighthouse-life"
+
+    @property
+    def lighthouse_down(self) -> Path:
+        """--elastic: seconds each restart left the groups without a Lighthouse."""
+        return self.logs / "lighthouse-down.json"
+
     def event_file(self, rank: int) -> Path:
         return self.events / f"rank{rank}.jsonl"
 
@@ -194,6 +209,26 @@ class EventWriter:
             if not self._file.closed:
                 self._file.write(line)
         return event
+
+    # The events every loop writes (the trainer's, lowband.Sync's and testing/synthetic.py's
+    # runs), by their fields: a field cannot go missing from one writer. more: a synthetic run's
+    # own time (t=) or a field beyond the contract's.
+
+    def emit_step(self, step: int, loss: float, lr: float, tokens: int, step_s: float,
+                  compute_s: float, elapsed_s: float, **more) -> dict:
+        return self.emit("step", step=step, loss=loss, lr=lr, tokens=tokens, step_s=step_s,
+                         compute_s=compute_s, elapsed_s=elapsed_s, **more)
+
+    def emit_eval(self, step: int, val_loss: float, **more) -> dict:
+        """more: elapsed_s, and where every rank evaluated, tokens and outer_bytes (ledger.py)."""
+        return self.emit("eval", step=step, val_loss=val_loss, **more)
+
+    def emit_run(self, phase: str, world: int, config_hash: str, **more) -> dict:
+        """more: step and the attempt's fields (start, resume: checkpoint/lifecycle.py)."""
+        return self.emit("run", phase=phase, world=world, config_hash=config_hash, **more)
+
+    def emit_checkpoint(self, step: int, path: str, **more) -> dict:
+        return self.emit("checkpoint", step=step, path=path, **more)
 
     def close(self) -> None:
         with self._lock:

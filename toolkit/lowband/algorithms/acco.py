@@ -179,6 +179,9 @@ def _done(value) -> Future:
 
 class ACCO(ZeRO1):
     name = "acco"
+    own_loop_why = ("it owns the inner step (micro-batches keep accumulating while its round is in "
+                    "flight, then its own AdamW on flat shards), so it cannot follow your "
+                    "optimizer's step")
     options = (ShardOptions, AccoOptions)
     summary = ("ACCO: zero1 whose communication hides behind accumulation, estimate and real "
                "rounds")

@@ -100,6 +100,8 @@ def split(total: int, weights: list[int]) -> list[int]:
 
 class AEDiT(EDiT):
     name = "aedit"
+    own_loop_why = ("it shards the model as edit does, and its replicas sync by wall-clock time and "
+                    "decide the run's end among themselves, which your loop's length cannot follow")
     options = (OuterOptions, ExchangeOptions, EditOptions, AEditOptions)
     summary = "A-EDiT: edit with syncs every --sync-seconds of wall-clock time"
     timed = True

@@ -28,10 +28,19 @@ from lowband.comm.topology import Topology
 EVERY_STEP = "every-step"  # traffic over the outer link every step (ddp, zero1, acco)
 PERIODIC = "periodic"      # outer syncs every few steps or seconds (the diloco family, edit)
 
+# How an algorithm fits a user's own loop (lowband.Sync, and the Hugging Face Trainer through it),
+# read by both from its class's `user_loop`:
+AT_STEP_EDGES = "step-edges"  # hooks only around the step (before forward, after the optimizer's
+                              # step): any loop, the Trainer's too (diloco, streaming)
+IN_BACKWARD = "backward"      # also inside the backward pass (ddp's buckets): a loop that calls
+                              # sync.backward(loss); not the Trainer, which runs the backward itself
+OWN_LOOP = "own-loop"         # lowband's own loop only; `own_loop_why` says why (zero1, acco, edit)
+
 
 class Algorithm:
     """One registry line (algorithms/__init__.py) plus these class attributes make an algorithm:
-    `name`, `kind` (EVERY_STEP or PERIODIC), `elastic` (whether it runs --elastic), `options`
+    `name`, `kind` (EVERY_STEP or PERIODIC), `elastic` (whether it runs --elastic), `user_loop`
+    (how it fits a user's own loop: AT_STEP_EDGES, IN_BACKWARD or OWN_LOOP), `options`
     (the option groups it reads, declared beside its code; Config inherits them all), `defaults`
     (values of its fields left None, or functions of the config giving them), `summary` (one
     line for --help and `lowband recipes`).
@@ -46,6 +55,10 @@ class Algorithm:
     options: ClassVar[tuple] = ()
     defaults: ClassVar[dict] = {}
     summary: ClassVar[str] = ""
+    # how it fits a user's own loop (above): AT_STEP_EDGES, IN_BACKWARD or OWN_LOOP, and why not
+    user_loop: ClassVar[str] = OWN_LOOP
+    own_loop_why: ClassVar[str] = ("it does not say how it fits a loop of yours (its class sets "
+                                   "user_loop)")
     # which published loss figures apply at equal tokens, for the planner's time to a target
     # (plan/loss.py): "ddp" (ddp's own updates), "diloco" (the DiLoCo family), None (none)
     loss_fit: ClassVar[str | None] = None

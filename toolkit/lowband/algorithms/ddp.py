@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lowband.algorithms.base import EVERY_STEP, Algorithm
+from lowband.algorithms.base import Algorithm, EVERY_STEP, IN_BACKWARD
 from lowband.comm.sends import GRAD_BYTES, Schedule, Send
 from lowband.comm.wire import wire_bytes
 
@@ -75,6 +75,7 @@ class Bucket:
 
 class DDP(Algorithm):
     name = "ddp"
+    user_loop = IN_BACKWARD  # its buckets leave during the backward pass (sync.backward)
     kind = EVERY_STEP
     elastic = True
     summary = "data-parallel baseline: gradients all-reduced over every rank every step"

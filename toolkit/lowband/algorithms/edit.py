@@ -101,6 +101,8 @@ class EditOptions(Options):
 
 class EDiT(Algorithm):
     name = "edit"
+    own_loop_why = ("it shards the model with FSDP2 and builds the inner optimizer over the sharded "
+                    "parameters, so the optimizer you made would step parameters no longer trained")
     kind = PERIODIC
     elastic = True
     options = (OuterOptions, ExchangeOptions, EditOptions)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lowband.algorithms.base import PERIODIC, Algorithm
+from lowband.algorithms.base import AT_STEP_EDGES, Algorithm, PERIODIC
 from lowband.algorithms.ddp import DDP
 from lowband.algorithms.outer import (OuterOptions, Staging, kept_at, nesterov_step, outer_home,
                                       settle, sgd_step)
@@ -106,6 +106,7 @@ class StreamingOptions(Options):
 
 class Streaming(Algorithm):
     name = "streaming"
+    user_loop = AT_STEP_EDGES  # (diloco and a registered subclass inherit it)
     kind = PERIODIC
     elastic = True
     options = (OuterOptions, ExchangeOptions, StreamingOptions)

@@ -136,6 +136,8 @@ class ShardOptions(Options):
 
 class ZeRO1(Algorithm):
     name = "zero1"
+    own_loop_why = ("it shards the inner optimizer's state over a replica's ranks and builds that "
+                    "optimizer itself, so it cannot step the optimizer you made")
     kind = EVERY_STEP
     options = (ShardOptions,)
     summary = "ZeRO-1: optimizer states sharded over every rank, gradients reduce-scattered"

@@ -41,9 +41,11 @@ it. Each rank then samples the training set in its own order: its data_seed is t
 the seed) plus its rank. The Trainer saves and logs on rank 0 only (process_index is the job's
 rank), and writes each rank's RNG state into its checkpoints.
 
-diloco and streaming with one rank a replica group run here: their hooks sit at the step's
-boundary. ddp and shards > 1 average gradients inside the backward pass, which the Trainer runs,
-with its own gradient clipping before any hook at the step's end: the callback refuses them.
+diloco and streaming (and any algorithm whose `user_loop` is AT_STEP_EDGES, algorithms/base.py)
+with one rank a replica group run here: their hooks sit at the step's edges. ddp (IN_BACKWARD) and
+shards > 1 average gradients inside the backward pass, which the Trainer runs, with its own
+gradient clipping before any hook at the step's end: the callback refuses them, as it refuses
+the algorithms that need lowband's own loop (OWN_LOOP).
 """
 
 from __future__ import annotations
@@ -63,12 +65,18 @@ from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 
 from lowband.config import ConfigError  # noqa: E402
 from lowband.models import blocks_of  # noqa: E402
-from lowband.sync import UNWRAPPABLE, Sync  # noqa: E402
+from lowband.algorithms import ALGORITHMS  # noqa: E402
+from lowband.algorithms.base import IN_BACKWARD  # noqa: E402
+from lowband.sync import Sync, check_fits, either, fitting  # noqa: E402
 from lowband.sync.options import config_of  # noqa: E402
 from lowband.comm.topology import pick_device  # noqa: E402
 
 # torchrun's variables: with them accelerate makes a process one of a data-parallel job
 JOB_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+# the ways of fitting a loop (algorithms/base.py's user_loop) the Trainer's loop cannot take
+REFUSED = {IN_BACKWARD: "it averages gradients inside the backward pass, which the Trainer runs, "
+                        "with its own gradient clipping before any hook of the callback: use the "
+                        "Trainer's own DDP (torchrun without the callback)"}
 # lowband options the callback takes from the Trainer's arguments, and where they are set there
 FROM_TRAINER = {"steps": "max_steps (or num_train_epochs)",
                 "batch_size": "per_device_train_batch_size",
@@ -135,17 +143,10 @@ class LowbandCallback(TrainerCallback):
 
     def __init__(self, algo: str = "streaming", *, recipe: str | None = None,
                  resume: bool = False, **options):
-        if algo == "ddp":
-            raise ConfigError("LowbandCallback cannot run algo='ddp': ddp averages gradients "
-                              "inside the backward pass, which the Trainer runs, with its own "
-                              "gradient clipping before any hook of the callback: use the "
-                              "Trainer's own DDP (torchrun without the callback), or diloco or "
-                              "streaming here.")
-        if algo in UNWRAPPABLE:
-            raise ConfigError(f"LowbandCallback cannot run algo={algo!r}: {UNWRAPPABLE[algo]}; run "
-                              "it with `lowband train`, or pick diloco or streaming here.")
-        if algo not in ("diloco", "streaming"):
-            raise ConfigError(f"LowbandCallback runs algo='diloco' or 'streaming', not {algo!r}.")
+        if algo not in ALGORITHMS:
+            names = either([repr(name) for name in fitting(tuple(REFUSED))])
+            raise ConfigError(f"LowbandCallback runs algo={names}, not {algo!r}.")
+        check_fits(algo, "LowbandCallback", REFUSED)
         for key, where in FROM_TRAINER.items():
             if key in options:
                 raise ConfigError(f"{key}= is the Trainer's {where} here: set it in the "

@@ -24,7 +24,8 @@ from lowband.comm.membership.lives import alive_groups
 from lowband.faults import lighthouse_kill_asked
 from lowband.launch.env import layout
 from lowband.launch.slurm import GROUPS_ARG, GroupJobs
-from lowband.launch.supervise import leave_out_stragglers, lighthouse, write_summary
+from lowband import summary
+from lowband.launch.supervise import leave_out_stragglers, lighthouse
 from lowband.options import ConfigError
 from lowband.telemetry import RunDir
 
@@ -110,7 +111,7 @@ def main(argv: list[str]) -> int:
             jobs.cancel()
         server.shutdown()
     cfg = run_config(run)
-    write_summary(cfg, run)
+    summary.write_elastic(cfg, run)
     return 0
 
 

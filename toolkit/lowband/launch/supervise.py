@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections import Counter
 import socket
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from lowband.comm.membership.lives import LIFE_ENV, lighthouse_life
 from lowband.faults import lighthouse_kill_asked
 from lowband.launch.local import LocalJob, describe_exit, free_port, last_line
 from lowband.options import ConfigError, missing_extra, needs_extra
-from lowband.summary import add_ddp_bytes, participation, summarize, sync_participation
+from lowband import summary
 from lowband.telemetry import RunDir, read_events, write_json_atomic
 
 
@@ -98,7 +97,7 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
         began[g] = time.time()
         # the group's lives, as torchrun counts them (checkpoint/lifecycle.py: restarted_group)
         env = {LIGHTHOUSE_ENV: address, REPLICA_ENV: str(g), RESTART_COUNT: str(lives[g]),
-               LIFE_ENV: str(life_file(run)), secret.SECRET_ENV: str(secret_file)}
+               LIFE_ENV: str(run.lighthouse_life), secret.SECRET_ENV: str(secret_file)}
         return LocalJob(argv, cfg.shards, run, env, log_prefix=f"replica{g}-", terminal=g == 0,
                         node=(g * cfg.shards, cfg.world))
 
@@ -165,21 +164,8 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
     if not finished:
         raise ConfigError("every replica group was lost, so the run has no result: see "
                           f"{run.logs} and start it again.")
-    write_summary(cfg, run)
+    summary.write_elastic(cfg, run)
     return 0
-
-
-LEFT_OUT = "left-out.json"  # in RUN/groups/, beside the records (replica<i>.json)
-
-
-def life_file(run: RunDir) -> Path:
-    """How often the Lighthouse was restarted (comm/membership/elastic.py: LighthouseLives)."""
-    return run.logs / "lighthouse-life"
-
-
-def down_file(run: RunDir) -> Path:
-    """Seconds each restart left the groups without a Lighthouse (summary.json: elastic)."""
-    return run.logs / "lighthouse-down.json"
 
 
 def restart_lighthouse(cfg, run: RunDir, address: str) -> subprocess.Popen | None:
@@ -188,9 +174,9 @@ def restart_lighthouse(cfg, run: RunDir, address: str) -> subprocess.Popen | Non
     the file says the next life, and lets the old port go. How long it was away (from its
     death seen, within the supervisor's 0.1 s poll, to the new one answering) is recorded."""
     t0 = time.monotonic()
-    life = lighthouse_life(life_file(run)) + 1
+    life = lighthouse_life(run.lighthouse_life) + 1
     time.sleep(1.0)
-    write_json_atomic(life_file(run), life)
+    write_json_atomic(run.lighthouse_life, life)
     try:
         server, _ = lighthouse_process(cfg, run.logs / "lighthouse.log",
                                        port=int(address.rsplit(":", 1)[1]))
@@ -199,8 +185,8 @@ def restart_lighthouse(cfg, run: RunDir, address: str) -> subprocess.Popen | Non
               f"{run.logs / 'lighthouse.log'}), so the groups stop; `lowband train --resume "
               f"{run.root}` continues them from their checkpoints.", file=sys.stderr, flush=True)
         return None
-    down = (run.read_json(down_file(run)) or []) + [round(time.monotonic() - t0, 3)]
-    write_json_atomic(down_file(run), down)
+    down = (run.read_json(run.lighthouse_down) or []) + [round(time.monotonic() - t0, 3)]
+    write_json_atomic(run.lighthouse_down, down)
     print(f"lowband: the Lighthouse stopped; a new one serves {address} (restart {life}, after "
           f"{down[-1]:.1f} s), and the groups' quorums wait for it.", file=sys.stderr, flush=True)
     return server
@@ -237,74 +223,5 @@ def record_left_out(run: RunDir, groups: dict[int, str]) -> None:
     """RUN/groups/left-out.json: each group left out at the end, and why (elastic_record)."""
     if groups:
         run.groups.mkdir(exist_ok=True)
-        before = run.read_json(run.groups / LEFT_OUT) or {}
-        write_json_atomic(run.groups / LEFT_OUT, {**before, **{str(g): why
-                                                              for g, why in groups.items()}})
-
-
-def write_summary(cfg, run: RunDir) -> dict:
-    """summary.json from the groups that finished, with what faults cost them (`elastic`)."""
-    records = [run.read_json(p) for p in run.group_records().values()]
-    records = [r for r in records if r]
-    ranks = [rank for r in records for rank in r["ranks"]]
-    summary = summarize(cfg, ranks)
-    summary["run_dir"] = str(run.root)  # (the launcher may have named it: cfg's is empty then)
-    summary["elastic"] = elastic_record(cfg, run, sorted({r["replica"] for r in ranks}))
-    group_step = cfg.grad_accum * cfg.batch_size * cfg.seq_len * cfg.shards
-    count_every_life(summary, cfg, run, ranks, group_step)
-    add_ddp_bytes(summary, records[0]["ddp_one_step"], cfg.replicas, cfg.replicas * group_step)
-    write_json_atomic(run.summary, summary)
-    return summary
-
-
-def count_every_life(summary: dict, cfg, run: RunDir, ranks: list[dict], group_step: int) -> None:
-    """`tokens`, `tokens_per_s`, `steps_run` and `steps_run_per_replica` (one entry a group)
-    count what every life of every group trained: the step events of each group's first rank,
-    a lost life's included (a group's ranks' totals cover only its last life and the
-    checkpoint it went on from; a healed group's skipped steps were never trained). Tokens
-    trained but thrown away (by a life that died, after the step its group went on from; all of
-    a group lost for good) are `elastic.tokens_lost`. group_step: a group's tokens in one step."""
-    steps = [run.count_events(g * cfg.shards, "step") for g in range(cfg.replicas)]
-    kept = sum(r["tokens"] for r in ranks)
-    summary["tokens"] = sum(steps) * group_step
-    summary["tokens_per_s"] = summary["tokens"] / summary["wall_s"] if summary["wall_s"] > 0 else 0.0
-    summary["steps_run_per_replica"] = steps
-    mean = sum(steps) / len(steps)
-    summary["steps_run"] = int(mean) if mean == int(mean) else round(mean, 2)
-    summary["elastic"]["tokens_lost"] = summary["tokens"] - kept
-
-
-def elastic_record(cfg, run: RunDir, finished: list[int]) -> dict:
-    """summary.json's `elastic`, from the events of each group's first rank: the groups that
-    finished; the times each was restarted (its `run` events marked restart); its heals (its
-    membership events, healed: a live peer's state received); and `lost_work`, one entry a
-    life lost: the group, the step its life died after, the step its next life began at (its
-    newest checkpoint's, 0 without one; None: lost for good) and the steps of the lost life
-    it trained again (`redone`, [first, last]; None when a peer's state came first)."""
-    events = [e for e in read_events(run, ("run", "membership", "step", "quorum"))
-              if e["rank"] % cfg.shards == 0 and "replica" in e]
-    restarts = [e for e in events if e["kind"] == "run" and e.get("restart")]
-    heals = Counter(e["replica"] for e in events if e["kind"] == "membership" and e.get("healed"))
-    steps = [e for e in events if e["kind"] == "step"]
-    lost = []
-    for r in restarts:
-        g, t = r["replica"], r["t"]
-        before = [e["step"] for e in steps if e["replica"] == g and e["t"] < t]
-        died = r.get("superseded_to", before[-1] if before else 0)
-        later = [e["t"] for e in restarts if e["replica"] == g and e["t"] > t]
-        again = sorted({e["step"] for e in steps if e["replica"] == g and t < e["t"] < min(
-            later, default=float("inf")) and r["step"] < e["step"] <= died})
-        lost.append({"group": g, "died_after": died, "resumed_from": r["step"],
-                     "redone": [again[0], again[-1]] if again else None})
-    left_out = run.read_json(run.groups / LEFT_OUT) or {}
-    for g in sorted(set(range(cfg.replicas)) - set(finished)):
-        mine = [e["step"] for e in steps if e["replica"] == g]
-        why = {"left_out": left_out[str(g)]} if str(g) in left_out else {}
-        lost.append({"group": g, "died_after": mine[-1] if mine else 0, "resumed_from": None,
-                     "redone": None, **why})
-    lost.sort(key=lambda life: life["group"])  # (each group's lives stay in time order)
-    return {"groups_finished": finished, "lighthouse_restarts": lighthouse_life(life_file(run)),
-            "lighthouse_down_s": run.read_json(down_file(run)) or [],
-            "restarts": {str(g): n for g, n in sorted(Counter(e["replica"] for e in restarts).items())},
-            "heals": {str(g): n for g, n in sorted(heals.items())}, "lost_work": lost,
-            "participation": participation(sync_participation(events))}
+        before = run.read_json(run.left_out) or {}
+        write_json_atomic(run.left_out, {**before, **{str(g): why for g, why in groups.items()}})

@@ -18,7 +18,11 @@ compare` read the run. The hooks are the trainer's (algorithms/base.py), called 
 a step's set-up at the end of the step before (after its checkpoint), the backward hooks in
 sync.backward, the outer work in sync.step, after the user's optimizer step.
 
-ddp, diloco and streaming run here; zero1, acco, edit and aedit cannot (UNWRAPPABLE says why).
+An algorithm says how it fits your loop (its class's `user_loop`, algorithms/base.py): ddp,
+diloco and streaming run here; zero1, acco, edit and aedit cannot (their `own_loop_why` says
+why); a registered subclass of one of them inherits its answer. The run itself (the run
+directory, events, checkpoints, heals, the summary) is a session.Session, which `lowband train`
+drives too: Sync only maps your loop's calls onto it.
 
 elastic=True (or `lowband launch --elastic --script`, whose groups' environment says so): each
 replica group is a job of its own joined through torchft (docs/elastic.md). A restarted group
@@ -32,37 +36,46 @@ from __future__ import annotations
 
 import torch
 
-from lowband.comm import topology as topo_mod
 from lowband.algorithms import ALGORITHMS
-from lowband import checkpoint
-from lowband.checkpoint import lifecycle
-from lowband.clock import RunClock
+from lowband.algorithms.base import IN_BACKWARD, OWN_LOOP
+from lowband.comm import topology as topo_mod
 from lowband.comm.membership.elastic import replica_of_env
 from lowband.config import ConfigError
-from lowband.ledger import Ledger
 from lowband.models import blocks_of
+from lowband.session import Session
 from lowband.sync.options import config_of
-from lowband.telemetry import EventWriter
-from lowband.train import (_checkpoint, _take_heal, record_eval, set_up, start_training,
-                           write_results)
 
-# the algorithms a wrapper around the user's optimizer cannot run, and why (docs/your-loop.md)
-UNWRAPPABLE = {
-    "zero1": "it shards the inner optimizer's state over a replica's ranks and builds that "
-             "optimizer itself, so it cannot step the optimizer you made",
-    "acco": "it owns the inner step (micro-batches keep accumulating while its round is in "
-            "flight, then its own AdamW on flat shards), so it cannot follow your optimizer's step",
-    "edit": "it shards the model with FSDP2 and builds the inner optimizer over the sharded "
-            "parameters, so the optimizer you made would step parameters no longer trained",
-    "aedit": "it shards the model as edit does, and its replicas sync by wall-clock time and "
-             "decide the run's end among themselves, which your loop's length cannot follow",
-}
 WRAPPED = "_lowband_sync"  # the attribute that marks a model already wrapped
+
+
+def fitting(refused: tuple[str, ...] = ()) -> list[str]:
+    """The algorithms that fit a user's loop (their `user_loop`), but for the ways `refused`."""
+    return [name for name, a in ALGORITHMS.items()
+            if a.user_loop != OWN_LOOP and a.user_loop not in refused]
+
+
+def check_fits(algo: str, where: str, refused: dict[str, str] | None = None) -> None:
+    """One sentence when `algo` (a registered name) cannot run in a user's loop at `where`:
+    it needs lowband's own loop (its own_loop_why), or it fits in a way `where` refuses
+    (refused: user_loop -> why not, and what to do instead)."""
+    cls, refused = ALGORITHMS[algo], refused or {}
+    others = either(fitting(tuple(refused)))
+    if cls.user_loop in refused:
+        raise ConfigError(f"{where} cannot run algo={algo!r}: {refused[cls.user_loop]}, or "
+                          f"{others} here.")
+    if cls.user_loop == OWN_LOOP:
+        raise ConfigError(f"{where} cannot run algo={algo!r}: {cls.own_loop_why}; run it with "
+                          f"`lowband train`, or pick {others} here.")
+
+
+def either(names: list[str]) -> str:
+    """'a, b or c'."""
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else "".join(names)
 
 
 class Sync:
     """One run of a lowband algorithm around a user's model and inner optimizer (module doc).
-    algo: ddp, diloco or streaming; recipe: a recipe's name (`lowband recipes`) whose values
+    algo: one that fits your loop (ddp, diloco, streaming, or a registered one that says so); recipe: a recipe's name (`lowband recipes`) whose values
     come first; blocks: the blocks lowband fragments (default: found as `lowband train` finds
     them); resume: continue run_dir from its newest checkpoint; state: the user's own objects
     with state_dict()/load_state_dict() (a scheduler, a data position) checkpointed beside the
@@ -74,9 +87,8 @@ class Sync:
         if getattr(model, WRAPPED, None) is not None:
             raise ConfigError("this model is already wrapped by a lowband.Sync: wrap it once and "
                               "use that Sync for the whole run.")
-        if algo in UNWRAPPABLE:
-            raise ConfigError(f"lowband.Sync cannot run algo={algo!r}: {UNWRAPPABLE[algo]}; run "
-                              f"it with `lowband train`, or pick ddp, diloco or streaming here.")
+        if algo in ALGORITHMS:  # (an unknown name: the config's sentence, below)
+            check_fits(algo, "lowband.Sync")
         _check_owner(model, optimizer)
         for key, obj in (state or {}).items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
@@ -84,6 +96,7 @@ class Sync:
                                   "it cannot be checkpointed: pass objects that have both.")
         self.blocks = blocks if blocks is not None else blocks_of(model)
         cfg = config_of(algo, recipe, options, len(self.blocks))
+        check_fits(cfg.algo, "lowband.Sync")
         self.config, self.model, self.optimizer, self.state = cfg, model, optimizer, state or {}
         device = next(model.parameters()).device
         topo = topo_mod.init(cfg.replicas, cfg.shards, device.type, cfg.backend,
@@ -91,32 +104,39 @@ class Sync:
         if topo.device.type != device.type:
             raise ConfigError(f"the model is on {device.type} but this rank trains on "
                               f"{topo.device.type}: move it there (or pass device=) first.")
-        start = lifecycle.begin(cfg, topo, resume)
-        self.topo, self.run = topo, start.run
-        self.events = EventWriter(start.run, topo.rank, topo.replica)
-        self.comm, self.algo, inner = set_up(cfg, topo, start.run, self.events, model, self.blocks,
-                                             lambda params: optimizer, True, {"loop": "lowband.Sync"})
+        self.session = session = Session(cfg, topo, resume, user_state=self.state)
+        inner = session.set_up(model, self.blocks, lambda params: optimizer, broadcast=True,
+                               meta={"loop": "lowband.Sync"})
         if inner is not optimizer:  # (not for the algorithms above; a registered one may)
             raise ConfigError(f"algo={algo!r} builds its own inner optimizer, so it cannot step "
                               "yours: run it with `lowband train`.")
-        if self.comm.elastic is not None and self.state:  # a heal hands them over too
-            self.comm.elastic.manager.register_state_dict_fn(
-                "user", lambda got: checkpoint.load_user_state(self.state, got),
-                lambda: checkpoint.user_state(self.state))
+        self.algo = session.algo
         setattr(model, WRAPPED, self)
-        self.ledger = Ledger(topo.shards, cfg.elastic)
-        self.done = start_training(cfg, topo, self.events, model, optimizer, self.algo, self.comm,
-                                   start.resume_from, start.attempt, self.state)
-        self.clock = self.algo.clock = RunClock(None, self.done.wall_s, topo.device)
+        session.begin()
         self._stepped = 0  # the optimizer's steps since the last sync.step()
         self._hook = optimizer.register_step_post_hook(self._optimizer_stepped)
-        self._backward_needed = cfg.algo == "ddp" or cfg.shards > 1  # gradients averaged in it
+        # gradients averaged in the backward pass: ddp's buckets, a replica's shards
+        self._backward_needed = self.algo.user_loop == IN_BACKWARD or cfg.shards > 1
         self._backward_done = False
         self._micro = 0
         self.finished = False
         self._begin_step()
 
     # -- what the user's loop calls --------------------------------------------------------
+
+    @property
+    def done(self):
+        """The progress so far (session.Progress: steps, tokens, seconds, losses)."""
+        return self.session.progress
+
+    @property
+    def topo(self):
+        return self.session.topo
+
+    @property
+    def run(self):
+        """The run directory (telemetry.RunDir)."""
+        return self.session.run
 
     @property
     def start_step(self) -> int:
@@ -171,23 +191,16 @@ class Sync:
             raise ConfigError(f"step {step + 1} is past steps={self.config.steps} given to "
                               "lowband.Sync: pass your loop's length as steps=.")
         self.algo.after_step(step)
-        step_s = self.clock.seconds() - self._t0
-        compute_s = max(step_s - self.comm.take_wait_s(), 0.0)
-        c = self.config
+        session, c = self.session, self.config
         loss = float(loss.detach().float().mean()) if torch.is_tensor(loss) else \
             float("nan") if loss is None else float(loss)
-        self.done.advance(loss, c.grad_accum * c.batch_size * c.seq_len if tokens is None
-                          else int(tokens), compute_s)
-        _take_heal(self.algo, self.done)
-        elapsed = self.clock.seconds()
-        self.events.emit("step", step=step + 1, loss=loss, lr=self.optimizer.param_groups[0]["lr"],
-                         tokens=self.done.tokens, step_s=step_s, compute_s=compute_s,
-                         elapsed_s=elapsed)
-        with self.clock.paused():
+        elapsed = session.stepped(
+            loss, c.grad_accum * c.batch_size * c.seq_len if tokens is None else int(tokens),
+            session.clock.seconds() - self._t0, self.optimizer.param_groups[0]["lr"])
+        with session.clock.paused():
             if val_loss is not None:
-                self._evaluated(float(val_loss), elapsed, everyone=True)
-            if c.checkpoint_every and ((step + 1) % c.checkpoint_every == 0 or step + 1 == c.steps):
-                self.checkpoint()
+                session.evaluated(float(val_loss), elapsed)
+            session.maybe_checkpoint(step + 1, step + 1 == c.steps)
         self._stepped, self._counted = 0, True
         self._begin_step()
 
@@ -196,32 +209,26 @@ class Sync:
         Hugging Face Trainer's, evaluates): its event at the steps done, as step(val_loss=)
         writes it. Every rank calls it at the same step."""
         self._check_open()
-        self._evaluated(float(val_loss), self.clock.seconds(), everyone=True)
+        self.session.evaluated(float(val_loss))
 
     def paused(self):
         """A context for time that is not training (your evaluation, your logging): left out of
         the step's time, as `lowband train` leaves out its own."""
-        return self.clock.paused()
+        return self.session.clock.paused()
 
     def checkpoint(self) -> None:
         """Write a checkpoint now (every rank calls it after the same step): the model, the
         optimizer, the algorithm's state and `state`'s objects, through torch DCP."""
-        _checkpoint(self.run, self.events, self.model, self.optimizer, self.algo, self.topo,
-                    self.comm, self.config, self.done, self.clock.seconds(), None, self.state)
+        self.session.checkpoint()
 
     def finish(self, val_loss: float | None = None) -> dict | None:
         """End the run (every rank): exchanges in flight land, the final evaluation's event
         (val_loss, when given), model.pt and outer.pt, summary.json. Returns the summary on
         rank 0 (None elsewhere and with elastic)."""
         self._check_open()
-        self.algo.finish()
-        self.done.wall_s = self.clock.seconds()
-        if val_loss is not None:
-            self._evaluated(float(val_loss), self.done.wall_s, everyone=True)
         self.finished = True
         try:
-            return write_results(self.config, self.topo, self.run, self.events, self.model,
-                                 self.algo, self.comm, self.done, None)
+            return self.session.finish(None if val_loss is None else lambda: float(val_loss))
         finally:
             self._release()
 
@@ -236,7 +243,7 @@ class Sync:
 
     def _release(self) -> None:
         """The event files closed, the model and optimizer free for another Sync."""
-        self.events.close()
+        self.session.close()
         self._hook.remove()
         setattr(self.model, WRAPPED, None)
 
@@ -251,17 +258,13 @@ class Sync:
         """The set-up of the next step, as the trainer does it before the step reads its data:
         elastic ddp's quorum (should_stop), a heal, the syncs that start or land before the
         forward pass."""
-        self._t0 = self.clock.seconds()  # training seconds: sync.paused() is left out
+        self._t0 = self.session.clock.seconds()  # training seconds: sync.paused() left out
         step = self.done.step
         if step < self.config.steps:
             self.algo.should_stop(step)
-            _take_heal(self.algo, self.done)
+            self.session.take_heal()
             self.algo.before_forward(self.done.step)
         self._backward_done, self._micro = False, 0
-
-    def _evaluated(self, val_loss: float, elapsed: float, everyone: bool) -> None:
-        record_eval(self.events, self.ledger, self.done, self.done.step, val_loss, elapsed,
-                    self.comm.totals.wire_bytes["outer"], everyone)
 
     def _check_open(self) -> None:
         if self.finished:
@@ -284,4 +287,4 @@ def _check_owner(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> No
                           "model you wrap.")
 
 
-__all__ = ["Sync", "UNWRAPPABLE"]
+__all__ = ["Sync", "check_fits", "either", "fitting"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import random
 
-from lowband.summary import target
+from lowband.summary import save, target
 from lowband.telemetry import EventWriter, RunDir, write_json_atomic
 
 
@@ -68,8 +68,7 @@ class SyntheticRun:
         self.evals: list[list] = []   # [step, val_loss, elapsed_s, tokens, outer_bytes]
         self.saved: dict = {}         # the totals at each checkpoint, for resume()
         for w in self.writers.values():
-            w.emit("run", t=t_start, phase="start", world=self.world, config_hash="synthetic",
-                   step=0, attempt=0)
+            w.emit_run("start", self.world, "synthetic", t=t_start, step=0, attempt=0)
         self.writers[0].emit("mystery", t=t_start, note="an unknown kind readers must skip")
 
     def base_loss(self, step: int) -> float:
@@ -131,9 +130,8 @@ class SyntheticRun:
                 losses.append(loss)
                 compute = 0.8 * self.step_s
                 self.compute += compute
-                w.emit("step", t=t, step=s, loss=loss, lr=3e-4,
-                       tokens=(s + 1) * self.tokens_per_step, step_s=self.step_s,
-                       compute_s=compute, elapsed_s=self.clock(r, s), future_field="ignored")
+                w.emit_step(s, loss, 3e-4, (s + 1) * self.tokens_per_step, self.step_s, compute,
+                            self.clock(r, s), t=t, future_field="ignored")
                 inner = self.model_bytes / 8
                 self.inner_wire += inner
                 w.emit("comm", t=t, op="reduce_scatter", group="inner", tag="bucket0",
@@ -165,10 +163,9 @@ class SyntheticRun:
                 self.last_val = self.base_loss(s) + 0.05
                 self.evals.append([s, self.last_val, self.clock(self.world - 1, s),
                                    self.run_tokens(s), self.outer_wire])
-                self.writers[0].emit("eval", t=self.step_end(0, s) + 0.01, step=s,
-                                     val_loss=self.last_val,
-                                     **dict(zip(("elapsed_s", "tokens", "outer_bytes"),
-                                                self.evals[-1][2:])))
+                self.writers[0].emit_eval(s, self.last_val, t=self.step_end(0, s) + 0.01,
+                                          **dict(zip(("elapsed_s", "tokens", "outer_bytes"),
+                                                     self.evals[-1][2:])))
 
     def clock(self, rank: int, step: int) -> float:
         """A rank's training seconds at the end of step `step` (the time lost to restarts
@@ -185,7 +182,7 @@ class SyntheticRun:
         event file then (what a resume from it keeps, for resume())."""
         kept = {}
         for r, w in self.writers.items():
-            w.emit("checkpoint", t=self.step_end(r, step), step=step, path=f"step-{step}")
+            w.emit_checkpoint(step, f"step-{step}", t=self.step_end(r, step))
             kept[r] = self.rd.event_file(r).stat().st_size
         self.saved[step] = (self.outer_wire, self.inner_wire, self.compute, list(self.evals))
         return kept
@@ -200,9 +197,8 @@ class SyntheticRun:
         self.outer_wire, self.inner_wire, self.compute, self.evals = self.saved[step]
         extra = {} if slurm_restart is None else {"slurm_restart": slurm_restart}
         for r, w in self.writers.items():
-            w.emit("run", t=self.step_end(r, step), phase="resume", world=self.world,
-                   config_hash="synthetic", step=step, attempt=self.attempt,
-                   events_kept=kept[r], **extra)
+            w.emit_run("resume", self.world, "synthetic", t=self.step_end(r, step), step=step,
+                       attempt=self.attempt, events_kept=kept[r], **extra)
 
     def tear(self, rank: int = 0) -> bytes:
         """Append half an event line to a rank's file, as a crash mid-write leaves it. Returns
@@ -218,7 +214,7 @@ class SyntheticRun:
     def finish(self) -> dict:
         t_end = self.step_end(self.world - 1, self.steps - 1) + 0.05
         for w in self.writers.values():
-            w.emit("run", t=t_end, phase="end", world=self.world, config_hash="synthetic")
+            w.emit_run("end", self.world, "synthetic", t=t_end)
             w.close()
         tokens = self.run_tokens(self.steps - 1)
         wall = t_end - self.t_start
@@ -235,7 +231,7 @@ class SyntheticRun:
                                   "restarts": {str(self.elastic["kill"]): 1}}
         if self.config["target_loss"]:
             summary["target"] = target(self.evals, self.config["target_loss"])
-        write_json_atomic(self.rd.summary, summary)
+        save(self.rd, summary)
         return summary
 
     def close(self) -> None:
