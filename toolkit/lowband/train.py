@@ -30,7 +30,7 @@ from lowband.comm import topology as topo_mod
 from lowband.algorithms import ALGORITHMS
 from lowband.algorithms.ddp import outer_wire_bytes as ddp_outer_wire_bytes
 from lowband.comm import Comm
-from lowband.comm.membership.elastic import Membership, replica_of_env
+from lowband.comm.membership.elastic import membership, replica_of_env
 from lowband.comm.link import LinkOptions
 from lowband.config import Config
 from lowband.data import Batches, load_corpus, record_tokenizer, vocab_needed
@@ -220,14 +220,12 @@ def set_up(cfg, topo, run, events, model, blocks, make_optimizer, broadcast: boo
     starts from rank 0's weights. meta: config.json's own entries beside the measured ones.
     The trainer and lowband.Sync (sync/) set a run up here."""
     comm = Comm(topo, events, LinkOptions.build(cfg))
-    if cfg.elastic:
-        comm.elastic = Membership(topo, cfg, comm)
+    comm.membership = membership(topo, cfg, comm)  # torchft's with --elastic, else fixed
     if broadcast:
         _broadcast_init(model, comm)
     algo = ALGORITHMS[cfg.algo]()
     optimizer = algo.setup(model, blocks, make_optimizer, topo, comm, cfg)
-    if comm.elastic is not None:  # what a live group hands a joining one (base.heal_state)
-        comm.elastic.register(algo)
+    comm.membership.register(algo)  # what a live group hands a joining one (base.heal_state)
     if dist.get_rank() == 0 and topo.replica == 0:  # the tokenizer goes to RUN/tokenizer/ for export
         write_json_atomic(run.config, {**cfg.to_dict(), "meta": {
             "world": topo.world, "n_params": num_params(model), "torch": torch.__version__,
@@ -284,7 +282,7 @@ def _take_heal(algo, done: "Progress") -> None:
 def _first_group(comm) -> int:
     """The replica group that writes model.pt: 0, or with --elastic the first of the last
     quorum (group 0 may be gone)."""
-    members = comm.elastic.members if comm.elastic is not None else ()
+    members = comm.membership.members
     return min(members) if members else 0
 
 

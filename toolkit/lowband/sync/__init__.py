@@ -99,8 +99,8 @@ class Sync:
         if inner is not optimizer:  # (not for the algorithms above; a registered one may)
             raise ConfigError(f"algo={algo!r} builds its own inner optimizer, so it cannot step "
                               "yours: run it with `lowband train`.")
-        if self.comm.elastic is not None and self.state:  # a heal hands them over too
-            self.comm.elastic.manager.register_state_dict_fn(
+        if self.state:  # an elastic heal hands them over too
+            self.comm.membership.hand_over(
                 "user", lambda got: checkpoint.load_user_state(self.state, got),
                 lambda: checkpoint.user_state(self.state))
         setattr(model, WRAPPED, self)
