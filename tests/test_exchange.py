@@ -2,17 +2,23 @@
 the bytes each rank sends equal exchange_wire_bytes, every rank gets the same average, within
 the documented error of the float64 mean (fp32: exact), and a NaN on one rank reaches all."""
 
+import ast
 import os
 import queue
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lowband.comm import topology
+import lowband
+from lowband.comm import collectives, topology
 from lowband.comm import Comm
 from lowband.comm.codecs import TWO_PHASE, payload_bytes
+from lowband.comm.membership.elastic import Membership, membership
+from lowband.comm.membership.fixed import FixedMembership
 from lowband.comm.wire import exchange_plan, exchange_wire_bytes
 from lowband.launch.local import free_port
 
@@ -195,3 +201,65 @@ def test_the_exchange_the_planner_and_the_config_read_the_record(monkeypatch):
     monkeypatch.setitem(CODEC_RECORDS, "int8", dataclasses.replace(
         CODEC_RECORDS["int8"], two_phase=False, no_two_phase="a test says so"))
     assert facts("int8") == ("all-gather", 1, False)
+
+
+ALGORITHMS_DIR = Path(lowband.__file__).parent / "algorithms"
+
+
+def _membership_reads(tree: ast.AST):
+    """The attribute nodes `X.elastic` and `X.membership` (and bare names of those) in a module."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ("elastic", "membership"):
+            yield node
+        elif isinstance(node, ast.Name) and node.id in ("elastic", "membership"):
+            yield node
+
+
+def test_no_algorithm_asks_whether_the_run_is_elastic():
+    """Every run has a membership (comm.membership): algorithms/ and Comm call it, and never
+    compare it (or the old comm.elastic) with None, nor read comm.elastic."""
+    files = sorted(ALGORITHMS_DIR.glob("*.py")) + [Path(collectives.__file__)]
+    found = []
+    for path in files:
+        tree = ast.parse(path.read_text())
+        reads = {id(n) for n in _membership_reads(tree)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot))
+                                                     for op in node.ops):
+                sides = [node.left, *node.comparators]
+                if any(id(s) in reads for s in sides):
+                    found.append(f"{path.name}:{node.lineno}")
+            if isinstance(node, ast.Attribute) and node.attr == "elastic" \
+                    and isinstance(node.value, ast.Attribute) and node.value.attr == "comm":
+                found.append(f"{path.name}:{node.lineno} comm.elastic")
+    assert not found, f"elastic/None branches came back: {found}"
+
+
+def test_the_fixed_membership_answers_as_a_plain_run_needs():
+    topo = SimpleNamespace(replicas=3, rank=4, shards=2, replica=2)
+    comm = Comm(topo, None)
+    assert isinstance(comm.membership, FixedMembership)  # never None, even before set_up
+    m = membership(topo, SimpleNamespace(elastic=False), comm)
+    assert isinstance(m, FixedMembership) and not m.elastic and Membership.elastic
+    assert m.join(0) is False and m.begin(8) is False and m.commit() is True
+    assert not m.healed_now and not m.failed()
+    assert m.members == (0, 1, 2) and m.position() == 2
+    assert m.sync_fields(torch.ones(3)) == {} and m.heal_fields({"lineage": ["a"]}) == {}
+    assert m.over_groups(lambda v: v + 1, 5) == 5  # one world holds every group
+    m.register(object())
+    m.hand_over("user", None, None)
+
+
+def test_every_membership_method_an_algorithm_calls_is_on_both():
+    """What algorithms/ call on a membership exists on the fixed one and torchft's alike."""
+    called = set()
+    for path in sorted(ALGORITHMS_DIR.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
+                    and node.value.attr == "membership":
+                called.add(node.attr)
+    assert {"join", "begin", "commit", "average", "healed_now"} <= called
+    for name in called:
+        assert hasattr(FixedMembership, name) or name in FixedMembership(
+            SimpleNamespace(replicas=1, replica=0)).__dict__, name
+        assert hasattr(Membership, name) or name in ("healed_now", "members"), name

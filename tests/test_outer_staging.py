@@ -18,6 +18,7 @@ import torch.nn as nn
 from lowband.algorithms.outer import Staging, nesterov_step, sgd_step
 from lowband.algorithms.streaming import Streaming
 from lowband.comm.exchanges import encoded
+from lowband.comm.membership.fixed import FixedMembership
 
 CPU = torch.device("cpu")
 
@@ -111,7 +112,8 @@ class Landing:
 
 class OneRank:
     def __init__(self, poison_at=()):
-        self.elastic, self.events, self.syncs, self.poison_at = None, None, 0, poison_at
+        self.membership = FixedMembership(SimpleNamespace(replicas=1, replica=0))
+        self.events, self.syncs, self.poison_at = None, 0, poison_at
 
     def average(self, x, group, codec, block, tag="", exchange="auto", weight=None):
         self.syncs += 1

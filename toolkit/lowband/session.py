@@ -37,7 +37,7 @@ from lowband.checkpoint import lifecycle
 from lowband.clock import RunClock
 from lowband.comm import Comm
 from lowband.comm.link import LinkOptions
-from lowband.comm.membership.elastic import Membership
+from lowband.comm.membership.elastic import membership
 from lowband.config import Config
 from lowband.ledger import Ledger
 from lowband.models import num_params
@@ -90,18 +90,16 @@ class Session:
         cfg, topo = self.cfg, self.topo
         self.model = model
         self.comm = comm = Comm(topo, self.events, LinkOptions.build(cfg))
-        if cfg.elastic:
-            comm.elastic = Membership(topo, cfg, comm)
+        comm.membership = membership(topo, cfg, comm)  # torchft's with --elastic, else fixed
         if broadcast:
             _broadcast_init(model, comm)
         self.algo = algo = ALGORITHMS[cfg.algo]()
         self.optimizer = algo.setup(model, blocks, make_optimizer, topo, comm, cfg)
-        if comm.elastic is not None:  # what a live group hands a joining one (base.heal_state)
-            comm.elastic.register(algo)
-            if self.user_state:  # the user's objects go with it
-                comm.elastic.manager.register_state_dict_fn(
-                    "user", lambda got: checkpoint.load_user_state(self.user_state, got),
-                    lambda: checkpoint.user_state(self.user_state))
+        comm.membership.register(algo)  # what a live group hands a joining one (base.heal_state)
+        if self.user_state:  # the user's objects go with it
+            comm.membership.hand_over("user",
+                                      lambda got: checkpoint.load_user_state(self.user_state, got),
+                                      lambda: checkpoint.user_state(self.user_state))
         if dist.get_rank() == 0 and topo.replica == 0:
             write_json_atomic(self.run.config, {**cfg.to_dict(), "meta": {
                 "world": topo.world, "n_params": num_params(model), "torch": torch.__version__,
@@ -259,7 +257,7 @@ class Session:
     def _first_group(self) -> int:
         """The replica group that writes model.pt: 0, or with --elastic the first of the last
         quorum (group 0 may be gone)."""
-        members = self.comm.elastic.members if self.comm.elastic is not None else ()
+        members = self.comm.membership.members
         return min(members) if members else 0
 
 

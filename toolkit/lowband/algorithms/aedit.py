@@ -164,7 +164,7 @@ class AEDiT(EDiT):
             due, self.elapsed = bool(flag[0]), flag[1]
         if not due:
             return False
-        if self.membership is not None and not self.rejoining:
+        if not self.rejoining:
             self._quorum_at = step
             self.membership.begin(step)  # the groups' rendezvous; a group behind heals here
         self.rejoining = False
@@ -194,13 +194,12 @@ class AEDiT(EDiT):
             self._drain()  # the last sync lands at once, and the loop ends
             self.stopped = True
             return True
-        weights, me = [max(s, 1) for s in steps], self.topo.replica
-        if self.membership is not None:  # over the quorum's groups; a healed one gets the mean
-            mean = max(sum(weights) // len(weights), 1)
-            members = iter(weights)
-            weights = [mean if h else next(members) for h in self.healed_in_quorum]
-            me = self.membership.position()
-        self._open_window(weights, elapsed, time.monotonic(), me)
+        # over the quorum's groups (every replica in a plain run); a healed one gets the mean
+        weights = [max(s, 1) for s in steps]
+        mean = max(sum(weights) // len(weights), 1)
+        members = iter(weights)
+        weights = [mean if h else next(members) for h in self.healed_in_quorum]
+        self._open_window(weights, elapsed, time.monotonic(), self.membership.position())
         return False
 
     def _ends(self, total: int, elapsed: float) -> bool:

@@ -45,8 +45,11 @@ class Algorithm:
     (values of its fields left None, or functions of the config giving them), `summary` (one
     line for --help and `lowband recipes`).
 
-    An elastic algorithm takes torchft's quorums (comm.elastic, a comm/membership/elastic.py Membership:
-    join() in join, begin() before each sync) and votes on each outer update (commit()); its
+    Every run has a membership, comm.membership, and an algorithm calls it without asking
+    whether the run is elastic: a plain run's FixedMembership (comm/membership/fixed.py: every
+    group, no heal, every vote commits, Comm's own exchange) or with --elastic torchft's
+    Membership (comm/membership/elastic.py), whose quorums an elastic algorithm takes (join()
+    in join, begin() before each sync) and whose vote gates each outer update (commit()). Its
     state_dict() holds all of its own state, so that a group healed from a live peer gets it
     with the model and the inner optimizer (heal_state, below); subclasses inherit all that."""
     name = "base"
@@ -118,16 +121,16 @@ class Algorithm:
 
     def quorum_progress(self, step: int) -> int:
         """--elastic: what this group has trained, `step` inner steps done, as a number every
-        group in the same sync agrees on (comm/membership/elastic.py: torchft heals from the highest): the
-        inner step."""
+        group in the same sync agrees on (comm/membership/elastic.py: torchft heals from the
+        highest): the inner step."""
         return step
 
     def quorum_tiebreak(self) -> int:
         """--elastic: among groups that trained equally far, a number that differs when their
-        synced state does (below comm.elastic.TIEBREAK); torchft heals the lower from the higher,
-        so two groups that committed different updates at the same step (a commit vote only some
-        of them passed, or two quorums of one step around a Lighthouse restart) meet again as one.
-        0: no such record (the algorithm keeps none)."""
+        synced state does (below comm/membership/elastic.py's TIEBREAK); torchft heals the lower
+        from the higher, so two groups that committed different updates at the same step (a
+        commit vote only some of them passed, or two quorums of one step around a Lighthouse
+        restart) meet again as one. 0: no such record (the algorithm keeps none)."""
         return 0
 
     def should_stop(self, step: int) -> bool:
@@ -177,7 +180,7 @@ class Algorithm:
         pass
 
     # --elastic: what a live group hands a joining one through torchft's Manager (the trainer
-    # registers the algorithm with comm.elastic), each rank its own pieces of sharded tensors
+    # registers the algorithm with comm.membership), each rank its own pieces of sharded tensors
     def heal_state(self) -> dict:
         state = self.state_dict()  # first: it drains and settles what is in flight
         return {"algorithm": state, "optimizer": local_state(self.optimizer.state_dict()),

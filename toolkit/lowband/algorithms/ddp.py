@@ -8,13 +8,14 @@ after_backward waits for every bucket and writes the averages back into the grad
 of one rank (a world of one; a replica of one shard) has nothing to average: no buckets, no
 hooks, no copies.
 
---elastic (comm/membership/elastic.py): the world is one replica group, so the buckets average over its S
-ranks, and then the group's mean gradient is averaged over the groups of the current quorum
-(torchft's process group, fp32) and the commit vote gates the optimizer step (a failed vote:
-no update this step, a `skip` event what=commit). A quorum starts every step (should_stop, before
-the step reads its data): a group behind the others, restarted, receives the model, the
-optimizer and the step from a live peer there and computes this step with them, so its
-gradient counts like theirs.
+--elastic (comm/membership/elastic.py): the world is one replica group, so the buckets average
+over its S ranks, and then the group's mean gradient is averaged over the groups of the current
+quorum (the membership's over_groups: torchft's process group, fp32; a plain run's world holds
+every group, so its fixed membership has nothing to add) and the commit vote gates the optimizer
+step (a failed vote: no update this step, a `skip` event what=commit). A quorum starts every step
+(should_stop, before the step reads its data): a group behind the others, restarted, receives
+the model, the optimizer and the step from a live peer there and computes this step with them,
+so its gradient counts like theirs.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lowband.algorithms.base import Algorithm, EVERY_STEP, IN_BACKWARD
+from lowband.algorithms.base import EVERY_STEP, IN_BACKWARD, Algorithm
+from lowband.comm.membership.fixed import FixedMembership
 from lowband.comm.sends import GRAD_BYTES, Schedule, Send
 from lowband.comm.wire import wire_bytes
 
@@ -97,7 +99,9 @@ class DDP(Algorithm):
 
     def setup(self, model, blocks, make_optimizer, topology, comm, config):
         optimizer = super().setup(model, blocks, make_optimizer, topology, comm, config)
-        self.membership = comm.elastic if self.group == "world" else None
+        # the replica groups beyond this world (torchft's with --elastic, whose world is one
+        # group); streaming's ddp over a replica's inner group leaves them to streaming
+        self.membership = comm.membership if self.group == "world" else FixedMembership(topology)
         self.buckets = []
         if dist.get_world_size(topology.group(self.group)) == 1:
             return optimizer  # a group of one: its gradients are the average, nothing to copy
@@ -128,8 +132,7 @@ class DDP(Algorithm):
 
     def after_backward(self, step):
         self._average_buckets()
-        if self.membership is not None:
-            self._average_groups(step)
+        self.membership.over_groups(self._average_groups, step)
 
     def _average_buckets(self):
         if not self.buckets:
@@ -156,8 +159,7 @@ class DDP(Algorithm):
     def should_stop(self, step):
         if step >= self.config.steps:
             return True
-        if self.membership is not None:
-            self.membership.begin(step)  # a group behind heals here: healed_step
+        self.membership.begin(step)  # elastic: a group behind heals here (healed_step)
         return False
 
     @torch.no_grad()

@@ -147,8 +147,9 @@ class EDiT(Algorithm):
         self.plan: Plan | None = None  # the sync being applied
         self.started = self.applied = 0
         self.sync_info: dict = {}
-        self.membership = comm.elastic  # --elastic: the replicate dimension is torchft's
+        self.membership = comm.membership  # --elastic: the replicate dimension is torchft's
         self.me = topology.replica   # this replica's row in the sync's plan (elastic: per quorum)
+        self.healed_in_quorum = [False] * topology.replicas  # per row: a copy healed in its quorum
         self._quorum_at = None       # steps done at the last quorum
         self._report_memory(allocated, outer_device)
         return self.optimizer
@@ -170,7 +171,7 @@ class EDiT(Algorithm):
     def should_stop(self, step):
         if step >= self.config.steps:
             return True
-        if self.membership is not None and self._due(step) and self._quorum_at != step:
+        if self._due(step) and self._quorum_at != step:
             self._quorum_at = step  # before the step reads its data: a group behind heals here
             self.membership.begin(step)
         return False
@@ -241,10 +242,8 @@ class EDiT(Algorithm):
                           for u in self.units])
         mine = torch.cat([sq, torch.tensor(extra or [], dtype=torch.float64, device=self.device)])
         rows = [r.cpu().tolist() for r in self.comm.all_gather(mine, "world", tag="norms").wait()]
-        replicas, shards = t.replicas, t.shards
-        if self.membership is not None:
-            rows = self._quorum_rows(rows)
-            replicas, shards = len(rows), 1
+        rows, replicas, shards = self.membership.over_groups(self._quorum_rows,
+                                                             (rows, t.replicas, t.shards))
         if skip is not None and skip(extras_of(rows, len(self.units), replicas, shards)):
             return None
         self.plan = decide_sync(rows, [u.ewma for u in self.units], replicas, shards,
@@ -275,10 +274,8 @@ class EDiT(Algorithm):
             if c.error_feedback:
                 u.residual = delta - avg.sent
             u.pending = Summed(avg, self.n_summed)
-        elif self.membership is not None:
-            u.pending = self.membership.all_reduce(self.comm, delta, u.tag)
         else:
-            u.pending = self.comm.all_reduce(delta, "outer", tag=u.tag)
+            u.pending = self.membership.all_reduce(self.comm, delta, u.tag)
 
     def _hook(self, j: int, module, args) -> None:
         if self.plan is None:
@@ -308,7 +305,7 @@ class EDiT(Algorithm):
         if not d.all_flagged:
             avg = u.pending.wait().to(self.device)
             u.pending = None
-            if self.membership is not None and self.membership.failed():
+            if self.membership.failed():
                 self._uncommitted(j)  # a peer died mid-sync: this unit keeps its state
                 return
             if self.penalty.clip > 0:
@@ -339,16 +336,16 @@ class EDiT(Algorithm):
     def _applied_one(self) -> None:
         if self.applied == len(self.units):
             self.plan = None
-            if self.membership is not None:
-                self.membership.commit()  # the sync's vote, once every unit is done
+            self.membership.commit()  # the sync's vote, once every unit is done
 
     # -- --elastic (docs/elastic.md) -----------------------------------------------------------
 
-    def _quorum_rows(self, rows: list[list[float]]) -> list[list[float]]:
-        """The sync's rows over the quorum: this group's whole-unit squared norms (its shards'
-        summed) and extras, gathered from every group; a group healed in this quorum (a copy
-        of its source) is left out and sends zeros (self.me None)."""
-        n = len(self.units)
+    def _quorum_rows(self, world: tuple) -> tuple[list[list[float]], int, int]:
+        """The sync's rows over the quorum, from `world`'s (this group's ranks' rows, and R and
+        S): this group's whole-unit squared norms (its shards' summed) and extras, gathered from
+        every group, one row a group; a group healed in this quorum (a copy of its source) is
+        left out and sends zeros (self.me None)."""
+        rows, n = world[0], len(self.units)
         mine = [sum(r[j] for r in rows) for j in range(n)] + rows[0][n:]
         healed = float(self.membership.healed_now)
         t = torch.tensor(mine + [healed], dtype=torch.float64, device=self.device)
@@ -357,7 +354,7 @@ class EDiT(Algorithm):
         members = [i for i, r in enumerate(every) if not r[-1]]
         position = self.membership.position()
         self.me = members.index(position) if position in members else None
-        return [every[i][:-1] for i in members]
+        return [every[i][:-1] for i in members], len(members), 1
 
     def _uncommitted(self, j: int) -> None:
         if self.comm.events is not None:
@@ -366,8 +363,6 @@ class EDiT(Algorithm):
         self._applied_one()
 
     def join(self, step):
-        if self.membership is None:
-            return
         self._quorum_at = step
         if self.membership.join(step):  # healed: the others are in the sync of healed_step,
             self._quorum_at = self.healed_step  # the trainer goes on there, and so does this group

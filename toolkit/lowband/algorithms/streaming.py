@@ -65,7 +65,8 @@ class Fragment:
 
 class Landed:
     """An average that has already arrived (restored from a checkpoint, or drained for one);
-    with --elastic, `committed` is the commit vote taken on it then."""
+    `committed` is the membership's commit vote taken on it then (None: not yet taken, as in a
+    plain run's checkpoint from before every run had a membership)."""
 
     def __init__(self, value: torch.Tensor, committed: bool | None = None):
         self.value, self.committed = value, committed
@@ -205,12 +206,12 @@ class Streaming(Algorithm):
         if p is not None:
             self._start(self.fragments[p], s)
 
-    # --elastic (comm/membership/elastic.py): a quorum before each sync, the commit vote before each apply;
-    # a heal hands over state_dict() at the start of a sync or in the first quorum (nothing in
-    # flight then, but a resumed exchange that already landed)
+    # the membership (comm/membership/; torchft's with --elastic): a quorum before each sync,
+    # the commit vote before each apply; a heal hands over state_dict() at the start of a sync
+    # or in the first quorum (nothing in flight then, but a resumed exchange that already landed)
     def join(self, step: int) -> None:
-        if self.comm.elastic is not None and self.comm.elastic.join(step):  # restarted: the
-            s = self.healed_step               # others are in the sync of healed_step; join it
+        if self.comm.membership.join(step):  # restarted: the others are in the sync of
+            s = self.healed_step               # healed_step; join it
             self._exchange(self.fragments[self.due(s)], s)
 
     def quorum_tiebreak(self) -> int:
@@ -221,10 +222,9 @@ class Streaming(Algorithm):
             f.residual = None  # error feedback is this group's own
 
     def _start(self, f: Fragment, s: int) -> None:
-        if self.comm.elastic is not None:
-            if self.comm.elastic.begin(s):  # behind the others: now a live peer's copy
-                s = self.healed_step
-                f = self.fragments[self.due(s)]
+        if self.comm.membership.begin(s):  # behind the others: now a live peer's copy
+            s = self.healed_step
+            f = self.fragments[self.due(s)]
         self._exchange(f, s)
 
     def _exchange(self, f: Fragment, s: int) -> None:
@@ -239,8 +239,7 @@ class Streaming(Algorithm):
         f.tokens = 0
         avg = self.comm.average(delta, "outer", c.codec, exchange_block(c), tag=f"frag{f.index}",
                                 exchange=c.exchange, weight=weight)
-        healed = self.comm.elastic is not None and self.comm.elastic.healed_now
-        if c.error_feedback and c.codec != "fp32" and not healed:
+        if c.error_feedback and c.codec != "fp32" and not self.comm.membership.healed_now:
             f.residual = delta - avg.sent
         f.pending = (s + c.overlap, s, avg)
         if c.overlap == 0:
@@ -252,7 +251,7 @@ class Streaming(Algorithm):
         _, started, avg = f.pending
         f.pending = None
         delta = avg.wait().to(self.topo.device)
-        if self.comm.elastic is not None and not self._vote(avg):
+        if not self._vote(avg):
             self._uncommitted(f, started)  # the vote failed: the outer state stays as it was
             return
         norm = self._norm(delta)
@@ -264,12 +263,12 @@ class Streaming(Algorithm):
         merged = c.alpha * f.local_slice() + (1 - c.alpha) * outer
         write_flat(f.params, self._gather(f, merged))
         if self.comm.events is not None:
-            elastic = {} if self.comm.elastic is None else self.comm.elastic.sync_fields(outer)
-            if elastic:
-                self.lineage[f.index] = elastic["outer_digest"]
+            quorum = self.comm.membership.sync_fields(outer)  # elastic: quorum, outer digest
+            if quorum:
+                self.lineage[f.index] = quorum["outer_digest"]
             self.comm.events.emit("sync", step=started, fragment=f.index, applied_step=started + c.overlap,
                                   pseudo_grad_norm=norm, weight=self._weight(avg),
-                                  anomaly=False, outer_lr=c.outer_lr, **elastic)
+                                  anomaly=False, outer_lr=c.outer_lr, **quorum)
 
     def outer_step(self, f: Fragment, delta: torch.Tensor) -> torch.Tensor:
         """The outer rule: fragment f's new outer parameters (this rank's slice, on delta's
@@ -285,15 +284,14 @@ class Streaming(Algorithm):
         """The commit vote on an exchange that has landed (taken at most once: a checkpoint
         takes it on the exchanges it drains, and stores it)."""
         committed = getattr(avg, "committed", None)
-        return self.comm.elastic.commit() if committed is None else committed
+        return self.comm.membership.commit() if committed is None else committed
 
     def _weight(self, avg) -> float:
         """This replica's share of the average: its tokens' share (--merge-weights tokens), 1/R,
         or 1/(groups of the quorum) when elastic."""
         if getattr(avg, "share", None) is not None:
             return avg.share
-        elastic = self.comm.elastic
-        return 1 / (len(elastic.members) if elastic is not None else self.topo.replicas)
+        return 1 / len(self.comm.membership.members)
 
     def _uncommitted(self, f: Fragment, started: int) -> None:
         """An elastic exchange that did not commit (a group died mid-exchange, or too few took
@@ -323,12 +321,11 @@ class Streaming(Algorithm):
             if f.pending is not None and not isinstance(f.pending[2], Landed):
                 apply_at, started, avg = f.pending
                 value = avg.wait()
-                vote = self._vote(avg) if self.comm.elastic is not None else None
-                f.pending = (apply_at, started, Landed(value, vote))
+                f.pending = (apply_at, started, Landed(value, self._vote(avg)))
         frags = [{"outer": f.outer, "momentum": f.momentum, "residual": f.residual,
                   "pending": self._landed(f), "tokens": f.tokens} for f in self.fragments]
-        elastic = {"lineage": list(self.lineage)} if self.comm.elastic is not None else {}
-        return {"fragments": frags, "skips": self.skips, **elastic}
+        healing = self.comm.membership.heal_fields({"lineage": list(self.lineage)})
+        return {"fragments": frags, "skips": self.skips, **healing}
 
     @staticmethod
     def _landed(f: Fragment) -> list | None:

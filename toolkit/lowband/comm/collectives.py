@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from lowband.comm.exchanges import Average, TwoPhase, Weighted, encoded
 from lowband.comm.link import Link
+from lowband.comm.membership.fixed import FixedMembership
 from lowband.comm.wire import exchange_plan, wire_bytes
 from lowband.telemetry import EventWriter
 from lowband.comm.topology import Topology
@@ -159,7 +160,8 @@ class Comm:
         """clock: times transfers by CUDA events; made at the first transfer of a CUDA tensor."""
         self.topo, self.events, self.link, self.clock = topology, events, link, clock
         self.totals = Totals()
-        self.elastic = None  # comm/membership/elastic.py's Membership when replica groups are elastic
+        # who the replica groups are (comm/membership/): fixed, or torchft's when elastic
+        self.membership = FixedMembership(topology)
         self.wait_s = 0.0  # seconds the training thread spent blocked on transfers
         self._lock = threading.Lock()
         self._second: dict[str, dist.ProcessGroup] = {}  # the two-phase all-gathers' groups
@@ -193,8 +195,8 @@ class Comm:
     def run(self, op, link, n, payload, launch, result, tag, codec, tensor, is_root=False,
             setup=False) -> Transfer:
         """Record and start one collective of `n` ranks over `link` (outer or inner): launch()
-        starts it and returns its work. What every collective here goes through; comm/membership/elastic.py
-        calls it with torchft's process group."""
+        starts it and returns its work. What every collective here goes through;
+        comm/membership/elastic.py calls it with torchft's process group."""
         record = {"op": op, "group": link, "tag": tag, "codec": codec,
                   "payload_bytes": int(payload), "wire_bytes": wire_bytes(op, payload, n, is_root),
                   "start": time.time()}
@@ -283,12 +285,22 @@ class Comm:
         weight: this rank's weight (--merge-weights tokens); the result is then the weighted
         mean sum_i w_i x_i / sum_i w_i (see Weighted).
         """
-        if group == "outer" and self.elastic is not None:  # torchft's group (comm/membership/elastic.py)
-            return self.elastic.average(self, x, codec, block, tag)
+        if group == "outer":  # the replica groups: the membership's (comm/membership/)
+            return self.membership.average(self, x, codec, block, tag, exchange=exchange,
+                                           weight=weight)
+        return self.group_average(x, group, codec, block, tag, exchange, weight)
+
+    def group_average(self, x: torch.Tensor, group: str, codec: str = "fp32", block: int = 64,
+                      tag: str = "", exchange: str = "auto",
+                      weight: float | None = None) -> "Average | TwoPhase | Weighted":
+        """`average` over the topology's process group `group` itself: every exchange but
+        torchft's (a fixed membership averages the outer group here)."""
         if weight is not None:
             total = self.all_reduce(x.new_tensor([float(weight)]), group, f"{tag}-weight")
-            return Weighted(self.average(x * weight, group, codec, block, tag, exchange),
-                            total, dist.get_world_size(self.topo.group(group)), weight)
+            scaled = self.group_average(x * weight, group, codec, block, tag, exchange)
+            sent = scaled.sent / weight if weight else torch.zeros_like(scaled.sent)
+            return Weighted(scaled, sent, total, dist.get_world_size(self.topo.group(group)),
+                            weight)
         n = dist.get_world_size(self.topo.group(group))
         how, _ = exchange_plan(codec, x.numel(), n, block, exchange)
         if how == "all-reduce":

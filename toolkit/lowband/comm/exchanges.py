@@ -1,7 +1,8 @@
 """The averages `Comm.average` starts (collectives.py), each a mean over a group in flight:
 `Average` (an fp32 all-reduce, or the all-gather of every rank's encoded payload),
-`Weighted` (--merge-weights tokens) and `TwoPhase` (the all-to-all of encoded chunks, then the
-all-gather of the re-encoded means; wire.py says which one a codec takes and its bytes).
+`Weighted` (--merge-weights tokens, and torchft's means: comm/membership/elastic.py) and
+`TwoPhase` (the all-to-all of encoded chunks, then the all-gather of the re-encoded means;
+wire.py says which one a codec takes and its bytes).
 
 Error of the two-phase average, per value, against the exact mean of the inputs x_i: with e(v)
 the codec's worst-case error on a value v (codecs.py: int8 s/2, fp4-e2m1 s, fp4-e3m0 |v|/3 or
@@ -66,22 +67,42 @@ class Average:
 
 
 class Weighted:
-    """A weighted mean in flight: the mean of w_i x_i (sent in the codec, so the codec's scales
-    follow the weighted values) times n over the all-reduced sum of the weights. `sent` is this
-    rank's x as the others decode it, in x's units (error feedback keeps x - sent)."""
+    """A weighted mean in flight, sum_i w_i x_i / sum_i w_i over a group's members, on one of
+    two wires. Beside (`total` given: Comm's exchange, --merge-weights tokens): `transfer` is
+    the mean of the w_i x_i over the n members, in any exchange (sent in the codec, so its
+    scales follow the weighted values), and `total` the all-reduce of the weights; the mean is
+    that times n over the summed weights, and `share` this member's weight over them. Inside
+    (comm/membership/elastic.py, torchft): each member's weight travels in its own payload, so a
+    member lost mid-exchange takes its weight with it: the last value of an fp32 all-reduce of
+    [w x, w], or one byte after an encoded payload of x (`decoding`: numel, codec, block) whose
+    members with weight 0 are left out; NaN when no member had weight (the update is skipped).
+    `sent` is this member's x as the others decode it, in x's units (error feedback keeps
+    x - sent)."""
 
-    def __init__(self, scaled, total, n: int, weight: float):
-        self.scaled, self.total, self.n, self.weight = scaled, total, n, weight
-        self.sent = scaled.sent / weight if weight else torch.zeros_like(scaled.sent)
-        self.share = None
+    def __init__(self, transfer, sent: torch.Tensor, total=None, n: int = 1,
+                 weight: float = 1.0, decoding=None):
+        self.transfer, self.sent, self.total, self.n = transfer, sent, total, n
+        self.weight, self.decoding = weight, decoding
+        self.share = None  # beside: this member's share of the summed weights, for the events
 
     def done(self) -> bool:
-        return self.scaled.done() and self.total.done()
+        return self.transfer.done() and (self.total is None or self.total.done())
 
     def wait(self) -> torch.Tensor:
-        total = float(self.total.wait()[0])
-        self.share = self.weight / total if total else None  # this rank's, for the events
-        return self.scaled.wait().mul_(self.n / total)
+        result = self.transfer.wait()
+        if self.total is not None:
+            total = float(self.total.wait()[0])
+            self.share = self.weight / total if total else None
+            return result.mul_(self.n / total)
+        if self.decoding is None:
+            return result[:-1] / result[-1]
+        numel, codec, block = self.decoding
+        total, weights = torch.zeros(numel, device=self.sent.device), 0
+        for payload in result:
+            if int(payload[-1]):
+                total += decode(payload[:-1], numel, codec, block)
+                weights += int(payload[-1])
+        return total / weights if weights else torch.full_like(total, float("nan"))
 
 
 def decoded_sum(payloads, numel: int, codec: str, block: int) -> torch.Tensor:

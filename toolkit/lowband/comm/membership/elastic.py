@@ -45,6 +45,7 @@ from datetime import timedelta
 import torch
 
 from lowband.comm.membership.bind import LIGHTHOUSE_ENV, bind_gloo, bind_host, bound_manager_server, url_host
+from lowband.comm.membership.fixed import FixedMembership
 from lowband.comm.membership.lives import LIFE, LIFE_ENV, LighthouseLives, alive_groups
 from lowband.options import ConfigError, Options, needs_extra, option
 
@@ -113,8 +114,19 @@ def replica_of_env() -> int | None:
     return None if value is None else int(value)
 
 
+def membership(topo, cfg, comm):
+    """The run's membership (Comm.membership): torchft's with --elastic, else the fixed one of
+    a plain run (fixed.py). Both offer an algorithm the same methods."""
+    if cfg.elastic:
+        return Membership(topo, cfg, comm)
+    return FixedMembership(topo)
+
+
 class Membership:
-    """This rank's torchft Manager and the process group it reconfigures (see module doc)."""
+    """This rank's torchft Manager and the process group it reconfigures (see module doc); the
+    methods are those of fixed.py's FixedMembership, which a plain run has instead."""
+
+    elastic = True
 
     def __init__(self, topo, cfg, comm):
         quiet_rust()
@@ -176,6 +188,11 @@ class Membership:
         self.manager.register_state_dict_fn("lowband", load, lambda: {
             "algorithm": algo.heal_state(), "step": self.at, "in_sync": not self._joining,
             "replica": self.topo.replica})
+
+    def hand_over(self, name: str, load, save) -> None:
+        """More state a heal carries (a lowband.Sync user's objects): save() on the live group,
+        load(what it saved) on the joining one."""
+        self.manager.register_state_dict_fn(name, load, save)
 
     def join(self, step: int) -> bool:
         """The first quorum, before the first step (`step` done: 0, or a checkpoint's). True
@@ -252,6 +269,16 @@ class Membership:
         data = outer.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
         return {"quorum_id": self.quorum_id, "outer_digest": hashlib.sha256(data).hexdigest()[:16]}
 
+    def heal_fields(self, fields: dict) -> dict:
+        """What an algorithm's state keeps for heals and quorum tiebreaks: `fields` (streaming's
+        lineage of outer digests)."""
+        return fields
+
+    def over_groups(self, combine, value):
+        """What an algorithm does across the replica groups, each a world of its own here
+        (ddp's mean gradient, edit's sync rows): combine(value), through this membership."""
+        return combine(value)
+
     def _set_quorum_step(self, step: int) -> None:
         """The step this group brings to the quorum, from which torchft heals: every group whose
         step is below the quorum's highest receives the state of a group at the highest. It is
@@ -290,21 +317,24 @@ class Membership:
         return tuple(sorted({r // self.topo.shards for r in ranks}))
 
     def average(self, comm, x: torch.Tensor, codec: str, block: int, tag: str,
-                healed_counts: bool = False) -> "Weighted":
+                healed_counts: bool = False, exchange: str = "auto",
+                weight: float | None = None) -> "Weighted":
         """Start averaging the flat fp32 tensor x over the groups of this quorum, each with its
         weight: 1, or 0 for a group healed in this quorum (its x is a copy of its source's)
         unless `healed_counts` (ddp: it healed before computing x); wait() gives the mean.
         When the exchange fails the error goes to the Manager, never up: commit() then says
-        False."""
-        from lowband.comm.exchanges import encoded
+        False. `exchange` and `weight` (Comm.average's) do not apply: torchft's exchange is
+        an all-reduce or an all-gather, each group weighing 1 or 0."""
+        from lowband.comm.exchanges import Weighted, encoded
 
         weight = 0.0 if self.healed_now and not healed_counts else 1.0
         if codec == "fp32":
             t = torch.cat([x * weight, x.new_tensor([weight])])
-            return Weighted(self.all_reduce(comm, t, tag), None, x)
+            return Weighted(self.all_reduce(comm, t, tag), x)
         payload, sent = encoded(x, codec, block)
         payload = torch.cat([payload, payload.new_tensor([int(weight)])])  # one byte: the weight
-        return Weighted(self.all_gather(comm, payload, tag, codec), (x.numel(), codec, block), sent)
+        return Weighted(self.all_gather(comm, payload, tag, codec), sent,
+                        decoding=(x.numel(), codec, block))
 
     def all_reduce(self, comm, t: torch.Tensor, tag: str):
         """The sum of t over the groups of the quorum (in place), through lowband's Comm."""
@@ -416,28 +446,3 @@ class Reported:
             self.work.wait()
         except Exception as e:
             self.manager.report_error(e)
-
-
-class Weighted:
-    """A weighted mean over a torchft group in flight: sum of weight x value over the members,
-    divided by the summed weights (NaN when no member had weight, so the update is skipped)."""
-
-    def __init__(self, transfer, decoding, sent: torch.Tensor):
-        self.transfer, self.decoding, self.sent = transfer, decoding, sent
-
-    def done(self) -> bool:
-        return self.transfer.done()
-
-    def wait(self) -> torch.Tensor:
-        from lowband.comm.codecs import decode
-
-        result = self.transfer.wait()
-        if self.decoding is None:
-            return result[:-1] / result[-1]
-        numel, codec, block = self.decoding
-        total, weights = torch.zeros(numel, device=self.sent.device), 0
-        for payload in result:
-            if int(payload[-1]):
-                total += decode(payload[:-1], numel, codec, block)
-                weights += int(payload[-1])
-        return total / weights if weights else torch.full_like(total, float("nan"))
