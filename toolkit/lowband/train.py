@@ -133,7 +133,6 @@ def _train(session: Session, tokens, model, blocks):
         faults.slow_down(time.perf_counter() - t0 - comm.wait_s)
         elapsed = session.stepped(loss, micro_batches * cfg.batch_size * cfg.seq_len,
                                   time.perf_counter() - t0, algo.lr(step))
-        done = session.progress
         time_up = clock.ends_after(step + 1)  # (after the event: it moves the lr's fraction)
         ends = algo.ends_after(step + 1) or time_up  # the final evaluation follows the loop
         with clock.paused():

@@ -75,10 +75,11 @@ def either(names: list[str]) -> str:
 
 class Sync:
     """One run of a lowband algorithm around a user's model and inner optimizer (module doc).
-    algo: one that fits your loop (ddp, diloco, streaming, or a registered one that says so); recipe: a recipe's name (`lowband recipes`) whose values
-    come first; blocks: the blocks lowband fragments (default: found as `lowband train` finds
-    them); resume: continue run_dir from its newest checkpoint; state: the user's own objects
-    with state_dict()/load_state_dict() (a scheduler, a data position) checkpointed beside the
+    algo: one that fits your loop (ddp, diloco, streaming, or a registered one whose user_loop
+    says so); recipe: a recipe's name (`lowband recipes`) whose values come first; blocks: the
+    blocks lowband fragments (default: found as `lowband train` finds them); resume: continue
+    run_dir from its newest checkpoint; state: the user's own objects with
+    state_dict()/load_state_dict() (a scheduler, a data position) checkpointed beside the
     model; options: `lowband train`'s, by their Python names (sync_every=20)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
