@@ -12,6 +12,7 @@ import sys
 
 from lowband.config import Config, ConfigError
 from lowband.flags import parse_train
+from lowband.options import WORKER_ENV
 from lowband.summary import comparison, one_line
 
 
@@ -50,7 +51,7 @@ def cmd_train(argv: list[str]) -> int:
 
         try:
             summary = train(cfg, resume=resume)  # its files (events, summary, weights) are closed
-            if summary and not os.environ.get("LOWBAND_WORKER"):  # not `lowband train`'s own
+            if summary and not os.environ.get(WORKER_ENV):  # not `lowband train`'s own
                 # a launched job's log (stderr: the stream schedulers keep) ends with the result
                 # and the report rank 0 writes (the ranks it waits for wait at the final barrier)
                 from lowband.report import run_report

@@ -10,9 +10,10 @@ import sys
 
 from lowband.config import ArgParser, ConfigError
 from lowband.launch.handle import LOCAL_SCHEDULERS, LaunchHandle
-from lowband.launch.env import ELASTIC_ENV
+from lowband.launch.env import ELASTIC_VARS
 from lowband.launch.job import flag_args, launch
 from lowband.launch.node import agent
+from lowband.options import REPLICAS_ENV, RUN_DIR_ENV, SHARDS_ENV
 from lowband.summary import one_line
 
 
@@ -24,8 +25,8 @@ def launch_parser() -> argparse.ArgumentParser:
         "replicas, nproc-per-node = shards). Local jobs are followed to the end (Ctrl-C cancels "
         "them); remote ones are submitted and their handle printed. With --script PATH, every "
         "rank runs your training script instead, and the flags not listed here (and all after "
-        "--) are the script's; it reads the layout from LOWBAND_REPLICAS, LOWBAND_SHARDS and "
-        "LOWBAND_RUN_DIR (lowband.launch.launch_config()); with --elastic too, its lowband.Sync "
+        f"--) are the script's; it reads the layout from {REPLICAS_ENV}, {SHARDS_ENV} and "
+        f"{RUN_DIR_ENV} (lowband.launch.launch_config()); with --elastic too, its lowband.Sync "
         "runs elastic (docs/elastic.md)."),
         epilog="`python -m lowband.launch torchrun ARGS` is the per-node agent the job runs.")
     p.add_argument("-s", "--scheduler", default="local_cwd", help="TorchX scheduler (default: "
@@ -103,7 +104,7 @@ def main(argv: list[str]) -> int:
         train_flags.remove("--")
     mounts = [tok for m in args.mount for tok in m.split(",") if tok]
     # --elastic and its options: the job's with a script, `lowband train`'s flags without one
-    elastic = {k: v for k in ELASTIC_ENV if (v := getattr(args, k)) is not None}
+    elastic = {k: v for k in ELASTIC_VARS if (v := getattr(args, k)) is not None}
     if args.script is not None:
         train_flags, script_args = [], train_flags
     else:

@@ -19,13 +19,13 @@ import sys
 import time
 
 from lowband.comm.membership import secret
-from lowband.comm.membership.bind import BIND_ENV, bind_host, url_host
+from lowband.comm.membership.bind import bind_host, url_host
 from lowband.comm.membership.lives import alive_groups
 from lowband.faults import lighthouse_kill_asked
 from lowband.launch.env import layout
 from lowband.launch.slurm import GROUPS_ARG, GroupJobs
 from lowband.launch.supervise import leave_out_stragglers, lighthouse, write_summary
-from lowband.options import ConfigError
+from lowband.options import BIND_ENV, SECRET_ENV, ConfigError
 from lowband.telemetry import RunDir
 
 
@@ -63,8 +63,8 @@ def main(argv: list[str]) -> int:
           file=sys.stderr, flush=True)
     run = RunDir(a.run_dir)
     run.clear_group_records()  # (a resumed run's earlier part: its groups finish again)
-    if os.environ.get(secret.SECRET_ENV):  # the job's secret, if `lowband launch` has not
-        secret.make(os.environ[secret.SECRET_ENV])  # written it (a `torchx run` of its own)
+    if os.environ.get(SECRET_ENV):  # the job's secret, if `lowband launch` has not
+        secret.make(os.environ[SECRET_ENV])  # written it (a `torchx run` of its own)
     first_done, jobs, last_alive = None, None, time.monotonic()
     # a cancelled job's SIGTERM: cancel the group jobs on the way out (finally)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

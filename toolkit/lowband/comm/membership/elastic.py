@@ -44,11 +44,11 @@ from datetime import timedelta
 
 import torch
 
-from lowband.comm.membership.bind import LIGHTHOUSE_ENV, bind_gloo, bind_host, bound_manager_server, url_host
-from lowband.comm.membership.lives import LIFE, LIFE_ENV, LighthouseLives, alive_groups
-from lowband.options import ConfigError, Options, needs_extra, option
+from lowband.comm.membership.bind import bind_gloo, bind_host, bound_manager_server, url_host
+from lowband.comm.membership.lives import LIFE, LighthouseLives, alive_groups
+from lowband.options import (LIFE_ENV, LIGHTHOUSE_ENV, REPLICA_ENV, ConfigError, Options,
+                             needs_extra, option)
 
-REPLICA_ENV = "LOWBAND_REPLICA"
 RETRY_S = 0.5  # while the Lighthouse is unreachable, torchft asks it again this often
 TIEBREAK = 1 << 20  # a group's quorum step: its progress's number (below) x TIEBREAK + tiebreak
 TORCHFT = ("elastic", "--elastic", "torchft")  # needs_extra's (extra, what, module)
