@@ -158,3 +158,33 @@ def test_environment_variable_names_are_spelled_once():
     # a heredoc's delimiter (launch/slurm.py) is a name of that shape, not a variable
     assert unknown <= {"LOWBAND_GROUP_SCRIPT"}, f"not in lowband.options.ENV: {sorted(unknown)}"
     assert all(meaning and "\n" not in meaning for meaning in options.ENV.values())
+
+
+def test_one_set_of_what_a_resume_may_change(tmp_path):
+    """--resume and a relaunch into the same --run-dir (--auto-resume) take the same options over
+    the run's config.json (config.RESUME_MAY_CHANGE) and refuse any other with the same rule."""
+    from lowband.checkpoint.lifecycle import relaunched
+    from lowband.config import RESUME_MAY_CHANGE, RESUME_RULE
+    from lowband.flags import parse_train
+
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = Config(model="nano", steps=8, algo="diloco").validate()
+    (run / "config.json").write_text(json.dumps({**saved.to_dict(), "run_dir": str(run)}))
+    changed = {"steps": 9, "stop_after": 3, "crash_checkpoint": 2, "progress": True,
+               "auto_resume": True, "overwrite": True, "run_dir": str(run)}
+    assert set(changed) == set(RESUME_MAY_CHANGE)
+    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}")
+             for k, v in changed.items() if k != "run_dir"]
+    cfg, resume = parse_train(["--resume", str(run), *flags])
+    assert resume and (cfg.steps, cfg.stop_after, cfg.lr) == (9, 3, saved.lr)
+    with pytest.raises(ConfigError) as refused:
+        parse_train(["--resume", str(run), "--lr", "0.1"])
+    assert RESUME_RULE in str(refused.value) and "--lr cannot be given" in str(refused.value)
+
+    again = Config.from_dict({**saved.to_dict(), **changed, "overwrite": False})
+    assert relaunched(again) == "auto"
+    again.lr = 0.1
+    with pytest.raises(ConfigError) as refused:
+        relaunched(again)
+    assert RESUME_RULE in str(refused.value) and "(--lr " in str(refused.value)
