@@ -490,7 +490,9 @@ BAD = [
 
 @pytest.mark.parametrize("argv,word", BAD)
 def test_bad_input_one_sentence_exit_2(argv, word, capsys):
-    assert main(argv) == 2
+    from lowband.cli import main as lowband
+
+    assert lowband(["plan", *argv]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     lines = captured.err.strip().splitlines()

@@ -7,8 +7,9 @@ inherits every group, so a run is still one flat object (`cfg.fragments`), and t
 algorithms says which groups each algorithm reads. That registry drives validation ("--x
 applies only to --algo y") and the grouped `lowband train --help`.
 
-Every command's refusals start here too: ConfigError, ArgParser, and needs_extra (a feature whose
-optional extra is not installed).
+Every command's refusals start here too: UserError (the base of every error a user can cause or
+must be told of in one sentence, which `lowband`'s one handler in cli.py prints), ConfigError,
+ArgParser, and needs_extra (a feature whose optional extra is not installed).
 
 The job's environment variables are here as well, in one table (ENV): the options and facts that
 reach a job's processes through their environment. Every module that reads or sets one imports
@@ -68,7 +69,16 @@ ALGORITHMS_ENV = _variable("LOWBAND_ALGORITHMS", "algorithm modules or .py files
 CACHE_ENV = _variable("LOWBAND_CACHE", "the cache directory (default ~/.cache/lowband)")
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """What a user can fix, or must know, in one sentence: its message. Every command stops on it
+    the same way (cli.py: `lowband: error: SENTENCE`, exit status 2), no traceback. A subclass
+    sets `code` (the exit status) and `label` (what precedes the sentence) where it is not bad
+    input but a stop a user is told of (ElasticStopped: exit 3, no `error:`)."""
+    code: int = 2
+    label: str = "error: "
+
+
+class ConfigError(UserError, ValueError):
     """Input a user can fix; its message is one sentence naming the fix."""
 
 

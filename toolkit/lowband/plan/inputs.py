@@ -13,7 +13,7 @@ from lowband.comm.sends import (BLOCK_SIZE, GRAD_BYTES, Run, block, exchange_pha
                                 payload_bytes)
 from lowband.models import spec
 from lowband.models.gpt import MODELS as MODEL_SPECS
-from lowband.options import ConfigError
+from lowband.options import ConfigError, UserError
 from lowband.plan.fragments import (even_fragments, even_units, model_fragments, model_size,
                                     model_units)
 
@@ -31,7 +31,7 @@ GRAD_DTYPES = GRAD_BYTES
 MODELS = {name: (m.param_count(), m.n_layer) for name, m in MODEL_SPECS.items()}
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
     """Input a user can fix; its message is one sentence naming the fix."""
 
 

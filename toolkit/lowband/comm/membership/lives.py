@@ -9,7 +9,7 @@ import os
 import re
 import time
 
-from lowband.options import LIFE_ENV, LIGHTHOUSE_ENV
+from lowband.options import LIGHTHOUSE_ENV
 
 LIFE = 1_000_000  # quorum ids of the Lighthouse's life n: n x LIFE + torchft's quorum id
 STATUS_TIMEOUT_S = 2.0  # alive_groups' wait for the Lighthouse's status page (each socket step)
