@@ -6,9 +6,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
-from lowband.config import ArgParser, ConfigError
+from lowband.comm.membership.elastic import ElasticOptions
+from lowband.config import ArgParser, ConfigError, RunOptions, flag
 from lowband.launch.handle import LOCAL_SCHEDULERS, LaunchHandle
 from lowband.launch.env import ELASTIC_VARS
 from lowband.launch.job import flag_args, launch
@@ -38,15 +40,14 @@ def launch_parser() -> argparse.ArgumentParser:
     p.add_argument("--elastic", action="store_true", default=None, help="each replica group a "
                    "role of its own joined by a torchft Lighthouse, restarted when it dies "
                    "(docs/elastic.md); with --script, a script that trains through lowband.Sync")
-    for flag, kind, what in (("--min-replicas", int, "smallest quorum an outer update commits "
-                              "with"), ("--max-restarts", int, "restarts of a group that died"),
-                             ("--quorum-timeout", float, "seconds a group waits for a quorum"),
-                             ("--elastic-timeout", float, "seconds an exchange or a heal may "
-                              "take"), ("--heartbeat-timeout", float, "seconds the Lighthouse "
-                                        "counts a group alive after its last heartbeat")):
-        p.add_argument(flag, type=kind, help=f"--elastic: {what} (lowband train's default)")
-    p.add_argument("--replicas", type=int, help="R, replica groups (default: 2)")
-    p.add_argument("--shards", type=int, help="S, ranks in each replica group (default: 1)")
+    # lowband train's own options, declared once (ElasticOptions, RunOptions): the job's with
+    # --script, passed through to `lowband train` without one
+    run = {f.name: f for f in dataclasses.fields(RunOptions)}
+    for f in (*(f for f in dataclasses.fields(ElasticOptions) if f.name != "elastic"),
+              run["replicas"], run["shards"]):
+        what = f"--elastic: {f.metadata['help']}" if f.name not in run else f.metadata["help"]
+        p.add_argument(flag(f.name), type=f.metadata["type"], metavar=f.name.upper(),
+                       help=f"{what} (default: lowband train's, {f.default!r})")
     p.add_argument("--run-dir", help="run directory, on a filesystem every node shares (default: "
                    "runs/<algo or script>-<time>-<xxxx>)")
     p.add_argument("--nnodes", type=int, default=0, help="nodes (default: replicas / "
