@@ -190,3 +190,32 @@ def test_killed_worker_stops_the_job(tmp_path):
     assert parent.returncode != 0
     assert "worker rank 1 was killed by SIGKILL" in err
     assert _workers_of(tmp_path) == []
+
+
+def test_every_user_error_ends_a_command_the_same_way(monkeypatch, capsys):
+    """Each error a user can cause or must be told of is a lowband.options.UserError, and the
+    one handler in cli.py prints its sentence (`lowband: error: ...`, or a stop's own label) and
+    returns its exit status, whichever command raised it."""
+    from lowband import cli
+    from lowband.comm.membership.elastic import ElasticStopped
+    from lowband.compare.runner import CompareStopped
+    from lowband.config import ConfigError
+    from lowband.options import UserError
+    from lowband.plan import PlanError
+    from lowband.report import ReportError
+
+    cases = [(ConfigError("--steps must be positive."), "lowband: error: --steps must", 2),
+             (PlanError("give --step-time."), "lowband: error: give --step-time.", 2),
+             (ReportError("r is not a run."), "lowband: error: r is not a run.", 2),
+             (ElasticStopped("no quorum."), "lowband: no quorum.", 3),
+             (CompareStopped("the run a failed.", 5), "lowband: the run a failed.", 5)]
+    for error, says, code in cases:
+        assert isinstance(error, UserError)
+
+        def command(argv, error=error):
+            raise error
+
+        monkeypatch.setitem(cli.COMMANDS, "plan", command)
+        assert cli.main(["plan"]) == code
+        captured = capsys.readouterr()
+        assert captured.err.startswith(says) and captured.err.count("\n") == 1, captured.err

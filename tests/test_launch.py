@@ -281,3 +281,21 @@ def test_cancel_stops_every_process(tmp_path):
     while job_pids(h.app_handle) and time.monotonic() - t0 < 15:
         time.sleep(0.2)
     assert job_pids(h.app_handle) == []
+
+
+def test_the_components_defaults_are_lowband_trains():
+    """TorchX reads the component's defaults from its signature, so they are literals there; each
+    is tied here to the `lowband train` option it stands for (fails when one drifts)."""
+    import dataclasses
+    import inspect
+
+    from lowband.comm.membership.elastic import ElasticOptions, join_timeout_s
+    from lowband.config import fields
+
+    train = {f.name: f.default for f in fields()}
+    signature = inspect.signature(components().train).parameters
+    tied = ["replicas", "shards", *(f.name for f in dataclasses.fields(ElasticOptions))]
+    for name in tied:
+        assert signature[name].default == train[name], name
+        assert type(signature[name].default) is type(train[name]), name
+    assert signature["join_timeout"].default == join_timeout_s(ElasticOptions())

@@ -162,7 +162,10 @@ def test_a_module_object_is_refused_in_one_sentence():
 # -- the layout a script reads ---------------------------------------------------------------------
 
 def test_layout_from_the_environment(monkeypatch, tmp_path):
-    assert (env.REPLICAS, env.SHARDS, env.RUN_DIR, env.PROGRESS) == components().LAYOUT_ENV
+    # the names a script's docs promise (lowband.options.ENV), the ones the component sets
+    assert env.LAYOUT_ENV == ("LOWBAND_REPLICAS", "LOWBAND_SHARDS", "LOWBAND_RUN_DIR",
+                              "LOWBAND_PROGRESS")
+    assert components().LAYOUT_ENV is env.LAYOUT_ENV
     for var in components().LAYOUT_ENV:
         monkeypatch.delenv(var, raising=False)
     assert layout() == {}  # a plain torchrun: Config's own defaults

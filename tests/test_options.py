@@ -125,3 +125,66 @@ def test_model_registry_counts_what_it_builds():
         if name != "gpt2":  # building GPT-2 takes a second; its formula is the same
             assert spec.param_count(seq_len=64) == num_params(spec.network(seq_len=64))
     assert Config(model="nano", n_layer=5).n_blocks() == 5
+
+
+def test_environment_variable_names_are_spelled_once():
+    """Every LOWBAND_*/TORCHFT_* variable of the package is in lowband.options.ENV, and no module
+    but options.py spells one in a string (docstrings, which document them, aside): readers and
+    writers use its constants."""
+    import ast
+    import re
+    from pathlib import Path
+
+    from lowband import options
+
+    root = Path(options.__file__).parent
+    ours = re.compile(r"\b(?:LOWBAND|TORCHFT)_[A-Z0-9_]+")
+    spelled, unknown = [], set()
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        docs = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and n.body and isinstance(n.body[0], ast.Expr)
+                and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Constant) or not isinstance(node.value, str):
+                continue
+            for name in ours.findall(node.value):
+                if name not in options.ENV:
+                    unknown.add(name)
+                elif id(node) not in docs and path.name != "options.py":
+                    spelled.append(f"{path.relative_to(root)}:{node.lineno} {name}")
+    assert not spelled, f"use lowband.options' constants, not the names: {spelled}"
+    # a heredoc's delimiter (launch/slurm.py) is a name of that shape, not a variable
+    assert unknown <= {"LOWBAND_GROUP_SCRIPT"}, f"not in lowband.options.ENV: {sorted(unknown)}"
+    assert all(meaning and "\n" not in meaning for meaning in options.ENV.values())
+
+
+def test_one_set_of_what_a_resume_may_change(tmp_path):
+    """--resume and a relaunch into the same --run-dir (--auto-resume) take the same options over
+    the run's config.json (config.RESUME_MAY_CHANGE) and refuse any other with the same rule."""
+    from lowband.checkpoint.lifecycle import relaunched
+    from lowband.config import RESUME_MAY_CHANGE, RESUME_RULE
+    from lowband.flags import parse_train
+
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = Config(model="nano", steps=8, algo="diloco").validate()
+    (run / "config.json").write_text(json.dumps({**saved.to_dict(), "run_dir": str(run)}))
+    changed = {"steps": 9, "stop_after": 3, "crash_checkpoint": 2, "progress": True,
+               "auto_resume": True, "overwrite": True, "run_dir": str(run)}
+    assert set(changed) == set(RESUME_MAY_CHANGE)
+    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}")
+             for k, v in changed.items() if k != "run_dir"]
+    cfg, resume = parse_train(["--resume", str(run), *flags])
+    assert resume and (cfg.steps, cfg.stop_after, cfg.lr) == (9, 3, saved.lr)
+    with pytest.raises(ConfigError) as refused:
+        parse_train(["--resume", str(run), "--lr", "0.1"])
+    assert RESUME_RULE in str(refused.value) and "--lr cannot be given" in str(refused.value)
+
+    again = Config.from_dict({**saved.to_dict(), **changed, "overwrite": False})
+    assert relaunched(again) == "auto"
+    again.lr = 0.1
+    with pytest.raises(ConfigError) as refused:
+        relaunched(again)
+    assert RESUME_RULE in str(refused.value) and "(--lr " in str(refused.value)

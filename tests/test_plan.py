@@ -156,7 +156,8 @@ def test_ddp_buckets_through_backward(bw):
     for k in range(L):
         free = max(free, T / 3 + (k + 1) / L * 2 * T / 3) + t_b
     stall = free + lat - T
-    r = simulate("ddp", **BASE, bandwidth=bw, latency=lat)
+    # bucket_mb=None: a bucket a block (lowband train's own is --bucket-mb 4)
+    r = simulate("ddp", **BASE, bandwidth=bw, latency=lat, bucket_mb=None)
     assert r.cu == pytest.approx(T / (T + stall), rel=1e-9)
 
 
@@ -490,7 +491,9 @@ BAD = [
 
 @pytest.mark.parametrize("argv,word", BAD)
 def test_bad_input_one_sentence_exit_2(argv, word, capsys):
-    assert main(argv) == 2
+    from lowband.cli import main as lowband
+
+    assert lowband(["plan", *argv]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     lines = captured.err.strip().splitlines()
@@ -550,3 +553,23 @@ def test_presets_match_lowband_models():
         with torch.device("meta"):
             model = GPT(gpt_config(name, seq_len=1024 if name == "gpt2" else 128))
         assert (num_params(model), len(model.blocks)) == (params, layers), name
+
+
+def test_the_plan_of_a_default_config_has_trainings_defaults():
+    """The planner has no defaults of its own: make_run's options not given, and run_of's Run of
+    a default Config, are lowband train's (sync_every 20, not a planner's 100)."""
+    from lowband.config import Config
+    from lowband.plan import run_of
+
+    cfg = Config()
+    given = make_run(params=1e6, layers=4, step_time=0.1)
+    assert (given.replicas, given.shards, given.sync_every, given.bucket_mb, given.block_size,
+            given.sync_seconds, given.exchange) == (cfg.replicas, cfg.shards, cfg.sync_every,
+                                                    cfg.bucket_mb, cfg.codec_block,
+                                                    cfg.sync_seconds, cfg.exchange)
+    assert given.sync_every == 20
+    trained = cfg.validate()
+    run = run_of(trained, 0.1)
+    assert (run.replicas, run.sync_every, run.fragments, run.overlap, run.codec, run.steps) == (
+        trained.replicas, trained.sync_every, trained.fragments, trained.overlap, trained.codec,
+        trained.steps)

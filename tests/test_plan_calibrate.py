@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from lowband.cli import main as lowband
 from lowband.plan import PlanError, main, plan_configs
 from lowband.plan.api import config_of
 from lowband.plan.cli import _parser
@@ -117,8 +118,9 @@ def test_a_directory_that_cannot_calibrate_is_refused_in_one_sentence(tmp_path, 
     before = sorted(p.name for p in tmp_path.rglob("*"))
     with pytest.raises(PlanError, match=re.escape(says)):
         plan_configs(MAIN, step_time=0.03, calibration=root)
-    assert main(["--recipe", "main", "--step-time", "30ms", "--calibrate", str(root)]) == 2
+    assert lowband(["plan", "--recipe", "main", "--step-time", "30ms", "--calibrate",
+                    str(root)]) == 2
     err = capsys.readouterr()
     assert err.out == "" and err.err.count("\n") == 1 and says in err.err
-    assert err.err.startswith(f"lowband plan: --calibrate {root} ")
+    assert err.err.startswith(f"lowband: error: --calibrate {root} ")
     assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written

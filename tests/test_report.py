@@ -210,10 +210,12 @@ def test_main_writes_a_report(runs, tmp_path, capsys):
 ])
 def test_main_bad_input_is_one_sentence_and_exit_2(argv, runs, tmp_path, capsys):
     argv = [a.format(tmp=tmp_path, run=runs[0]) for a in argv]
-    assert main(argv) == 2
+    from lowband.cli import main as lowband
+
+    assert lowband(["report", *argv]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    assert err.strip() and err.strip().splitlines()[-1].startswith(("lowband report:",))
+    assert err.strip() and err.strip().splitlines()[-1].startswith("lowband: error: ")
 
 
 def test_report_data_is_strict_json_when_values_are_nan(runs, tmp_path):

@@ -10,9 +10,17 @@ from __future__ import annotations
 import os
 import sys
 
-from lowband.config import Config, ConfigError
+from lowband.config import Config
 from lowband.flags import parse_train
+from lowband.options import WORKER_ENV, UserError
 from lowband.summary import comparison, one_line
+
+
+def refused(e: UserError) -> int:
+    """Every command's end on an error a user can fix or must know of (a UserError): its one
+    sentence on stderr, no traceback; the exit status it names (2: bad input)."""
+    print(f"lowband: {e.label}{e}", file=sys.stderr)
+    return e.code
 
 
 def is_worker() -> bool:
@@ -25,8 +33,7 @@ def cmd_train(argv: list[str]) -> int:
     if is_worker():
         import torch.distributed as dist
 
-        from lowband.comm.membership.elastic import ElasticStopped
-        from lowband.train import TrainingStopped, train
+        from lowband.train import train
 
         def leave(code: int):
             """Flush what this process wrote, wait for the other ranks when it finished
@@ -50,7 +57,7 @@ def cmd_train(argv: list[str]) -> int:
 
         try:
             summary = train(cfg, resume=resume)  # its files (events, summary, weights) are closed
-            if summary and not os.environ.get("LOWBAND_WORKER"):  # not `lowband train`'s own
+            if summary and not os.environ.get(WORKER_ENV):  # not `lowband train`'s own
                 # a launched job's log (stderr: the stream schedulers keep) ends with the result
                 # and the report rank 0 writes (the ranks it waits for wait at the final barrier)
                 from lowband.report import run_report
@@ -58,10 +65,8 @@ def cmd_train(argv: list[str]) -> int:
                 print(f"run directory: {cfg.run_dir}\n{one_line(summary)}", file=sys.stderr,
                       flush=True)
                 print(run_report(cfg.run_dir), file=sys.stderr, flush=True)
-        except (ConfigError, TrainingStopped, ElasticStopped) as e:
-            error = "error: " if isinstance(e, ConfigError) else ""
-            print(f"lowband: {error}{e}", file=sys.stderr)
-            leave(2 if isinstance(e, ConfigError) else 3)
+        except UserError as e:
+            leave(refused(e))
         except KeyboardInterrupt:
             leave(130)
         except BaseException:  # a bug: its traceback, then the same direct exit
@@ -152,9 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["train", *argv]  # `lowband --steps 20` (flags, no command) is `lowband train`
     try:
         return COMMANDS[argv[0]](argv[1:])
-    except ConfigError as e:
-        print(f"lowband: error: {e}", file=sys.stderr)
-        return 2
+    except UserError as e:
+        return refused(e)
     except KeyboardInterrupt:
         return 130
 

@@ -151,6 +151,17 @@ COMMON_GROUPS = (RunOptions, ModelOptions, LinkOptions, FaultOptions, ElasticOpt
 # a list: an algorithm registered from outside (algorithms/registry.py) adds its new groups
 GROUPS = [*COMMON_GROUPS, *option_groups(builtin=True)]
 
+# What a continued run (--resume, --auto-resume, a Slurm restart) may set otherwise than its
+# config.json says: how far and how this attempt runs, never what the run is. The run directory
+# is the run's own (the one continued). `lowband train --resume` refuses any other option, and a
+# relaunch into a directory whose run differs in any other is not continued (flags.py,
+# checkpoint/lifecycle.py), both with RESUME_RULE.
+RESUME_MAY_CHANGE = ("steps", "stop_after", "crash_checkpoint", "progress", "auto_resume",
+                     "overwrite", "run_dir")
+_MAY = [flag(n) for n in RESUME_MAY_CHANGE if n != "run_dir"]
+RESUME_RULE = (f"a continued run keeps its own config: only {', '.join(_MAY[:-1])} and "
+               f"{_MAY[-1]} may change")
+
 
 @dataclass
 class Config(*reversed(GROUPS)):

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from lowband import models
 from lowband.algorithms import ALGORITHMS, users
-from lowband.config import COMMON_GROUPS, GROUPS, ArgParser, Config, ConfigError
+from lowband.config import (COMMON_GROUPS, GROUPS, RESUME_MAY_CHANGE, RESUME_RULE, ArgParser,
+                            Config, ConfigError)
 
 
 TRAIN = ("Train a language model across ranks and replicas. With no arguments: the main job "
@@ -31,7 +32,7 @@ def train_parser(prog: str = "lowband train", description: str = TRAIN,
                    "a run's config.json, or a run directory (to repeat that run)")
     if resume:
         p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest "
-                       "checkpoint with its own config (only --steps and --progress may change)")
+                       f"checkpoint ({RESUME_RULE})")
     p.add_argument("--max-seconds", type=float, help=argparse.SUPPRESS)  # renamed: one sentence
     per_algorithm = {name for a in ALGORITHMS.values() for name in a.defaults}
     for group in GROUPS:
@@ -55,9 +56,6 @@ def train_parser(prog: str = "lowband train", description: str = TRAIN,
     return p
 
 
-RESUME_MAY_CHANGE = {"steps", "progress", "run_dir", "stop_after"}
-
-
 def parse_train(argv: list[str], *, here: bool = True) -> tuple[Config, bool]:
     """The config of `lowband train ARGV`, validated, and whether it resumes a run.
 
@@ -78,11 +76,11 @@ def config_of_args(args: dict, *, here: bool = True, file_here: bool | None = No
                           "give --time-budget SECONDS.")
     path, resume, recipe = args.pop("config", None), args.pop("resume", None), args.pop("recipe", None)
     if resume:
-        other = sorted(set(args) - RESUME_MAY_CHANGE) + (["config"] if path else []) + \
+        other = sorted(set(args) - set(RESUME_MAY_CHANGE)) + (["config"] if path else []) + \
             (["recipe"] if recipe else [])
         if other:
             raise ConfigError(f"--resume takes the run's own config, so --{other[0].replace('_', '-')} "
-                              "cannot be given with it: only --steps may change.")
+                              f"cannot be given with it: {RESUME_RULE}.")
         from lowband.telemetry import RunDir
 
         saved = RunDir(resume).read_json(RunDir(resume).config)

@@ -7,8 +7,13 @@ inherits every group, so a run is still one flat object (`cfg.fragments`), and t
 algorithms says which groups each algorithm reads. That registry drives validation ("--x
 applies only to --algo y") and the grouped `lowband train --help`.
 
-Every command's refusals start here too: ConfigError, ArgParser, and needs_extra (a feature whose
-optional extra is not installed).
+Every command's refusals start here too: UserError (the base of every error a user can cause or
+must be told of in one sentence, which `lowband`'s one handler in cli.py prints), ConfigError,
+ArgParser, and needs_extra (a feature whose optional extra is not installed).
+
+The job's environment variables are here as well, in one table (ENV): the options and facts that
+reach a job's processes through their environment. Every module that reads or sets one imports
+its constant from here, so each name is spelled once (tests/test_options.py checks the package).
 """
 
 from __future__ import annotations
@@ -20,7 +25,60 @@ from dataclasses import field
 from typing import ClassVar
 
 
-class ConfigError(ValueError):
+ENV: dict[str, str] = {}
+"""Every environment variable lowband reads or sets: its name -> what it says (one line). torchrun's
+own (RANK, WORLD_SIZE, MASTER_ADDR, ...) and the schedulers' are not lowband's and not here."""
+
+
+def _variable(name: str, meaning: str) -> str:
+    """`name`, entered in ENV with its meaning."""
+    ENV[name] = meaning
+    return name
+
+
+# a job's layout (launch/env.py reads it back for a launched script; launch/component.py sets it)
+REPLICAS_ENV = _variable("LOWBAND_REPLICAS", "R, replica groups (joined by the slow outer link)")
+SHARDS_ENV = _variable("LOWBAND_SHARDS", "S, ranks inside each replica group")
+RUN_DIR_ENV = _variable("LOWBAND_RUN_DIR", "the run directory, on a filesystem every node shares")
+PROGRESS_ENV = _variable("LOWBAND_PROGRESS", "1 or 0: whether rank 0 shows a progress bar")
+# an elastic job's options, lowband train's (ElasticOptions, comm/membership/elastic.py)
+ELASTIC_ENV = _variable("LOWBAND_ELASTIC", "1: each replica group a job of its own (--elastic)")
+MIN_REPLICAS_ENV = _variable("LOWBAND_MIN_REPLICAS", "--min-replicas of an elastic job")
+MAX_RESTARTS_ENV = _variable("LOWBAND_MAX_RESTARTS", "--max-restarts of an elastic job")
+QUORUM_TIMEOUT_ENV = _variable("LOWBAND_QUORUM_TIMEOUT", "--quorum-timeout (seconds)")
+ELASTIC_TIMEOUT_ENV = _variable("LOWBAND_ELASTIC_TIMEOUT", "--elastic-timeout (seconds)")
+HEARTBEAT_TIMEOUT_ENV = _variable("LOWBAND_HEARTBEAT_TIMEOUT", "--heartbeat-timeout (seconds)")
+# membership and trust (comm/membership/)
+REPLICA_ENV = _variable("LOWBAND_REPLICA", "an elastic job's process: the replica group it is in")
+LIGHTHOUSE_ENV = _variable("TORCHFT_LIGHTHOUSE", "torchft's: the address of the job's Lighthouse")
+LIGHTHOUSE_HOST_ENV = _variable("LOWBAND_LIGHTHOUSE_HOST", "a Slurm group job: the Lighthouse's "
+                                "host (launch/slurm.py)")
+LIFE_ENV = _variable("LOWBAND_LIGHTHOUSE_LIFE", "a file: how often the Lighthouse was restarted")
+SECRET_ENV = _variable("LOWBAND_SECRET_FILE", "the path of the run's secret, RUN_DIR/secret")
+BIND_ENV = _variable("LOWBAND_BIND_HOST", "the address or interface every listener binds")
+RANK0_ENV = _variable("LOWBAND_RANK0_ENV", "the name of the scheduler's variable naming the "
+                      "first node")
+# the processes of a job
+NODE_ENV = _variable("LOWBAND_NODE", "a node's name: its log is RUN_DIR/logs/<name>.log")
+NODE_LOG_ENV = _variable("LOWBAND_NODE_LOG", "set for a node agent's own process, under its tee")
+WORKER_ENV = _variable("LOWBAND_WORKER", "1: a worker `lowband train` started itself "
+                       "(launch/local.py)")
+# the user's
+ALGORITHMS_ENV = _variable("LOWBAND_ALGORITHMS", "algorithm modules or .py files to import, "
+                           "separated by os.pathsep")
+CACHE_ENV = _variable("LOWBAND_CACHE", "the cache directory (default ~/.cache/lowband)")
+
+
+class UserError(Exception):
+    """What a user can fix, or must know, in one sentence: its message. Every command stops on it
+    the same way (cli.py: `lowband: error: SENTENCE`, exit status 2), no traceback. A subclass
+    sets `code` (the exit status) and `label` (what precedes the sentence) where it is not bad
+    input but a stop a user is told of (ElasticStopped: exit 3, no `error:`)."""
+    code: int = 2
+    label: str = "error: "
+
+
+class ConfigError(UserError, ValueError):
     """Input a user can fix; its message is one sentence naming the fix."""
 
 

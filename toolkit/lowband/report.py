@@ -9,7 +9,6 @@ directory (run_report), and the names a script imports from lowband.report.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from lowband.config import ArgParser, ConfigError
@@ -49,14 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help
         return int(e.code or 0)
-    except ConfigError as e:
-        print(f"lowband report: {e}", file=sys.stderr)
-        return 2
-    try:
-        path = write_report(args.run_dirs, args.output, title=args.title, window_s=args.window)
-    except (ReportError, ConfigError) as e:  # ConfigError: the ui extra is missing
-        print(f"lowband report: {e}", file=sys.stderr)
-        return 2
+    # bad input (ReportError; ConfigError: a bad flag, the ui extra missing) is a UserError:
+    # `lowband`'s handler (cli.py) prints its sentence
+    path = write_report(args.run_dirs, args.output, title=args.title, window_s=args.window)
     print(f"wrote {path}")
     return 0
 

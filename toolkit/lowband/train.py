@@ -28,6 +28,7 @@ from lowband.data import Batches, load_corpus, record_tokenizer, vocab_needed
 from lowband.faults import Faults
 from lowband.models import blocks_of, check_vocab, compile_blocks, for_training, lm_loss
 from lowband.models import build as build_model
+from lowband.options import UserError
 from lowband.params import is_dtensor
 from lowband.session import Session
 from lowband.telemetry import EventWriter
@@ -197,8 +198,9 @@ def _skips_on_device(optimizer) -> bool:
     return bool(optimizer.defaults.get("fused")) and bool(params) and not is_dtensor(params[0])
 
 
-class TrainingStopped(RuntimeError):
+class TrainingStopped(UserError, RuntimeError):
     """The run cannot go on; the message is one sentence naming what to do."""
+    code, label = 3, ""
 
 
 def _val_loss(session: Session, batches: Batches) -> float:

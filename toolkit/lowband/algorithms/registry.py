@@ -36,10 +36,9 @@ from pathlib import Path
 from typing import Callable
 
 from lowband.algorithms.base import EVERY_STEP, PERIODIC, Algorithm
-from lowband.options import ConfigError, Options
+from lowband.options import ALGORITHMS_ENV, ConfigError, Options
 
 GROUP = "lowband.algorithms"  # the entry-point group
-ENV = "LOWBAND_ALGORITHMS"    # modules or .py files to import, separated by os.pathsep (':')
 # called with a class about to be registered (after its own checks): may refuse it (ConfigError)
 # and makes its new option groups part of the Config (lowband.config adds one)
 HOOKS: list[Callable[[type], None]] = []
@@ -66,7 +65,7 @@ class Registry(dict):
         if not self.loaded:
             self.loaded = self.loading = True  # a plugin reading the registry makes no loop
             for source in sources():
-                _load(f"{ENV} entry '{source}'", lambda: _import(source))
+                _load(f"{ALGORITHMS_ENV} entry '{source}'", lambda: _import(source))
             for ep in entry_points(group=GROUP):
                 _load(f"entry point '{ep.name} = {ep.value}' of group {GROUP}",
                       lambda: _register_loaded(ep.load()))
@@ -103,7 +102,7 @@ ALGORITHMS = Registry()  # lowband's own are added by algorithms/__init__.py
 
 def sources() -> list[str]:
     """The modules and files LOWBAND_ALGORITHMS names."""
-    return [s.strip() for s in os.environ.get(ENV, "").split(os.pathsep) if s.strip()]
+    return [s.strip() for s in os.environ.get(ALGORITHMS_ENV, "").split(os.pathsep) if s.strip()]
 
 
 def _load(what: str, action: Callable[[], None]) -> None:
@@ -229,4 +228,4 @@ def _export(cls: type) -> None:
     present = sources()
     if not any(s == source or (s.endswith(".py") and Path(s).resolve() == Path(file).resolve())
                for s in present):
-        os.environ[ENV] = os.pathsep.join(present + [source])
+        os.environ[ALGORITHMS_ENV] = os.pathsep.join(present + [source])

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from lowband import checkpoint
-from lowband.config import Config, ConfigError
+from lowband.config import RESUME_MAY_CHANGE, RESUME_RULE, Config, ConfigError
 from lowband.telemetry import RunDir, new_run_dir
 
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # torchrun's count of a worker group's restarts
@@ -82,11 +82,6 @@ def resolve_run_dir(cfg: Config, resume: bool) -> RunDir:
     return RunDir(cfg.run_dir).create()
 
 
-# what may differ between a run's attempts, when a relaunch continues it (--auto-resume)
-RELAUNCH_MAY_CHANGE = ("progress", "steps", "stop_after", "crash_checkpoint", "auto_resume",
-                       "run_dir", "overwrite")
-
-
 def slurm_restarts() -> int:
     """How many times Slurm has run this job before (a requeue, a preemption, a retry)."""
     return int(os.environ.get("SLURM_RESTART_COUNT", 0) or 0)
@@ -103,13 +98,14 @@ def relaunched(cfg: Config) -> str | bool:
     if saved is None:
         return "auto" if run.holds_run() else False  # stopped before its config: start over
     saved.pop("meta", None)
-    mine = {k: v for k, v in cfg.to_dict().items() if k not in RELAUNCH_MAY_CHANGE}
-    theirs = {k: v for k, v in saved.items() if k not in RELAUNCH_MAY_CHANGE}
+    mine = {k: v for k, v in cfg.to_dict().items() if k not in RESUME_MAY_CHANGE}
+    theirs = {k: v for k, v in saved.items() if k not in RESUME_MAY_CHANGE}
     differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
     if differ:
         raise ConfigError(f"{run.root} holds a run with other options (--{differ[0].replace('_', '-')}"
                           f" {theirs.get(differ[0])!r}, not {mine.get(differ[0])!r}), so it is not "
-                          "continued: give another --run-dir, or --overwrite to replace it.")
+                          f"continued ({RESUME_RULE}): give another --run-dir, or --overwrite to "
+                          "replace it.")
     return "auto"
 
 

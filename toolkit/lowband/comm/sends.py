@@ -17,40 +17,39 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from lowband.comm import codecs, wire
-from lowband.comm.codecs import CHUNK, DENSITY, SPARSE, Chunks
+from lowband.comm.codecs import SPARSE, Chunks
 
-BLOCK_SIZE = 64  # values per scale block
 GRAD_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}  # what ddp, zero1 and acco may send
 
 
 @dataclass(frozen=True)
 class Run:
-    """The validated shape of one planned run (everything but the algorithm); plan.make_run
-    builds it from numbers, plan.run_of from a lowband Config."""
+    """The validated shape of one planned run (everything but the algorithm), built only by
+    plan.make_run, whose options not given are lowband train's (a Config's): no defaults here."""
     params: float
     layers: int
     step_time: float
-    replicas: int = 2
-    sync_every: int = 100
-    fragments: int = 1
-    overlap: int = 0
-    codec: str = "fp32"
-    grad_dtype: str = "fp32"      # what ddp, zero1 and acco send (lowband sends fp32)
-    bandwidth: float | None = None
-    latency: float = 0.0
-    steps: int | None = None      # the whole run of this many steps; None: the steady state
-    block_size: int = BLOCK_SIZE
-    density: float = DENSITY      # topk codecs: the share of each chunk's values sent
-    sparse_chunk: int = CHUNK     # topk codecs: values a chunk
-    exchange: str = "auto"        # how a quantized average travels (wire.EXCHANGES)
-    bucket_mb: float | None = None
-    acco_rounds: int = 2
-    fragment_pattern: str = "strided"
-    fragment_sizes: tuple[int, ...] = ()  # values in each of the P fragments
-    shards: int = 1               # S: ranks of a replica group (the fast inner link)
-    unit_sizes: tuple[int, ...] = ()  # edit's units: the root's values, then each block's
-    sync_seconds: float = 0.0     # aedit: seconds of training between two syncs
-    acco_adaptive: bool = True    # acco's adaptive micro-batches: a count all-gather a round
+    replicas: int
+    sync_every: int
+    fragments: int
+    overlap: int
+    codec: str
+    grad_dtype: str               # what ddp, zero1 and acco send (lowband sends fp32)
+    bandwidth: float | None
+    latency: float
+    steps: int | None             # the whole run of this many steps; None: the steady state
+    block_size: int
+    density: float                # topk codecs: the share of each chunk's values sent
+    sparse_chunk: int             # topk codecs: values a chunk
+    exchange: str                 # how a quantized average travels (wire.EXCHANGES)
+    bucket_mb: float | None       # None: a bucket a block
+    acco_rounds: int
+    fragment_pattern: str
+    fragment_sizes: tuple[int, ...]  # values in each of the P fragments
+    shards: int                   # S: ranks of a replica group (the fast inner link)
+    unit_sizes: tuple[int, ...]   # edit's units: the root's values, then each block's
+    sync_seconds: float           # aedit: seconds of training between two syncs
+    acco_adaptive: bool           # acco's adaptive micro-batches: a count all-gather a round
 
     @property
     def world(self) -> int:

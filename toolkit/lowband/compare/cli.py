@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lowband.config import ArgParser, ConfigError
+from lowband.config import ArgParser
 
 DESCRIPTION = (
     "Run recipes, configs and algorithms one after another on the same `lowband train` flags "
@@ -53,19 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     if {"-h", "--help"} & set(argv[:cut]):
         parser().print_help()
         return 0
-    from lowband.compare.runner import CompareStopped, compare
+    from lowband.compare.runner import compare
 
+    # bad input (ConfigError) and a failed run (CompareStopped, its exit status) are UserErrors:
+    # `lowband`'s handler (cli.py) prints their sentence
     try:
         args, extra = parser().parse_known_args(argv[:cut])
         compare(args.recipes, args.configs, args.algos, flags=[*extra, *argv[cut + 1:]],
                 equal=args.equal, directory=args.dir, report=not args.no_report,
                 test_hosts=args.test_hosts)
-    except ConfigError as e:
-        print(f"lowband compare: error: {e}", file=sys.stderr)
-        return 2
-    except CompareStopped as e:
-        print(f"lowband compare: {e}", file=sys.stderr)
-        return e.code
     except KeyboardInterrupt:
         print("lowband compare: interrupted; call it again with the same --dir to continue.",
               file=sys.stderr)

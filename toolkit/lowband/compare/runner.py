@@ -33,7 +33,7 @@ from lowband.compare import entries as E
 from lowband.compare import table as T
 from lowband.config import ConfigError
 from lowband.flags import parse_train
-from lowband.options import needs_extra
+from lowband.options import UserError, needs_extra
 from lowband.summary import one_line
 from lowband.telemetry import RunDir, write_json_atomic
 
@@ -41,9 +41,10 @@ STEPS_CAP = 1_000_000  # --steps of a run that its time budget ends
 EQUAL = ("time", "tokens")
 
 
-class CompareStopped(RuntimeError):
+class CompareStopped(UserError, RuntimeError):
     """A run failed or was interrupted; `code` is its exit status. Calling again with the same
     directory continues the comparison."""
+    label = ""
 
     def __init__(self, message: str, code: int):
         super().__init__(message)

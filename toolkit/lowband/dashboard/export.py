@@ -27,7 +27,7 @@ import math
 import os
 from pathlib import Path
 
-from lowband.options import needs_extra
+from lowband.options import UserError, needs_extra
 from lowband.summary import comparison, fault_text
 
 from .bandwidth_figure import bandwidth_spec
@@ -41,7 +41,7 @@ from .tables import (commits_table, config_table, elastic_text, membership_table
 from .timeline_figure import timeline_spec
 
 
-class ReportError(ValueError):
+class ReportError(UserError, ValueError):
     """Bad input a user can fix (a missing or wrong directory, an unwritable output)."""
 
 

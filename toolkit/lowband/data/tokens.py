@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lowband.options import ConfigError
+from lowband.options import CACHE_ENV, ConfigError
 
 BYTE_VOCAB = 256
 META = "meta.json"  # of a shard directory; its shards are named shard-NNNNN.bin
@@ -28,7 +28,7 @@ SAMPLE = 1 << 16  # sample_sha256: the first, middle and last SAMPLE bytes of a 
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("LOWBAND_CACHE", Path.home() / ".cache" / "lowband"))
+    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "lowband"))
 
 
 def stdlib_files() -> list[Path]:

@@ -3,11 +3,6 @@ torchrun ARGS` is the node agent each node of a job runs (component.py)."""
 
 import sys
 
-from lowband.config import ConfigError
-from lowband.launch.cli import main
+from lowband.cli import main
 
-try:
-    sys.exit(main(sys.argv[1:]))
-except ConfigError as e:
-    print(f"lowband: error: {e}", file=sys.stderr)
-    sys.exit(2)
+sys.exit(main(["launch", *sys.argv[1:]]))

@@ -6,13 +6,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
-from lowband.config import ArgParser, ConfigError
+from lowband.comm.membership.elastic import ElasticOptions
+from lowband.config import ArgParser, ConfigError, RunOptions, flag
 from lowband.launch.handle import LOCAL_SCHEDULERS, LaunchHandle
-from lowband.launch.env import ELASTIC_ENV
+from lowband.launch.env import ELASTIC_VARS
 from lowband.launch.job import flag_args, launch
 from lowband.launch.node import agent
+from lowband.options import REPLICAS_ENV, RUN_DIR_ENV, SHARDS_ENV
 from lowband.summary import one_line
 
 
@@ -24,8 +27,8 @@ def launch_parser() -> argparse.ArgumentParser:
         "replicas, nproc-per-node = shards). Local jobs are followed to the end (Ctrl-C cancels "
         "them); remote ones are submitted and their handle printed. With --script PATH, every "
         "rank runs your training script instead, and the flags not listed here (and all after "
-        "--) are the script's; it reads the layout from LOWBAND_REPLICAS, LOWBAND_SHARDS and "
-        "LOWBAND_RUN_DIR (lowband.launch.launch_config()); with --elastic too, its lowband.Sync "
+        f"--) are the script's; it reads the layout from {REPLICAS_ENV}, {SHARDS_ENV} and "
+        f"{RUN_DIR_ENV} (lowband.launch.launch_config()); with --elastic too, its lowband.Sync "
         "runs elastic (docs/elastic.md)."),
         epilog="`python -m lowband.launch torchrun ARGS` is the per-node agent the job runs.")
     p.add_argument("-s", "--scheduler", default="local_cwd", help="TorchX scheduler (default: "
@@ -37,15 +40,14 @@ def launch_parser() -> argparse.ArgumentParser:
     p.add_argument("--elastic", action="store_true", default=None, help="each replica group a "
                    "role of its own joined by a torchft Lighthouse, restarted when it dies "
                    "(docs/elastic.md); with --script, a script that trains through lowband.Sync")
-    for flag, kind, what in (("--min-replicas", int, "smallest quorum an outer update commits "
-                              "with"), ("--max-restarts", int, "restarts of a group that died"),
-                             ("--quorum-timeout", float, "seconds a group waits for a quorum"),
-                             ("--elastic-timeout", float, "seconds an exchange or a heal may "
-                              "take"), ("--heartbeat-timeout", float, "seconds the Lighthouse "
-                                        "counts a group alive after its last heartbeat")):
-        p.add_argument(flag, type=kind, help=f"--elastic: {what} (lowband train's default)")
-    p.add_argument("--replicas", type=int, help="R, replica groups (default: 2)")
-    p.add_argument("--shards", type=int, help="S, ranks in each replica group (default: 1)")
+    # lowband train's own options, declared once (ElasticOptions, RunOptions): the job's with
+    # --script, passed through to `lowband train` without one
+    run = {f.name: f for f in dataclasses.fields(RunOptions)}
+    for f in (*(f for f in dataclasses.fields(ElasticOptions) if f.name != "elastic"),
+              run["replicas"], run["shards"]):
+        what = f"--elastic: {f.metadata['help']}" if f.name not in run else f.metadata["help"]
+        p.add_argument(flag(f.name), type=f.metadata["type"], metavar=f.name.upper(),
+                       help=f"{what} (default: lowband train's, {f.default!r})")
     p.add_argument("--run-dir", help="run directory, on a filesystem every node shares (default: "
                    "runs/<algo or script>-<time>-<xxxx>)")
     p.add_argument("--nnodes", type=int, default=0, help="nodes (default: replicas / "
@@ -103,7 +105,7 @@ def main(argv: list[str]) -> int:
         train_flags.remove("--")
     mounts = [tok for m in args.mount for tok in m.split(",") if tok]
     # --elastic and its options: the job's with a script, `lowband train`'s flags without one
-    elastic = {k: v for k in ELASTIC_ENV if (v := getattr(args, k)) is not None}
+    elastic = {k: v for k in ELASTIC_VARS if (v := getattr(args, k)) is not None}
     if args.script is not None:
         train_flags, script_args = [], train_flags
     else:

@@ -30,12 +30,11 @@ import torchx.specs as specs
 from torchx.components import dist
 from torchx.specs import macros
 
-from lowband.comm.membership.bind import BIND_ENV, RANK0_ENV, check_bind
-from lowband.comm.membership.secret import FILE as SECRET_FILE, SECRET_ENV
-from lowband.launch.env import ELASTIC_ENV, PROGRESS, REPLICAS, RUN_DIR, SHARDS
-
-# the workers' environment that tells a job's processes their layout (env.py reads it back)
-LAYOUT_ENV = (REPLICAS, SHARDS, RUN_DIR, PROGRESS)
+from lowband.comm.membership.bind import check_bind
+from lowband.comm.membership.secret import FILE as SECRET_FILE
+from lowband.launch.env import ELASTIC_VARS, LAYOUT_ENV
+from lowband.options import (BIND_ENV, LIGHTHOUSE_ENV, LIGHTHOUSE_HOST_ENV, NODE_ENV, RANK0_ENV,
+                             REPLICA_ENV, SECRET_ENV)
 
 # the node agent: torchrun behind lowband's rendezvous check (lowband/launch/node.py, run by
 # lowband/launch/__main__.py when its first argument is "torchrun")
@@ -142,7 +141,7 @@ def train(
         # the job's elastic options, for a script's lowband.Sync (launch/env.py), and the path
         # of its secret (comm/membership/secret.py: the Lighthouse role writes it unless lowband launch has)
         env = {SECRET_ENV: f"{run_dir or f'runs/{macros.app_id}'}/{SECRET_FILE}", **(env or {}),
-               **{var: values[key] for key, (var, _) in ELASTIC_ENV.items()}}
+               **{var: values[key] for key, (var, _) in ELASTIC_VARS.items()}}
         return _elastic(flags, script, algo, replicas, shards, run_dir or f"runs/{macros.app_id}",
                         config, name, image, h, cpu, gpu, memMB, env, mounts,
                         rdzv_timeout, progress, debug, min_replicas, max_restarts, lighthouse_port,
@@ -178,7 +177,7 @@ def _nodes(flags, script, algo, replicas, shards, n, p, run_dir, config, name, i
     # the node's name: its log is RUN/logs/<name>.log (the agent copies its output there)
     env = dict(env or {})
     env = {**env, **dict(zip(LAYOUT_ENV, layout)),
-           "LOWBAND_NODE": env.get("LOWBAND_NODE", f"node{macros.replica_id}")}
+           NODE_ENV: env.get(NODE_ENV, f"node{macros.replica_id}")}
     app = dist.ddp(
         *args, *flags, **program, name=name, image=image, h=h, cpu=cpu, gpu=gpu,
         memMB=memMB, j=f"{n}x{p}", env=env, max_retries=max_retries,
@@ -206,7 +205,7 @@ def _elastic(flags, script, algo, replicas, shards, run_dir, config, name, image
     if not script and "--elastic" not in flags and not _resumes(flags):
         flags = (*flags, "--elastic")
     # (on Slurm each group is a job of its own, told the Lighthouse's node: launch/slurm.py)
-    address = f"http://$${{LOWBAND_LIGHTHOUSE_HOST:-$${{{macros.rank0_env}:=localhost}}}}:{port}"
+    address = f"http://$${{{LIGHTHOUSE_HOST_ENV}:-$${{{macros.rank0_env}:=localhost}}}}:{port}"
     lighthouse = specs.Role(
         name="lighthouse", image=image, entrypoint="python3",
         args=["-m", "lowband.launch", "lighthouse", "--port", str(port), "--min-replicas",
@@ -222,7 +221,7 @@ def _elastic(flags, script, algo, replicas, shards, run_dir, config, name, image
     for g in range(replicas):
         group = _nodes(flags, script, algo, replicas, shards, 1, shards, run_dir, config, name,
                        image, h, cpu, gpu, memMB,
-                       {**env, "LOWBAND_REPLICA": str(g), "LOWBAND_NODE": f"group{g}"}, mounts,
+                       {**env, REPLICA_ENV: str(g), NODE_ENV: f"group{g}"}, mounts,
                        29500, rdzv_timeout, 0, progress, debug)
         role = group.roles[0]
         role.name = f"group{g}"
@@ -231,7 +230,7 @@ def _elastic(flags, script, algo, replicas, shards, run_dir, config, name, image
         role.args[1] = role.args[1].replace(" torchrun ", f" torchrun --max_restarts {max_restarts} ", 1)
         # in the command line, where the role's shell expands the rank-0 host variable on every
         # scheduler (an environment value is expanded only by Slurm's batch script)
-        role.args[1] = f"TORCHFT_LIGHTHOUSE={address} {role.args[1]}"
+        role.args[1] = f"{LIGHTHOUSE_ENV}={address} {role.args[1]}"
         roles.append(role)
     return specs.AppDef(name=name, roles=roles)
 

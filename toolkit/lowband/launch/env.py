@@ -25,34 +25,40 @@ script builds its Config from them:
     cfg = launch_config(algo="streaming", steps=500)   # Config(replicas=R, shards=S, run_dir=...)
     train(cfg, model=my_module)
 
-This module reads only os.environ: it imports nothing of lowband at import time.
+The names are lowband.options' (ENV: the table of every variable lowband reads or sets); this
+module reads os.environ and imports nothing else of lowband at import time.
 """
 
 from __future__ import annotations
 
 import os
 
-REPLICAS, SHARDS, RUN_DIR, PROGRESS = ("LOWBAND_REPLICAS", "LOWBAND_SHARDS", "LOWBAND_RUN_DIR",
-                                       "LOWBAND_PROGRESS")
-# an elastic job's options (Config's names, ElasticOptions in comm/membership/elastic.py): their variables
-# and types; component.py sets them on every replica group of an elastic job
-ELASTIC_ENV = {"elastic": ("LOWBAND_ELASTIC", bool), "min_replicas": ("LOWBAND_MIN_REPLICAS", int),
-               "max_restarts": ("LOWBAND_MAX_RESTARTS", int),
-               "quorum_timeout": ("LOWBAND_QUORUM_TIMEOUT", float),
-               "elastic_timeout": ("LOWBAND_ELASTIC_TIMEOUT", float),
-               "heartbeat_timeout": ("LOWBAND_HEARTBEAT_TIMEOUT", float)}
+from lowband.options import (ELASTIC_ENV, ELASTIC_TIMEOUT_ENV, HEARTBEAT_TIMEOUT_ENV,
+                             MAX_RESTARTS_ENV, MIN_REPLICAS_ENV, PROGRESS_ENV, QUORUM_TIMEOUT_ENV,
+                             REPLICAS_ENV, RUN_DIR_ENV, SHARDS_ENV)
+
+# the workers' environment that tells a job's processes their layout, in the order of
+# (replicas, shards, run_dir, progress); component.py sets it, layout() reads it back
+LAYOUT_ENV = (REPLICAS_ENV, SHARDS_ENV, RUN_DIR_ENV, PROGRESS_ENV)
+# an elastic job's options (Config's names, ElasticOptions in comm/membership/elastic.py): their
+# variables and types; component.py sets them on every replica group of an elastic job
+ELASTIC_VARS = {"elastic": (ELASTIC_ENV, bool), "min_replicas": (MIN_REPLICAS_ENV, int),
+                "max_restarts": (MAX_RESTARTS_ENV, int),
+                "quorum_timeout": (QUORUM_TIMEOUT_ENV, float),
+                "elastic_timeout": (ELASTIC_TIMEOUT_ENV, float),
+                "heartbeat_timeout": (HEARTBEAT_TIMEOUT_ENV, float)}
 
 
 def layout() -> dict:
     """The job's layout from the environment, as Config keywords: replicas, shards, run_dir and
     progress, those whose variable is set (all four under lowband.launch; none under a plain
     torchrun, so `Config(**layout(), ...)` works either way); in an elastic job, its elastic
-    options too (ELASTIC_ENV)."""
+    options too (ELASTIC_VARS)."""
     from lowband.config import ConfigError
 
     out: dict = {}
-    numbers = {"replicas": (REPLICAS, int), "shards": (SHARDS, int),
-               **{k: v for k, v in ELASTIC_ENV.items() if k != "elastic"}}
+    numbers = {"replicas": (REPLICAS_ENV, int), "shards": (SHARDS_ENV, int),
+               **{k: v for k, v in ELASTIC_VARS.items() if k != "elastic"}}
     for key, (var, kind) in numbers.items():
         value = os.environ.get(var)
         if value is not None:
@@ -62,9 +68,9 @@ def layout() -> dict:
                 what = "a whole number" if kind is int else "a number"
                 raise ConfigError(f"{var}={value!r} is not {what}: it is set by "
                                   "lowband.launch, leave it to it.") from None
-    if os.environ.get(RUN_DIR):
-        out["run_dir"] = os.environ[RUN_DIR]
-    for key, var in (("progress", PROGRESS), ("elastic", ELASTIC_ENV["elastic"][0])):
+    if os.environ.get(RUN_DIR_ENV):
+        out["run_dir"] = os.environ[RUN_DIR_ENV]
+    for key, var in (("progress", PROGRESS_ENV), ("elastic", ELASTIC_ENV)):
         if os.environ.get(var) is not None:
             out[key] = os.environ[var] not in ("0", "", "false", "no")
     return out
@@ -84,7 +90,7 @@ def job_layout(options: dict) -> dict:
     from lowband.config import ConfigError
 
     given = layout()
-    for key in ("replicas", "shards", "run_dir", *ELASTIC_ENV):
+    for key in ("replicas", "shards", "run_dir", *ELASTIC_VARS):
         if key in given and key in options and options[key] != given[key]:
             raise ConfigError(f"{key}={options[key]!r} contradicts the launched job's "
                               f"{key}={given[key]!r}: leave {key} to lowband.launch.")

@@ -19,13 +19,13 @@ from typing import Sequence
 
 from lowband.comm.membership.bind import LOOPBACK, check_bind
 from lowband.comm.membership.elastic import TORCHFT, join_timeout_s
-from lowband.comm.membership.secret import FILE, SECRET_ENV
+from lowband.comm.membership.secret import FILE
 from lowband.config import ConfigError
 from lowband.flags import parse_train
-from lowband.launch.env import ELASTIC_ENV
+from lowband.launch.env import ELASTIC_VARS
 from lowband.launch.handle import (LOCAL_SCHEDULERS, TORCHX, LaunchHandle, _get_runner,
                                    _keep_signals)
-from lowband.options import needs_extra
+from lowband.options import SECRET_ENV, needs_extra
 
 # -- the component ---------------------------------------------------------------------------------
 
@@ -149,7 +149,7 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
     _refuse_objects({**options, "algo": algo, "config": config}, [*flags, *script_args])
     if script is not None:
         # elastic=, min_replicas=, ... are the job's (its Lighthouse and restarts), not the script's
-        elastic = {k: v for k in ELASTIC_ENV if (v := options.pop(k, None)) is not None}
+        elastic = {k: v for k in ELASTIC_VARS if (v := options.pop(k, None)) is not None}
         flags, algo, config, run_dir, layout = _script_job(
             script, [*script_args, *flags, *flag_args({"algo": algo, "config": config}),
                      *flag_args(options)], replicas, shards, run_dir, local, elastic)
@@ -246,7 +246,7 @@ def _elastic_layout(cfg, local: bool) -> dict:
     if local:  # (remote nodes have their own installs)
         needs_extra(*TORCHFT)
     out = {"elastic": True, "join_timeout": join_timeout_s(cfg),
-           **{k: getattr(cfg, k) for k in ELASTIC_ENV if k != "elastic"}}
+           **{k: getattr(cfg, k) for k in ELASTIC_VARS if k != "elastic"}}
     if local:
         from lowband.launch.local import free_port
 

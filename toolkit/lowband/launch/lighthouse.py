@@ -19,26 +19,28 @@ import sys
 import time
 
 from lowband.comm.membership import secret
-from lowband.comm.membership.bind import BIND_ENV, bind_host, url_host
+from lowband.comm.membership.bind import bind_host, url_host
+from lowband.comm.membership.elastic import ElasticOptions, join_timeout_s
 from lowband.comm.membership.lives import alive_groups
 from lowband.faults import lighthouse_kill_asked
 from lowband.launch.env import layout
 from lowband.launch.slurm import GROUPS_ARG, GroupJobs
 from lowband import summary
 from lowband.launch.supervise import leave_out_stragglers, lighthouse
-from lowband.options import ConfigError
+from lowband.options import BIND_ENV, SECRET_ENV, ConfigError
 from lowband.telemetry import RunDir
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m lowband.launch lighthouse",
                                 allow_abbrev=False)
-    p.add_argument("--port", type=int, default=29510)
-    p.add_argument("--heartbeat-timeout", type=_positive, default=5.0,
+    elastic = ElasticOptions()  # lowband train's defaults (component.py passes the job's)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--heartbeat-timeout", type=_positive, default=elastic.heartbeat_timeout,
                    help="seconds without a group's heartbeat before it is left out of a quorum")
-    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--min-replicas", type=int, default=elastic.min_replicas)
     p.add_argument("--replicas", type=int, required=True, help="the run's replica groups")
-    p.add_argument("--join-timeout", type=_positive, default=60.0,
+    p.add_argument("--join-timeout", type=_positive, default=join_timeout_s(elastic),
                    help="seconds a quorum waits for a group that heartbeats but has not asked "
                    "(lowband.comm.membership.elastic.join_timeout_s)")
     p.add_argument("--run-dir", required=True)
@@ -64,8 +66,8 @@ def main(argv: list[str]) -> int:
           file=sys.stderr, flush=True)
     run = RunDir(a.run_dir)
     run.clear_group_records()  # (a resumed run's earlier part: its groups finish again)
-    if os.environ.get(secret.SECRET_ENV):  # the job's secret, if `lowband launch` has not
-        secret.make(os.environ[secret.SECRET_ENV])  # written it (a `torchx run` of its own)
+    if os.environ.get(SECRET_ENV):  # the job's secret, if `lowband launch` has not
+        secret.make(os.environ[SECRET_ENV])  # written it (a `torchx run` of its own)
     first_done, jobs, last_alive = None, None, time.monotonic()
     # a cancelled job's SIGTERM: cancel the group jobs on the way out (finally)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -21,7 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from lowband.comm.membership.bind import BIND_ENV, LOOPBACK
+from lowband.comm.membership.bind import LOOPBACK
+from lowband.options import BIND_ENV, WORKER_ENV
 from lowband.telemetry import RunDir
 
 
@@ -71,7 +72,7 @@ class LocalJob:
         for r in range(world):
             wenv = {**os.environ, **(env or {}), "RANK": str(r), "WORLD_SIZE": str(world),
                     "LOCAL_RANK": str(first + r), "LOCAL_WORLD_SIZE": str(on_node), "GROUP_RANK": "0",
-                    "MASTER_ADDR": master, "MASTER_PORT": str(port), "LOWBAND_WORKER": "1",
+                    "MASTER_ADDR": master, "MASTER_PORT": str(port), WORKER_ENV: "1",
                     BIND_ENV: LOOPBACK}  # one machine: every listener on loopback (comm/membership/bind.py)
             prefix = []
             if hosts is not None:  # its listeners and gloo on the host's link, not loopback

@@ -22,10 +22,8 @@ import threading
 import time
 from pathlib import Path
 
-from lowband.comm.membership.bind import BIND_ENV, bind_host, bound_store_type
-from lowband.options import ConfigError
-
-NODE_LOG = "LOWBAND_NODE_LOG"  # set for the agent's own process, under its tee
+from lowband.comm.membership.bind import bind_host, bound_store_type
+from lowband.options import BIND_ENV, NODE_ENV, NODE_LOG_ENV, RUN_DIR_ENV, ConfigError
 
 
 def _is_this_host(host: str, conf: dict) -> bool:
@@ -61,8 +59,8 @@ def agent(argv: list[str]) -> int:
     """torchrun with a bounded, clear failure when the rendezvous cannot be reached or not every
     node joins it in time. A node never trains in a world of its own: the node count is fixed and
     the workers check that the world is replicas x shards."""
-    run_dir, node = os.environ.get("LOWBAND_RUN_DIR"), os.environ.get("LOWBAND_NODE")
-    if run_dir and node and NODE_LOG not in os.environ:
+    run_dir, node = os.environ.get(RUN_DIR_ENV), os.environ.get(NODE_ENV)
+    if run_dir and node and NODE_LOG_ENV not in os.environ:
         return _tee(argv, Path(run_dir) / "logs" / f"{node}.log")
     return _agent(argv)
 
@@ -72,7 +70,7 @@ def _tee(argv: list[str], log: Path) -> int:
     (appended: a requeued job's attempts follow each other). Signals are passed on."""
     log.parent.mkdir(parents=True, exist_ok=True)
     child = subprocess.Popen([sys.executable, "-m", "lowband.launch", "torchrun", *argv],
-                             env={**os.environ, NODE_LOG: str(log)}, stdout=subprocess.PIPE,
+                             env={**os.environ, NODE_LOG_ENV: str(log)}, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, lambda s, _f: child.send_signal(s))
@@ -177,8 +175,8 @@ def failure_sentence(failures: dict, host: str) -> str:
     from lowband.launch.local import describe_exit
 
     rank, failure = min(failures.items())
-    node = os.environ.get("LOWBAND_NODE", "this node")
-    log = os.environ.get(NODE_LOG)
+    node = os.environ.get(NODE_ENV, "this node")
+    log = os.environ.get(NODE_LOG_ENV)
     more = f" (and {len(failures) - 1} more of its workers)" if len(failures) > 1 else ""
     return (f"lowband: error: {node} ({host}): worker rank {rank} {describe_exit(failure.exitcode)}"
             f"{more}, so the job stopped" + (f"; its log: {log}." if log else "."))

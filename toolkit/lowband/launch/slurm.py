@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 from lowband.comm.membership.bind import bind_host, url_host
+from lowband.options import LIGHTHOUSE_HOST_ENV
 
-LIGHTHOUSE_HOST = "LOWBAND_LIGHTHOUSE_HOST"  # the Lighthouse's address, in each group job's env
 GROUPS_ARG = "--slurm-groups"
 _END = "LOWBAND_GROUP_SCRIPT"  # the here-document's delimiter
 
@@ -90,7 +90,7 @@ class GroupJobs:
         # variables (SLURM_CONF, the client's configuration, stays)
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("SLURM_", "SBATCH_", "SRUN_")) or k == "SLURM_CONF"}
-        env[LIGHTHOUSE_HOST] = host
+        env[LIGHTHOUSE_HOST_ENV] = host
         self.ids: list[str] = []
         for script in scripts:
             out = subprocess.run(["sbatch", "--parsable", str(script)], env=env,

@@ -29,12 +29,13 @@ from pathlib import Path
 from lowband.checkpoint.lifecycle import RESTART_COUNT
 from lowband.comm.membership import secret
 from lowband.comm.membership.bind import bind_host, url_host
-from lowband.comm.membership.elastic import LIGHTHOUSE_ENV, REPLICA_ENV, TORCHFT, join_timeout_s, quiet_rust
-from lowband.comm.membership.lives import LIFE_ENV, lighthouse_life
+from lowband.comm.membership.elastic import TORCHFT, join_timeout_s, quiet_rust
+from lowband.comm.membership.lives import lighthouse_life
 from lowband.faults import lighthouse_kill_asked
 from lowband.launch.local import LocalJob, describe_exit, free_port, last_line
-from lowband.options import ConfigError, missing_extra, needs_extra
 from lowband import summary
+from lowband.options import (LIFE_ENV, LIGHTHOUSE_ENV, REPLICA_ENV, SECRET_ENV, ConfigError,
+                             missing_extra, needs_extra)
 from lowband.telemetry import RunDir, read_events, write_json_atomic
 
 
@@ -97,7 +98,7 @@ def run_elastic(cfg, argv: list[str], run: RunDir) -> int:
         began[g] = time.time()
         # the group's lives, as torchrun counts them (checkpoint/lifecycle.py: restarted_group)
         env = {LIGHTHOUSE_ENV: address, REPLICA_ENV: str(g), RESTART_COUNT: str(lives[g]),
-               LIFE_ENV: str(run.lighthouse_life), secret.SECRET_ENV: str(secret_file)}
+               LIFE_ENV: str(run.lighthouse_life), SECRET_ENV: str(secret_file)}
         return LocalJob(argv, cfg.shards, run, env, log_prefix=f"replica{g}-", terminal=g == 0,
                         node=(g * cfg.shards, cfg.world))
 

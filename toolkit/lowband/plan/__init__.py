@@ -23,11 +23,11 @@ from lowband.plan.api import (SimResult, figure, plan, plan_config, plan_configs
                               required_bandwidth, simulate)
 from lowband.plan.check import check_run, measured_figure, predict_to_target
 from lowband.plan.cli import main, run_plan, table
-from lowband.plan.inputs import (ALGORITHMS, BLOCK_SIZE, CODECS, GRAD_DTYPES, MODELS,
+from lowband.plan.inputs import (ALGORITHMS, CODECS, GRAD_DTYPES, MODELS,
                                  PlanError, Run, exchange_phases, make_run, modeled,
                                  parse_bandwidth, payload_bytes, run_of)
 
-__all__ = ["ALGORITHMS", "BLOCK_SIZE", "CODECS", "GRAD_DTYPES", "MODELS", "PlanError", "Run",
+__all__ = ["ALGORITHMS", "CODECS", "GRAD_DTYPES", "MODELS", "PlanError", "Run",
            "SimResult", "check_run", "exchange_phases", "figure", "main", "make_run",
            "measured_figure", "modeled", "parse_bandwidth", "payload_bytes", "plan", "plan_config",
            "plan_configs", "predict_to_target", "required_bandwidth", "run_of", "run_plan", "simulate", "table"]

@@ -1,5 +1,7 @@
 """python -m lowband.plan ... (the same as `lowband plan ...`)."""
 
-from lowband.plan.cli import main
+import sys
 
-raise SystemExit(main())
+from lowband.cli import main
+
+raise SystemExit(main(["plan", *sys.argv[1:]]))

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 from lowband.flags import config_of_args, train_parser
-from lowband.options import ConfigError
 from lowband.plan.api import config_of, plan_configs
 from lowband.plan import probe
 from lowband.plan.calibrate import reads
@@ -199,14 +198,12 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`lowband plan ...`: 0 on success, 2 on bad input (one sentence on stderr)."""
+    """`lowband plan ...`: 0 on success; bad input raises a UserError (PlanError, ConfigError),
+    which `lowband`'s handler (cli.py) prints as one sentence, exit status 2."""
     try:
         result, as_json = run_plan(sys.argv[1:] if argv is None else argv)
     except SystemExit as e:  # --help
         return int(e.code or 0)
-    except (PlanError, ConfigError) as e:
-        print(f"lowband plan: {e}", file=sys.stderr)
-        return 2
     try:
         print(json.dumps(result, indent=2) if as_json else table(result), flush=True)
     except BrokenPipeError:  # `lowband plan ... | head`

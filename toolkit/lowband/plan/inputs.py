@@ -8,12 +8,12 @@ import re
 from lowband import units
 from lowband.algorithms import ALGORITHMS as REGISTRY, Algorithm
 from lowband.comm import wire
-from lowband.comm.codecs import CHUNK, CODEC_RECORDS, DENSITY
-from lowband.comm.sends import (BLOCK_SIZE, GRAD_BYTES, Run, block, exchange_phases,  # noqa: F401
+from lowband.comm.codecs import CODEC_RECORDS
+from lowband.comm.sends import (GRAD_BYTES, Run, block, exchange_phases,  # noqa: F401
                                 payload_bytes)
 from lowband.models import spec
 from lowband.models.gpt import MODELS as MODEL_SPECS
-from lowband.options import ConfigError
+from lowband.options import ConfigError, UserError
 from lowband.plan.fragments import (even_fragments, even_units, model_fragments, model_size,
                                     model_units)
 
@@ -31,7 +31,7 @@ GRAD_DTYPES = GRAD_BYTES
 MODELS = {name: (m.param_count(), m.n_layer) for name, m in MODEL_SPECS.items()}
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
     """Input a user can fix; its message is one sentence naming the fix."""
 
 
@@ -77,13 +77,39 @@ def _integer(value, name: str, low: int) -> int:
 SHAPE = ("n_layer", "n_head", "d_model", "vocab_size", "seq_len")  # lowband's size overrides
 
 
-def make_run(params=None, layers=None, step_time=None, *, model=None, flops_per_step=None,
-             flops=None, replicas=2, sync_every=100, fragments=1, overlap=0, codec="fp32",
-             grad_dtype="fp32", bandwidth=None, latency=0.0, steps=None, block_size=BLOCK_SIZE,
-             density=DENSITY, sparse_chunk=CHUNK, exchange="auto", bucket_mb=None,
-             acco_rounds=2, fragment_pattern="strided", fragment_sizes=None, n_head=0, d_model=0,
-             vocab_size=0, seq_len=0, shards=1, sync_seconds=0.0, acco_adaptive=True) -> Run:
+def trained(cfg) -> dict:
+    """make_run's arguments that are `lowband train` options, from a Config (by its own names):
+    what run_of plans, and what make_run takes for those not given (a default Config's)."""
+    return dict(replicas=cfg.replicas, shards=cfg.shards, sync_every=cfg.sync_every,
+                fragments=cfg.fragments or 1, overlap=cfg.overlap or 0, codec=cfg.codec or "fp32",
+                fragment_pattern=cfg.fragment_pattern, exchange=cfg.exchange, density=cfg.density,
+                sparse_chunk=cfg.sparse_chunk, block_size=cfg.codec_block,
+                bucket_mb=cfg.bucket_mb, sync_seconds=cfg.sync_seconds,
+                acco_adaptive=cfg.acco_micro == "adaptive")
+
+
+def make_run(params=None, layers=None, step_time=None, **given) -> Run:
     """Validate and normalize the inputs; raises PlanError (a ValueError) naming the fix.
+
+    given: the planner's own inputs (model, flops_per_step and flops, grad_dtype, bandwidth,
+    latency, steps, acco_rounds, fragment_sizes, the model's sizes) and `lowband train` options
+    under trained()'s names (replicas, sync_every, fragments, codec, block_size, bucket_mb, ...).
+    An option not given is a default Config's, so the planner has no defaults of its own (a None
+    fragments, overlap or codec, which a Config resolves per algorithm: 1, 0, fp32). Without
+    them: no link (bandwidth None: the plan says what it needs), the steady state (steps None),
+    fp32 gradients, acco's two rounds.
+    """
+    from lowband.config import Config
+
+    return _run(params, layers, step_time, **(trained(Config()) | given))
+
+
+def _run(params, layers, step_time, *, model=None, flops_per_step=None, flops=None,
+         grad_dtype="fp32", bandwidth=None, latency=0.0, steps=None, acco_rounds=2,
+         fragment_sizes=None, n_head=0, d_model=0, vocab_size=0, seq_len=0, replicas, shards,
+         sync_every, fragments, overlap, codec, fragment_pattern, exchange, density, sparse_chunk,
+         block_size, bucket_mb, sync_seconds, acco_adaptive) -> Run:
+    """make_run's Run, every `lowband train` option given.
 
     model: a preset or hf:PATH, built on the meta device for its parameter count, blocks and
     real fragment sizes; `layers` (a preset's n_layer) and n_head, d_model, vocab_size, seq_len
@@ -182,13 +208,8 @@ def run_of(cfg, step_time=None, *, params=None, steady: bool = False, **override
     kw = dict(
         params=params, layers=cfg.n_layer or None, step_time=step_time, model=cfg.model,
         n_head=cfg.n_head, d_model=cfg.d_model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
-        replicas=cfg.replicas, shards=cfg.shards, sync_every=cfg.sync_every,
-        fragments=cfg.fragments or 1, overlap=cfg.overlap or 0, codec=cfg.codec or "fp32",
-        fragment_pattern=cfg.fragment_pattern, exchange=cfg.exchange, density=cfg.density,
-        sparse_chunk=cfg.sparse_chunk, block_size=cfg.codec_block, bucket_mb=cfg.bucket_mb,
-        bandwidth=cfg.link_bandwidth or None, latency=cfg.link_latency,
-        steps=None if steady else cfg.steps, sync_seconds=cfg.sync_seconds,
-        acco_adaptive=cfg.acco_micro == "adaptive")
+        **trained(cfg), bandwidth=cfg.link_bandwidth or None, latency=cfg.link_latency,
+        steps=None if steady else cfg.steps)
     if params is not None and not cfg.n_layer:  # spread over the model's own blocks
         kw["layers"] = cfg.n_blocks()
     return make_run(**(kw | overrides))

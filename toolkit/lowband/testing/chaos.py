@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lowband.comm.membership.lives import LIFE, STATUS_TIMEOUT_S
+from lowband.options import REPLICA_ENV
 from lowband.telemetry import RunDir, parse_event, read_events
 
 RECONNECT_S = 10.0  # torchft reconnects to a Lighthouse with a backoff of at most 10 s a try
@@ -132,7 +133,7 @@ class Soak:
         else:
             groups: dict[int, list[int]] = {}
             for p in children:
-                g = _env(p).get("LOWBAND_REPLICA")
+                g = _env(p).get(REPLICA_ENV)
                 if g is not None:
                     groups.setdefault(int(g), []).append(p)
             if not groups:

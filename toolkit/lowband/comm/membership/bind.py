@@ -24,11 +24,8 @@ from contextlib import contextmanager
 from datetime import timedelta
 from urllib.parse import urlsplit
 
-from lowband.options import ConfigError
+from lowband.options import BIND_ENV, LIGHTHOUSE_ENV, RANK0_ENV, ConfigError
 
-BIND_ENV = "LOWBAND_BIND_HOST"
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # (comm/membership/elastic.py's, which imports this module)
-RANK0_ENV = "LOWBAND_RANK0_ENV"  # the name of the scheduler's variable naming the first node
 LOOPBACK = "127.0.0.1"
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 _SIOCGIFADDR = 0x8915

@@ -44,12 +44,12 @@ from datetime import timedelta
 
 import torch
 
-from lowband.comm.membership.bind import LIGHTHOUSE_ENV, bind_gloo, bind_host, bound_manager_server, url_host
+from lowband.comm.membership.bind import bind_gloo, bind_host, bound_manager_server, url_host
 from lowband.comm.membership.fixed import FixedMembership
-from lowband.comm.membership.lives import LIFE, LIFE_ENV, LighthouseLives, alive_groups
-from lowband.options import ConfigError, Options, needs_extra, option
+from lowband.comm.membership.lives import LIFE, LighthouseLives, alive_groups
+from lowband.options import (LIFE_ENV, LIGHTHOUSE_ENV, REPLICA_ENV, ConfigError, Options,
+                             UserError, needs_extra, option)
 
-REPLICA_ENV = "LOWBAND_REPLICA"
 RETRY_S = 0.5  # while the Lighthouse is unreachable, torchft asks it again this often
 TIEBREAK = 1 << 20  # a group's quorum step: its progress's number (below) x TIEBREAK + tiebreak
 TORCHFT = ("elastic", "--elastic", "torchft")  # needs_extra's (extra, what, module)
@@ -105,8 +105,9 @@ def join_timeout_s(cfg) -> float:
     return min(cfg.quorum_timeout, cfg.elastic_timeout) / 2
 
 
-class ElasticStopped(RuntimeError):
+class ElasticStopped(UserError, RuntimeError):
     """An elastic group cannot go on (no Lighthouse, no quorum); the message is one sentence."""
+    code, label = 3, ""
 
 
 def replica_of_env() -> int | None:

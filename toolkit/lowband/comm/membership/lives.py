@@ -9,9 +9,8 @@ import os
 import re
 import time
 
-from lowband.comm.membership.bind import LIGHTHOUSE_ENV
+from lowband.options import LIGHTHOUSE_ENV
 
-LIFE_ENV = "LOWBAND_LIGHTHOUSE_LIFE"  # a file: how often the launcher restarted the Lighthouse
 LIFE = 1_000_000  # quorum ids of the Lighthouse's life n: n x LIFE + torchft's quorum id
 STATUS_TIMEOUT_S = 2.0  # alive_groups' wait for the Lighthouse's status page (each socket step)
 

@@ -21,9 +21,8 @@ import secrets
 import time
 from pathlib import Path
 
-from lowband.options import ConfigError
+from lowband.options import SECRET_ENV, ConfigError
 
-SECRET_ENV = "LOWBAND_SECRET_FILE"  # the path of the run's secret (every process of the run)
 FILE = "secret"  # its name in the run directory
 SIZE = 32
 TAG = 8  # bytes of a MAC that name a store prefix or sign a replica id
