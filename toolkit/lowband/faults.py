@@ -1,7 +1,8 @@
 """Fault injectors that work with every algorithm, for experiments, tests and benchmarks.
 
---straggler REPLICA:FACTOR   the ranks of REPLICA compute FACTOR x slower: after each step they
-                             sleep (FACTOR - 1) x the step's compute time (counted as compute)
+--straggler REPLICA:FACTOR[,REPLICA:FACTOR...]  the ranks of each REPLICA compute FACTOR x
+                             slower: after each step they sleep (FACTOR - 1) x the step's
+                             compute time (counted as compute); 0:1,1:2,2:4 sites of 3 speeds
 --corrupt REPLICA:STEP[:SCALE]  after inner step STEP, Gaussian noise of SCALE (default 1) x each
                              tensor's RMS is added to REPLICA's parameters: a bad update that
                              gradient clipping cannot undo, so the loss spikes
@@ -38,14 +39,20 @@ def _parse(text: str, flag: str, form: str, kinds: tuple, required: int) -> tupl
         raise ConfigError(f"cannot read {flag} '{text}': write it as {form}.") from None
 
 
-def parse_straggler(text: str, replicas: int) -> tuple[int, float] | None:
-    if not text:
-        return None
-    replica, factor = _parse(text, "--straggler", "REPLICA:FACTOR, e.g. 1:4", (int, float), 2)
-    if not 0 <= replica < replicas or not factor >= 1:
-        raise ConfigError(f"--straggler {text}: the replica must be in 0..{replicas - 1} and the "
-                          "factor at least 1.")
-    return replica, factor
+def parse_straggler(text: str, replicas: int) -> dict[int, float]:
+    """--straggler REPLICA:FACTOR[,REPLICA:FACTOR...]: each named replica's factor."""
+    out = {}
+    for part in filter(None, text.split(",")):
+        replica, factor = _parse(part, "--straggler", "REPLICA:FACTOR[,REPLICA:FACTOR...], "
+                                 "e.g. 1:4 or 0:1,1:2,2:4", (int, float), 2)
+        if not 0 <= replica < replicas or not factor >= 1:
+            raise ConfigError(f"--straggler {text}: each replica must be in 0..{replicas - 1} "
+                              "and each factor at least 1.")
+        if replica in out:
+            raise ConfigError(f"--straggler {text} names replica {replica} twice: give each "
+                              "replica one factor.")
+        out[replica] = factor
+    return out
 
 
 def parse_corrupt(text: str, replicas: int, steps: int) -> tuple[int, int, float] | None:
@@ -94,7 +101,8 @@ def lighthouse_kill_asked(run_root) -> bool:
 @dataclass
 class FaultOptions(Options):
     title = "fault injection (every algorithm)"
-    straggler: str = option("", "REPLICA:FACTOR: that replica computes FACTOR x slower")
+    straggler: str = option("", "REPLICA:FACTOR[,REPLICA:FACTOR...]: each replica named "
+                            "computes FACTOR x slower (0:1,1:2,2:4: three speeds)")
     corrupt: str = option("", "REPLICA:STEP[:SCALE]: noise of SCALE x RMS added to that replica's "
                           "parameters after STEP")
     crash_checkpoint: int = option(0, "die between writing and renaming the checkpoint of this "
@@ -146,9 +154,10 @@ class Faults:
         os.kill(os.getpid(), signal.SIGKILL)
 
     def slow_down(self, compute_s: float) -> None:
-        """Make this rank's step slower if its replica is the straggler."""
-        if self.straggler and self.straggler[0] == self.replica:
-            time.sleep((self.straggler[1] - 1) * compute_s)
+        """Make this rank's step slower if its replica is a straggler."""
+        factor = self.straggler.get(self.replica, 1.0)
+        if factor > 1:
+            time.sleep((factor - 1) * compute_s)
 
     @torch.no_grad()
     def after_step(self, step: int, model: torch.nn.Module) -> bool:

@@ -159,7 +159,7 @@ class Session:
         elapsed = self.clock.seconds() if elapsed is None else elapsed
         outer = self.comm.totals.wire_bytes["outer"] if outer_bytes is None else outer_bytes
         done = self.progress
-        step = done.step if step is None else step
+        step = self.run_step() if step is None else step
         done.val_loss = val_loss
         fields, record = self.ledger.at_eval(step, val_loss, elapsed, done.tokens, outer,
                                              everyone)
@@ -167,22 +167,29 @@ class Session:
         if record is not None:
             done.evals.append(record)
 
+    def run_step(self) -> int:
+        """Where the steps done stand on the run's schedule (algorithms/base.py run_step: the
+        steps done, or with --local-steps adaptive the run step of the last sync started)."""
+        at = self.algo.run_step(self.progress.step)
+        return self.progress.step if at is None else at
+
     def maybe_checkpoint(self, step: int, last: bool) -> None:
-        """The checkpoint rule, after step `step` (1-based; last: the run's last step): every
-        --checkpoint-every steps and at the end."""
-        every = self.cfg.checkpoint_every
-        if every and (step % every == 0 or last):
+        """The checkpoint rule, after inner step `step` (1-based; last: the run's last step):
+        every --checkpoint-every steps of the run's schedule and at the end."""
+        every, at = self.cfg.checkpoint_every, self.algo.run_step(step)
+        if every and (last or at is not None and at % every == 0):
             self.checkpoint()
 
     def checkpoint(self) -> None:
         """Write a checkpoint now (every rank, after the same step): the model, the optimizer,
         the algorithm's state and this session's (state_dict), through torch DCP."""
-        crash = self.faults is not None and self.faults.crash_checkpoint == self.progress.step
-        path = checkpoint.save(self.run, self.progress.step, self.model, self.optimizer,
-                               self.algo, self.topo.replica, self.state_dict,
-                               self.cfg.keep_checkpoints, crash_before_rename=crash,
+        at = self.run_step()  # (every replica's the same, also where their steps differ)
+        crash = self.faults is not None and self.faults.crash_checkpoint == at
+        path = checkpoint.save(self.run, at, self.model, self.optimizer, self.algo,
+                               self.topo.replica, self.state_dict, self.cfg.keep_checkpoints,
+                               crash_before_rename=crash,
                                group=lifecycle.group(self.cfg, self.topo))
-        self.events.emit_checkpoint(self.progress.step, str(path))
+        self.events.emit_checkpoint(at, str(path))
 
     def state_dict(self) -> dict:
         """This rank's state beside the model's, the optimizer's and the algorithm's: the

@@ -136,15 +136,16 @@ def _train(session: Session, tokens, model, blocks):
                                   time.perf_counter() - t0, algo.lr(step))
         time_up = clock.ends_after(step + 1)  # (after the event: it moves the lr's fraction)
         ends = algo.ends_after(step + 1) or time_up  # the final evaluation follows the loop
+        at = algo.run_step(step + 1)  # where every replica is too (None: between syncs)
         with clock.paused():
-            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and not ends:
-                _evaluate(session, batches, step + 1, elapsed, lockstep)
-            session.maybe_checkpoint(step + 1, ends or step + 1 == cfg.stop_after)
+            if cfg.eval_every and at is not None and at % cfg.eval_every == 0 and not ends:
+                _evaluate(session, batches, at, elapsed, lockstep)
+            session.maybe_checkpoint(step + 1, ends or at == cfg.stop_after)
         if bar is not None:
             tok_s = done.tokens * topo.world / max(clock.seconds(), 1e-9)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:.0f}")
             bar.update(max(min(_bar_at(cfg, algo, clock, step), bar.total) - bar.n, 0))
-        if step + 1 == cfg.stop_after:
+        if at == cfg.stop_after:
             break
     # exchanges still in flight land before the final evaluation
     summary = session.finish(lambda: _val_loss(session, batches),

@@ -144,6 +144,12 @@ class Algorithm:
         (aedit decides its end at a sync, in should_stop: it writes no checkpoints.)"""
         return step == self.config.steps
 
+    def run_step(self, s: int) -> int | None:
+        """Where inner step s (1-based, just taken) stands on the run's schedule, when every
+        replica stands there too: the step that names its evaluations and checkpoints. s;
+        with --local-steps adaptive only the step after which a sync started (None between)."""
+        return s
+
     def lr_step(self, step: int) -> float:
         """Where step `step` (0-based) read the learning-rate schedule (schedule.lr_at): at its
         number; acco and aedit at their budgets' progress. The `step` events report this lr."""

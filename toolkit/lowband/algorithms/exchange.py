@@ -2,9 +2,9 @@
 the replicas (diloco, streaming, edit, aedit): the codec and its parameters, how a quantized
 average travels, error feedback, the outer rule, and how replicas are weighed.
 
---merge-weights tokens (diloco, streaming): each replica's pseudo-gradient is weighed by the
-tokens it trained on since the fragment's last sync, sum_i t_i x_i / sum_i t_i, where uniform
-(the default) is the plain mean. Replicas of a synchronous run train on equal tokens, so the two
+--merge-weights tokens (diloco, streaming; the default with --local-steps adaptive): each
+replica's pseudo-gradient is weighed by the tokens it trained on since the fragment's last sync,
+sum_i t_i x_i / sum_i t_i, where uniform (the default otherwise) is the plain mean. Replicas of a synchronous run train on equal tokens, so the two
 agree to fp32 rounding there; they differ where replicas' counts differ (exchanges.Weighted).
 """
 
@@ -38,9 +38,18 @@ class ExchangeOptions(Options):
                              "pseudo-gradient) or sparseloco (SparseLoCo: error feedback decayed by "
                              "--outer-momentum in place of momentum, plain SGD on the mean of what "
                              "was sent)", ("nesterov", "sparseloco"))
-    merge_weights: str = option("uniform", "weigh each replica's pseudo-gradient equally, or by "
+    merge_weights: str = option(None, "weigh each replica's pseudo-gradient equally, or by "
                                 "the tokens it trained on since the fragment's last sync "
-                                "(diloco, streaming)", ("uniform", "tokens"))
+                                "(diloco, streaming)", ("uniform", "tokens"), kind=str,
+                                shown="tokens with --local-steps adaptive, else uniform")
+
+    @classmethod
+    def resolve(cls, cfg, algorithm) -> None:
+        """--merge-weights left unset: by tokens where replicas train unequal steps between
+        syncs (--local-steps adaptive, algorithms/pace.py), else uniform."""
+        if cfg.merge_weights is None:
+            adaptive = getattr(cfg, "local_steps", "fixed") != "fixed"
+            cfg.merge_weights = "tokens" if adaptive else "uniform"
 
     @classmethod
     def check(cls, cfg) -> None:

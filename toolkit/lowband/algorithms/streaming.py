@@ -40,6 +40,7 @@ from lowband.algorithms.ddp import DDP
 from lowband.algorithms.outer import (OuterOptions, Staging, kept_at, nesterov_step, outer_home,
                                       settle, sgd_step)
 from lowband.algorithms.exchange import ExchangeOptions, exchange_block
+from lowband.algorithms.pace import Pace, PaceOptions
 from lowband.comm.membership.elastic import lineage_tiebreak
 from lowband.comm.sends import Schedule, average
 from lowband.options import ConfigError, Options, option
@@ -110,7 +111,7 @@ class Streaming(Algorithm):
     user_loop = AT_STEP_EDGES  # (diloco and a registered subclass inherit it)
     kind = PERIODIC
     elastic = True
-    options = (OuterOptions, ExchangeOptions, StreamingOptions)
+    options = (OuterOptions, ExchangeOptions, StreamingOptions, PaceOptions)
     # 4 fragments, fewer for a smaller model (--model nano's 2 blocks): a model flag alone is
     # not refused for a fragment count it did not give
     defaults = {"fragments": lambda cfg: min(4, cfg.n_blocks()), "overlap": 1, "alpha": 0.5,
@@ -142,7 +143,8 @@ class Streaming(Algorithm):
         self.model, self.blocks, self.topo, self.comm, self.config = model, blocks, topology, comm, c
         self.optimizer = optimizer
         device = outer_home(c, topology.device)
-        self.period = c.sync_every // c.fragments
+        self.pace = Pace(c, comm, lambda: self.clock)  # when syncs start (--local-steps)
+        self._times = None  # the step times sent with the sync in flight (pace.start)
         self.fragments = [Fragment(i, ps, topology.shard, topology.shards, device)
                           for i, ps in enumerate(split_fragments(model, blocks, c.fragments,
                                                                  c.fragment_pattern))]
@@ -190,9 +192,24 @@ class Streaming(Algorithm):
 
     def due(self, s: int) -> int | None:
         """The fragment whose sync starts after inner step s (1-based), if any."""
-        if s % self.period:
-            return None
-        return (s // self.period - 1) % len(self.fragments)
+        return self.pace.due(s)
+
+    # --local-steps adaptive: replicas run different step counts; the run's schedule (pace.py)
+    # decides its end, and names its evaluations, checkpoints and learning rate
+    def should_stop(self, step: int) -> bool:
+        return self.pace.over() if self.pace.adaptive else super().should_stop(step)
+
+    def ends_after(self, step: int) -> bool:
+        return self.pace.over() if self.pace.adaptive else super().ends_after(step)
+
+    def run_step(self, s: int) -> int | None:
+        return self.pace.run_step(s)
+
+    def lr_step(self, step: int) -> float:
+        return self.pace.position(step)
+
+    def progress_steps(self, step: int) -> float:
+        return self.pace.position(step) + 1
 
     def after_step(self, step):
         s = step + 1
@@ -225,6 +242,7 @@ class Streaming(Algorithm):
         if self.comm.membership.begin(s):  # behind the others: now a live peer's copy
             s = self.healed_step
             f = self.fragments[self.due(s)]
+        self._times = self.pace.start(s)
         self._exchange(f, s)
 
     def _exchange(self, f: Fragment, s: int) -> None:
@@ -248,15 +266,18 @@ class Streaming(Algorithm):
     @torch.no_grad()
     def _apply(self, f: Fragment) -> None:
         c = self.config
-        _, started, avg = f.pending
+        applied, started, avg = f.pending
         f.pending = None
         delta = avg.wait().to(self.topo.device)
+        self.pace.decide(self._times, applied)  # adaptive: this period's steps, every replica's
+        self._times = None
         if not self._vote(avg):
-            self._uncommitted(f, started)  # the vote failed: the outer state stays as it was
+            # the vote failed: the outer state stays as it was
+            self._uncommitted(f, self.pace.sync_step(started))
             return
         norm = self._norm(delta)
         if not math.isfinite(norm):  # some replica's pseudo-gradient held NaN or inf
-            self._skip(f, started)
+            self._skip(f, self.pace.sync_step(started))
             return
         self.skips = 0
         outer = self.outer_step(f, delta)
@@ -266,9 +287,12 @@ class Streaming(Algorithm):
             quorum = self.comm.membership.sync_fields(outer)  # elastic: quorum, outer digest
             if quorum:
                 self.lineage[f.index] = quorum["outer_digest"]
-            self.comm.events.emit("sync", step=started, fragment=f.index, applied_step=started + c.overlap,
+            at = self.pace.sync_step(started)  # (adaptive: the run's step, not this replica's)
+            self.comm.events.emit("sync", step=at, fragment=f.index,
+                                  applied_step=at + c.overlap,
                                   pseudo_grad_norm=norm, weight=self._weight(avg),
-                                  anomaly=False, outer_lr=c.outer_lr, **quorum)
+                                  anomaly=False, outer_lr=c.outer_lr, **quorum,
+                                  **self.pace.fields())
 
     def outer_step(self, f: Fragment, delta: torch.Tensor) -> torch.Tensor:
         """The outer rule: fragment f's new outer parameters (this rank's slice, on delta's
@@ -325,7 +349,12 @@ class Streaming(Algorithm):
         frags = [{"outer": f.outer, "momentum": f.momentum, "residual": f.residual,
                   "pending": self._landed(f), "tokens": f.tokens} for f in self.fragments]
         healing = self.comm.membership.heal_fields({"lineage": list(self.lineage)})
-        return {"fragments": frags, "skips": self.skips, **healing}
+        pace = {}
+        if self.pace.adaptive:  # the times sent with the sync in flight, landed too
+            times = None if self._times is None else [float(t) for t in self._times.wait()]
+            self._times = None if times is None else Landed(torch.tensor(times))
+            pace = {"pace": {**self.pace.state_dict(), "times": times}}
+        return {"fragments": frags, "skips": self.skips, **healing, **pace}
 
     @staticmethod
     def _landed(f: Fragment) -> list | None:
@@ -347,6 +376,10 @@ class Streaming(Algorithm):
             f.pending = None if p is None else (p[0], p[1], Landed(p[2], (p + [None])[3]))
         self.skips = state["skips"]
         self.lineage = list(state.get("lineage", [""] * len(self.fragments)))
+        if "pace" in state:
+            self.pace.load_state_dict(state["pace"])
+            times = state["pace"]["times"]
+            self._times = None if times is None else Landed(torch.tensor(times))
 
     def _gather(self, f: Fragment, piece: torch.Tensor) -> torch.Tensor:
         """The whole fragment from every shard's slice (over the fast inner link)."""

@@ -96,7 +96,9 @@ class Transfer:
     def wait(self):
         t0 = time.perf_counter()
         result = self.landed()
-        self.comm.wait_s += time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        self.comm.wait_s += waited
+        self.comm.waited_s += waited
         return result
 
     def landed(self):
@@ -163,6 +165,7 @@ class Comm:
         # who the replica groups are (comm/membership/): fixed, or torchft's when elastic
         self.membership = FixedMembership(topology)
         self.wait_s = 0.0  # seconds the training thread spent blocked on transfers
+        self.waited_s = 0.0  # the same, never taken: the run's total (algorithms/pace.py)
         self._lock = threading.Lock()
         self._second: dict[str, dist.ProcessGroup] = {}  # the two-phase all-gathers' groups
         self._phase_two: queue.SimpleQueue | None = None  # the thread that starts them

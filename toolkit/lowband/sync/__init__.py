@@ -152,8 +152,10 @@ class Sync:
     def range(self):
         """The steps to train, each the step this Sync is at: `for step in sync.range():`, from
         start_step to steps. It follows a heal (elastic: a group behind the others goes on from a
-        live peer's state and step), which range(sync.start_step, sync.steps) would not."""
-        while self.done.step < self.config.steps and not self.finished:
+        live peer's state and step), which range(sync.start_step, sync.steps) would not, and
+        with local_steps="adaptive" it ends this replica's steps at the run's last sync (a
+        slower replica runs fewer)."""
+        while not self._over and not self.finished:
             step = self.done.step
             yield step
             if self.done.step == step and not self.finished:
@@ -191,6 +193,10 @@ class Sync:
         if step >= self.config.steps:
             raise ConfigError(f"step {step + 1} is past steps={self.config.steps} given to "
                               "lowband.Sync: pass your loop's length as steps=.")
+        if self._over:
+            raise ConfigError(f"step {step + 1} is past this replica's last sync (with "
+                              "local_steps='adaptive' a slower replica runs fewer steps): loop "
+                              "with `for step in sync.range()`.")
         self.algo.after_step(step)
         session, c = self.session, self.config
         loss = float(loss.detach().float().mean()) if torch.is_tensor(loss) else \
@@ -201,7 +207,7 @@ class Sync:
         with session.clock.paused():
             if val_loss is not None:
                 session.evaluated(float(val_loss), elapsed)
-            session.maybe_checkpoint(step + 1, step + 1 == c.steps)
+            session.maybe_checkpoint(step + 1, self.algo.ends_after(step + 1))
         self._stepped, self._counted = 0, True
         self._begin_step()
 
@@ -261,8 +267,8 @@ class Sync:
         forward pass."""
         self._t0 = self.session.clock.seconds()  # training seconds: sync.paused() left out
         step = self.done.step
-        if step < self.config.steps:
-            self.algo.should_stop(step)
+        self._over = step >= self.config.steps or self.algo.should_stop(step)
+        if not self._over:
             self.session.take_heal()
             self.algo.before_forward(self.done.step)
         self._backward_done, self._micro = False, 0

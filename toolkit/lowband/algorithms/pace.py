@@ -1,0 +1,224 @@
+"""When a replica of diloco or streaming syncs: after a fixed number of inner steps, or after as
+many as its speed allows (--local-steps adaptive), so that replicas of unequal speed reach each
+sync together and none waits for the slowest.
+
+fixed (the default): a sync starts after every H/P inner steps (`period`), fragment
+(s / period - 1) mod P after step s, on every replica alike.
+
+adaptive: the syncs keep their order (sync k syncs fragment k mod P) but each replica reaches
+them at its own step count. Replica r runs n_r inner steps between two syncs, with
+
+    n_r = clamp(round(period x t_fast / t_r), tau + 1, period)
+
+where t_r is its measured compute seconds a step since the last sync (waits for the link left
+out; the first sync's since the run began) and t_fast the fastest replica's: the fastest runs
+`period` steps, a replica twice as slow half as many, and each period lasts about `period` of
+the fastest's steps on every replica. Each replica's time travels with sync k's exchange (an
+all-gather of one number a rank, started with it) and sets the steps of the period running
+when sync k's average is applied (tau steps later), on every rank from the same numbers, so
+every rank agrees on every replica's steps; tau + 1 steps at the least keep each apply before
+the next sync. A count moves only when its ideal is 15% of a period away (DEAD_BAND): a loaded
+machine's noise leaves equal replicas at `period`; a slowdown that comes and goes moves it at
+the next sync. Declared speeds (--local-steps 1,0.5) set the counts once, from the start, with
+nothing measured: a site known to be slower, and runs that repeat exactly.
+
+The schedule's own clock is the *run step*: sync k (k = 1, 2, ...) starts at run step
+k x period on every replica, which names evaluations, checkpoints and the learning rate's place
+(a slow replica's step i of a period of n_r steps is at run step (k - 1) x period + i x
+period / n_r). Pseudo-gradients merge weighted by the tokens each replica trained
+(--merge-weights tokens): a fast replica's longer walk counts for more, in proportion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowband.options import ConfigError, Options, option
+
+DEAD_BAND = 0.15  # of a period: how far a replica's ideal steps move before its count does
+
+
+@dataclass
+class PaceOptions(Options):
+    title = "local steps"
+    local_steps: str = option("fixed", "fixed: every replica runs H/P inner steps between two "
+                              "syncs; adaptive: as many as its measured speed allows, so that "
+                              "replicas of unequal speed reach each sync together (merged by "
+                              "tokens; docs/algorithms.md); or each replica's speed declared, "
+                              "SPEED,SPEED,... (1,0.5: replica 1 runs half the steps)")
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        if cfg.local_steps == "fixed":
+            return
+        declared(cfg.local_steps, cfg.replicas)
+        period = cfg.sync_every // cfg.fragments
+        if cfg.elastic:
+            raise ConfigError("--local-steps adaptive does not run --elastic yet (a healed group "
+                              "would take a peer's pace): drop one of them.")
+        if cfg.merge_weights != "tokens":
+            raise ConfigError(f"--local-steps {cfg.local_steps} merges each replica's pseudo-gradient by "
+                              "the tokens it trained: drop --merge-weights uniform.")
+        for name, value in (("steps", cfg.steps), ("eval-every", cfg.eval_every),
+                            ("checkpoint-every", cfg.checkpoint_every),
+                            ("stop-after", cfg.stop_after)):
+            if value % period:
+                raise ConfigError(f"--{name} {value} is not a multiple of H/P = {period}: with "
+                                  "--local-steps adaptive replicas meet only at syncs, so runs "
+                                  "end, evaluate and checkpoint there.")
+        if cfg.time_budget:
+            raise ConfigError("--local-steps adaptive ends after --steps of the fastest "
+                              "replica: drop --time-budget.")
+
+
+def declared(text: str, replicas: int) -> list[float] | None:
+    """--local-steps SPEED,SPEED,...: each replica's speed (None for fixed and adaptive)."""
+    if text in ("fixed", "adaptive"):
+        return None
+    try:
+        speeds = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--local-steps '{text}' is not fixed, adaptive or one speed a "
+                          "replica (SPEED,SPEED,..., e.g. 1,0.5).") from None
+    if len(speeds) != replicas or not all(x > 0 for x in speeds):
+        raise ConfigError(f"--local-steps {text}: give one positive speed for each of the "
+                          f"{replicas} replicas (e.g. {','.join(['1'] * replicas)}).")
+    return speeds
+
+
+class Pace:
+    """One replica's sync schedule (module doc): which fragment's sync starts after inner step
+    s, and where a step stands on the run's schedule. State: the syncs started, the step the
+    last one started at, this period's steps (n), the times measured since."""
+
+    def __init__(self, cfg, comm, clock_of):
+        self.adaptive = cfg.local_steps != "fixed"
+        self.speeds = declared(cfg.local_steps, cfg.replicas)  # None: measured
+        self.period, self.fragments, self.tau = cfg.sync_every // cfg.fragments, cfg.fragments, \
+            cfg.overlap
+        self.total = cfg.steps // self.period  # adaptive: the run's syncs
+        self.comm, self.clock_of = comm, clock_of
+        self.started = 0     # syncs started
+        self.last_start = 0  # the inner step the last sync started after
+        self.n = self.period  # this replica's steps in the current period
+        self.steps_of = None  # every replica's n for the current period (decided at an apply)
+        if self.speeds is not None:  # declared: the same from the first period on
+            self.steps_of = self.steps_for([1 / x for x in self.speeds])
+            self.n = self.steps_of[comm.topo.replica]
+        self.last_steps = 0  # this replica's steps in the period that ended at the last start
+        self._mark = None    # (training seconds, link waits) at the last start
+        # the run steps of the period's inner steps: from inner step (0-based) `at`, run step
+        # `base` and `rate` run steps an inner step (an apply that changes n starts a new piece)
+        self._piece = (0, 0.0, self.period / self.n)
+        self._lr = (None, 0.0)  # (step, run step) last asked: the same answer after a change
+
+    # -- the schedule --------------------------------------------------------------------------
+
+    def due(self, s: int) -> int | None:
+        """The fragment whose sync starts after inner step s (1-based), if any."""
+        if not self.adaptive:
+            return None if s % self.period else (s // self.period - 1) % self.fragments
+        return self.started % self.fragments if s == self.last_start + self.n else None
+
+    def run_step(self, s: int) -> int | None:
+        """Where inner step s (1-based, just taken) stands on the run's schedule, when every
+        replica stands there too: s (fixed), or the run step of a sync started after it."""
+        if not self.adaptive:
+            return s
+        return self.started * self.period if s == self.last_start and self.started else None
+
+    def position(self, step: int) -> float:
+        """The run step of inner step `step` (0-based, about to be taken), for the learning
+        rate and the progress bar: the same number each time the step is asked about."""
+        if not self.adaptive:
+            return step
+        if self._lr[0] != step:
+            at, base, rate = self._piece
+            self._lr = (step, base + (step - at) * rate)
+        return self._lr[1]
+
+    def over(self) -> bool:
+        """adaptive: the run's last sync has started."""
+        return self.started >= self.total
+
+    # -- at a sync -----------------------------------------------------------------------------
+
+    def start(self, s: int):
+        """Sync `self.started` starts after inner step s: the measured step time leaves with it
+        (a Transfer; None with fixed steps), to decide the next period at its apply."""
+        self.started += 1
+        if not self.adaptive or self.speeds is not None:  # (declared: nothing to measure)
+            if self.adaptive:
+                self.last_steps, self.last_start = s - self.last_start, s
+                self._piece = (s, float(self.started * self.period), self.period / self.n)
+            return None
+        steps = self.last_steps = s - self.last_start
+        self.last_start = s
+        now = (self.clock_of().seconds(), self.comm.waited_s)
+        if self._mark is None and self.started == 1:  # a fresh run's first: since it began
+            self._mark = (0.0, 0.0)
+        took = (now[0] - now[1]) - (self._mark[0] - self._mark[1]) if self._mark else 0.0
+        self._mark = now
+        self._piece = (s, float(self.started * self.period), self.period / self.n)
+        mine = torch.tensor([took / max(steps, 1)], dtype=torch.float64)
+        return self.comm.all_gather(mine, "world", tag="pace")
+
+    def decide(self, times, s: int) -> None:
+        """At a sync's apply, after inner step s: every replica's steps for the period now
+        running, from the times every rank sent (a replica's: its slowest rank's), the same on
+        every rank; the period's remaining steps spread over its remaining run steps."""
+        if times is None:
+            return
+        per_rank = [float(t) for t in times.wait()]
+        shards = len(per_rank) // self.comm.topo.replicas
+        per_replica = [max(per_rank[r * shards:(r + 1) * shards]) for r in range(len(per_rank)
+                                                                                   // shards)]
+        if min(per_replica) <= 0:  # a resumed run's first: nothing measured before it
+            return
+        self.steps_of = self.steps_for(per_replica, self.steps_of)
+        self.n = self.steps_of[self.comm.topo.replica]
+        end = (self.started + 1) * self.period  # the next sync's run step: the period's end
+        here = self.position(s)
+        self._piece = (s, here, (end - here) / (self.last_start + self.n - s))
+
+    def steps_for(self, times: list[float], now: list[int] | None = None) -> list[int]:
+        """Each replica's steps in a period, from its seconds a step: the fastest's `period`,
+        the others' in proportion, at least tau + 1. A replica's count moves only when its
+        ideal is DEAD_BAND of a period (or a step) away from `now`'s: the noise of a loaded
+        machine leaves equal replicas at `period`, a 2x straggler moves to half of it."""
+        now = now or [self.period] * len(times)
+        band = max(1.0, DEAD_BAND * self.period)
+        out = []
+        for t, n in zip(times, now):
+            ideal = self.period * min(times) / t
+            out.append(n if abs(ideal - n) < band else
+                       min(max(round(ideal), self.tau + 1), self.period))
+        return out
+
+    def sync_step(self, started_at: int) -> int:
+        """The run step of the sync in flight, started after inner step `started_at` (until
+        the next starts): where every replica's sync events meet."""
+        return self.started * self.period if self.adaptive else started_at
+
+    def fields(self) -> dict:
+        """What a sync event records of the schedule (adaptive): the inner step this replica
+        started it after, its steps in the period that ended, every replica's for the period
+        that began (decided at this apply)."""
+        if not self.adaptive:
+            return {}
+        return {"inner_step": self.last_start, "local_steps": self.last_steps,
+                "steps_of": self.steps_of}
+
+    def state_dict(self) -> dict:
+        return {"started": self.started, "last_start": self.last_start, "n": self.n,
+                "steps_of": self.steps_of, "last_steps": self.last_steps,
+                "piece": list(self._piece)}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state:  # (a checkpoint from before adaptive steps: fixed, nothing to restore)
+            self.started, self.last_start = state["started"], state["last_start"]
+            self.n, self.steps_of = state["n"], state["steps_of"]
+            self.last_steps = state["last_steps"]
+            self._piece, self._mark, self._lr = tuple(state["piece"]), None, (None, 0.0)
