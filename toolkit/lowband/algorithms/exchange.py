@@ -4,8 +4,9 @@ average travels, error feedback, the outer rule, and how replicas are weighed.
 
 --merge-weights tokens (diloco, streaming; the default with --local-steps adaptive): each
 replica's pseudo-gradient is weighed by the tokens it trained on since the fragment's last sync,
-sum_i t_i x_i / sum_i t_i, where uniform (the default otherwise) is the plain mean. Replicas of a synchronous run train on equal tokens, so the two
-agree to fp32 rounding there; they differ where replicas' counts differ (exchanges.Weighted).
+sum_i t_i x_i / sum_i t_i, where uniform (the default otherwise) is the plain mean. Replicas
+of a synchronous run with fixed steps train on equal tokens, so the two agree to fp32 rounding
+there; they differ where replicas' counts differ (exchanges.Weighted).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class ExchangeOptions(Options):
         """--merge-weights left unset: by tokens where replicas train unequal steps between
         syncs (--local-steps adaptive, algorithms/pace.py), else uniform."""
         if cfg.merge_weights is None:
-            adaptive = getattr(cfg, "local_steps", "fixed") != "fixed"
+            adaptive = getattr(cfg, "local_steps", "fixed") != "fixed" and not cfg.elastic
             cfg.merge_weights = "tokens" if adaptive else "uniform"
 
     @classmethod

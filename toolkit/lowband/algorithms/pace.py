@@ -56,21 +56,22 @@ class PaceOptions(Options):
         declared(cfg.local_steps, cfg.replicas)
         period = cfg.sync_every // cfg.fragments
         if cfg.elastic:
-            raise ConfigError("--local-steps adaptive does not run --elastic yet (a healed group "
-                              "would take a peer's pace): drop one of them.")
+            raise ConfigError(f"--local-steps {cfg.local_steps} does not run --elastic yet (a "
+                              "healed group would take a peer's pace): drop one of them.")
         if cfg.merge_weights != "tokens":
-            raise ConfigError(f"--local-steps {cfg.local_steps} merges each replica's pseudo-gradient by "
-                              "the tokens it trained: drop --merge-weights uniform.")
+            raise ConfigError(f"--local-steps {cfg.local_steps} merges each replica's "
+                              "pseudo-gradient by the tokens it trained: drop --merge-weights "
+                              "uniform.")
         for name, value in (("steps", cfg.steps), ("eval-every", cfg.eval_every),
                             ("checkpoint-every", cfg.checkpoint_every),
                             ("stop-after", cfg.stop_after)):
             if value % period:
                 raise ConfigError(f"--{name} {value} is not a multiple of H/P = {period}: with "
-                                  "--local-steps adaptive replicas meet only at syncs, so runs "
-                                  "end, evaluate and checkpoint there.")
+                                  f"--local-steps {cfg.local_steps} replicas meet only at syncs, "
+                                  "so runs end, evaluate and checkpoint there.")
         if cfg.time_budget:
-            raise ConfigError("--local-steps adaptive ends after --steps of the fastest "
-                              "replica: drop --time-budget.")
+            raise ConfigError(f"--local-steps {cfg.local_steps} ends after --steps of the "
+                              "fastest replica: drop --time-budget.")
 
 
 def declared(text: str, replicas: int) -> list[float] | None:
