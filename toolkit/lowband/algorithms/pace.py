@@ -31,6 +31,7 @@ period / n_r). Pseudo-gradients merge weighted by the tokens each replica traine
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -195,7 +196,7 @@ class Pace:
         for t, n in zip(times, now):
             ideal = self.period * min(times) / t
             out.append(n if abs(ideal - n) < band else
-                       min(max(round(ideal), self.tau + 1), self.period))
+                       min(max(math.floor(ideal + 0.5), self.tau + 1), self.period))
         return out
 
     def sync_step(self, started_at: int) -> int:

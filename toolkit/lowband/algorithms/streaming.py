@@ -67,10 +67,12 @@ class Fragment:
 class Landed:
     """An average that has already arrived (restored from a checkpoint, or drained for one);
     `committed` is the membership's commit vote taken on it then (None: not yet taken, as in a
-    plain run's checkpoint from before every run had a membership)."""
+    plain run's checkpoint from before every run had a membership); `share` this replica's
+    weight in it (--merge-weights tokens; None: 1/R)."""
 
-    def __init__(self, value: torch.Tensor, committed: bool | None = None):
-        self.value, self.committed = value, committed
+    def __init__(self, value: torch.Tensor, committed: bool | None = None,
+                 share: float | None = None):
+        self.value, self.committed, self.share = value, committed, share
 
     def wait(self) -> torch.Tensor:
         return self.value.clone()
@@ -345,7 +347,8 @@ class Streaming(Algorithm):
             if f.pending is not None and not isinstance(f.pending[2], Landed):
                 apply_at, started, avg = f.pending
                 value = avg.wait()
-                f.pending = (apply_at, started, Landed(value, self._vote(avg)))
+                f.pending = (apply_at, started, Landed(value, self._vote(avg),
+                                                       getattr(avg, "share", None)))
         frags = [{"outer": f.outer, "momentum": f.momentum, "residual": f.residual,
                   "pending": self._landed(f), "tokens": f.tokens} for f in self.fragments]
         healing = self.comm.membership.heal_fields({"lineage": list(self.lineage)})
@@ -361,7 +364,7 @@ class Streaming(Algorithm):
         if f.pending is None:
             return None
         apply_at, started, landed = f.pending
-        return [apply_at, started, landed.value, landed.committed]
+        return [apply_at, started, landed.value, landed.committed, landed.share]
 
     def load_state_dict(self, state: dict) -> None:
         self.staging.settle()
@@ -373,7 +376,7 @@ class Streaming(Algorithm):
             f.residual = st["residual"]
             f.tokens = st.get("tokens", 0)
             p = st["pending"]
-            f.pending = None if p is None else (p[0], p[1], Landed(p[2], (p + [None])[3]))
+            f.pending = None if p is None else (p[0], p[1], Landed(p[2], *(p + [None, None])[3:5]))
         self.skips = state["skips"]
         self.lineage = list(state.get("lineage", [""] * len(self.fragments)))
         if "pace" in state:

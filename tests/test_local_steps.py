@@ -1,0 +1,167 @@
+"""Speed-aware local steps (--local-steps adaptive or declared speeds; algorithms/pace.py): a
+slower replica runs fewer inner steps between syncs, every replica meets at each sync, and the
+pseudo-gradients merge by the tokens each trained."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import train_in_one_job
+from lowband.algorithms.pace import Pace
+from lowband.config import Config, ConfigError
+from lowband.telemetry import read_events
+
+COMMON = ["--model", "nano", "--link-bandwidth", "none", "--seq-len", "32", "--batch-size", "4",
+          "--warmup-steps", "2", "--no-progress", "--algo", "streaming", "--sync-every", "8",
+          "--fragments", "2", "--overlap", "1"]  # period H/P = 4
+
+
+class _Times:
+    def __init__(self, values):
+        self.values = values
+
+    def wait(self):
+        return [torch.tensor([v], dtype=torch.float64) for v in self.values]
+
+
+def _pace(local_steps="adaptive", replicas=2, replica=0, period=10, fragments=1, tau=0):
+    cfg = SimpleNamespace(local_steps=local_steps, sync_every=period * fragments,
+                          fragments=fragments, overlap=tau, steps=period * 10, replicas=replicas)
+    comm = SimpleNamespace(topo=SimpleNamespace(replicas=replicas, replica=replica), waited_s=0.0,
+                           all_gather=lambda *args, **kwargs: "sent")
+    return Pace(cfg, comm, lambda: SimpleNamespace(seconds=lambda: 0.0))
+
+
+def test_the_steps_follow_the_speeds_and_noise_leaves_them():
+    pace = _pace(replicas=3, tau=1)
+    assert pace.steps_for([1.0, 2.0, 4.0]) == [10, 5, 3]  # half, a quarter (2.5: rounded up)
+    assert pace.steps_for([1.0, 1.1, 0.95]) == [10, 10, 10]  # a loaded machine's noise
+    assert pace.steps_for([1.0, 1.0, 10.0]) == [10, 10, 2]  # never below tau + 1
+    # a replica at 5 steps stays there until its ideal is 15% of a period away
+    assert pace.steps_for([1.0, 2.2, 1.0], [10, 5, 10]) == [10, 5, 10]
+    assert pace.steps_for([1.0, 1.0, 1.0], [10, 5, 10]) == [10, 10, 10]
+
+
+def test_every_rank_decides_the_same_steps_from_the_slowest_rank_of_each_replica():
+    """Ranks are replica x shards + shard: a replica's time is its slowest rank's."""
+    for replica in (0, 1):
+        pace = _pace(replica=replica)
+        pace.decide(_Times([0.1, 0.12, 0.2, 0.25]), 0)  # replica 0: 0.12 s, replica 1: 0.25 s
+        assert pace.steps_of == [10, 5] and pace.n == (10, 5)[replica]
+
+
+def test_the_run_steps_of_a_slow_replica_cover_the_period_once():
+    """A replica of 5 steps a period of 10: its steps are 2 run steps each, its syncs at the
+    run steps of everyone's, and an apply that changes its count spreads the rest evenly."""
+    pace = _pace("1,0.5", replica=1, tau=1)
+    assert pace.n == 5 and [pace.position(i) for i in range(5)] == [0, 2, 4, 6, 8]
+    assert [pace.due(s) for s in range(1, 6)] == [None] * 4 + [0]
+    assert pace.start(5) is None and pace.run_step(5) == 10 and pace.run_step(6) is None
+    assert pace.position(5) == 10 and pace.sync_step(5) == 10
+    measured = _pace(replica=1, tau=1)
+    assert measured.start(10) == "sent"  # the time went out (its answer's stand-in below)
+    measured.decide(_Times([0.1, 0.4]), 11)  # 4x slower: 3 steps in all, 1 taken already
+    assert measured.steps_of == [10, 3] and measured.position(11) == 11
+    assert measured.position(12) == pytest.approx(15.5) and measured.due(13) == 0
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"algo": "ddp", "local_steps": "adaptive"}, "--local-steps applies only to --algo diloco"),
+    ({"local_steps": "adaptive", "merge_weights": "uniform"}, "drop --merge-weights uniform"),
+    ({"local_steps": "1,0"}, "give one positive speed for each of the 2 replicas"),
+    ({"local_steps": "1,1,1"}, "give one positive speed for each of the 2 replicas"),
+    ({"local_steps": "fast"}, "is not fixed, adaptive or one speed a replica"),
+    ({"local_steps": "adaptive", "steps": 33}, "--steps 33 is not a multiple of H/P = 5"),
+    ({"local_steps": "adaptive", "eval_every": 7}, "--eval-every 7 is not a multiple"),
+    ({"local_steps": "adaptive", "time_budget": 5.0}, "drop --time-budget"),
+    ({"local_steps": "adaptive", "elastic": True}, "does not run --elastic yet"),
+    ({"straggler": "2:2"}, "each replica must be in 0..1 and each factor at least 1"),
+    ({"straggler": "1:0"}, "each replica must be in 0..1 and each factor at least 1"),
+    ({"straggler": "1:2,1:3"}, "names replica 1 twice"),
+])
+def test_bad_input_gets_one_sentence(options, says):
+    with pytest.raises(ConfigError) as e:
+        Config.from_dict({"algo": "streaming", **options}).validate()
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_several_stragglers_at_once():
+    from lowband.faults import parse_straggler
+    assert parse_straggler("0:1,1:2,2:4", 3) == {0: 1.0, 1: 2.0, 2: 4.0}
+    assert parse_straggler("", 3) == {}
+
+
+def _final(run_dir):
+    return {name: torch.load(run_dir / name, weights_only=True) for name in ("model.pt", "outer.pt")}
+
+
+def _equal(a, b) -> bool:
+    return all(a[n].keys() == b[n].keys() and all(torch.equal(a[n][k], b[n][k]) for k in a[n])
+               for n in a)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """root/NAME for: declared speeds 1,0.5 with replica 1 2x slower (whole, and stopped at run
+    step 8 then resumed); declared equal speeds against fixed steps merged by tokens; measured
+    speeds with a 2x straggler."""
+    root = tmp_path_factory.mktemp("pace")
+    common = [*COMMON, "--steps", "16", "--eval-every", "8", "--checkpoint-every", "8"]
+    declared = ["--local-steps", "1,0.5", "--straggler", "1:2"]
+    train_in_one_job([*common, *declared, "--run-dir", root / "whole"],
+                     [*common, *declared, "--stop-after", "8", "--run-dir", root / "part"],
+                     [*common, "--local-steps", "1,1", "--run-dir", root / "equal"],
+                     [*common, "--merge-weights", "tokens", "--run-dir", root / "fixed"],
+                     [*COMMON, "--steps", "48", "--eval-every", "0", "--local-steps", "adaptive",
+                      "--straggler", "1:2", "--run-dir", root / "measured"])
+    train_in_one_job(["--resume", root / "part", "--no-progress"])
+    return root
+
+
+def test_a_slower_replica_runs_fewer_steps_and_meets_the_others_at_every_sync(runs):
+    """Declared 1,0.5: replica 1 runs 2 steps a period of 4, both sync at run steps 4, 8, ...
+    with weights by tokens (2:1), evaluate and checkpoint at run step 8, and end together."""
+    whole = runs / "whole"
+    summary = json.loads((whole / "summary.json").read_text())
+    assert summary["steps_run_per_replica"] == [16, 8]
+    syncs = read_events(whole, ("sync",))
+    by_replica = {r: [(e["step"], e["inner_step"], round(e["weight"], 6)) for e in syncs
+                      if e["replica"] == r] for r in (0, 1)}
+    assert by_replica[0] == [(s, s, round(2 / 3, 6)) for s in (4, 8, 12, 16)]
+    assert by_replica[1] == [(s, s // 2, round(1 / 3, 6)) for s in (4, 8, 12, 16)]
+    evals = [(e["replica"], e["step"]) for e in read_events(whole, ("eval",))]
+    assert sorted(evals) == [(0, 8), (0, 16), (1, 8), (1, 16)]
+    checkpoints = {(e["replica"], e["step"]) for e in read_events(whole, ("checkpoint",))}
+    assert checkpoints == {(0, 8), (0, 16), (1, 8), (1, 16)}
+    # the learning rate's place: replica 1's step i of a period stands at run step 2i of it
+    lrs = {(e["replica"], e["step"]): e["lr"] for e in read_events(whole, ("step",))}
+    assert lrs[(1, 3)] == lrs[(0, 5)] and lrs[(1, 8)] == lrs[(0, 15)]
+
+
+def test_a_resume_mid_run_is_bitwise(runs):
+    assert _equal(_final(runs / "whole"), _final(runs / "part"))
+    steps = [e["step"] for e in read_events(runs / "part", ("step",)) if e["replica"] == 1]
+    assert steps == list(range(1, 9))  # each of the slow replica's steps once
+
+
+def test_equal_speeds_equal_fixed_steps_merged_by_tokens(runs):
+    """The documented difference: adaptive steps of equal replicas are fixed steps merged by
+    tokens (--merge-weights tokens), bitwise; against the uniform mean they agree to rounding."""
+    assert _equal(_final(runs / "equal"), _final(runs / "fixed"))
+
+
+def test_measured_speeds_give_a_straggler_fewer_steps(runs):
+    """Measured, with replica 1 computing 2x slower: after the first period it runs fewer steps
+    (about half; the machine's load moves it), its tokens weigh less, and both replicas take
+    part in every sync."""
+    measured = runs / "measured"
+    summary = json.loads((measured / "summary.json").read_text())
+    fast, slow = summary["steps_run_per_replica"]
+    assert fast == 48 and fast * 0.2 <= slow <= fast * 0.8, (fast, slow)
+    syncs = read_events(measured, ("sync",))
+    assert [e["step"] for e in syncs if e["replica"] == 0] == \
+        [e["step"] for e in syncs if e["replica"] == 1] == list(range(4, 49, 4))
+    late = [e["weight"] for e in syncs if e["replica"] == 1 and e["step"] > 12]
+    assert late and max(late) < 0.5
