@@ -135,7 +135,8 @@ def drive(device=CPU, home="same", force_copies=False, rule="nesterov", P=4, H=8
         fragments=P, sync_every=H, overlap=tau, alpha=0.5 if tau else 0.0,
         fragment_pattern="strided", outer_rule=rule, outer_lr=0.7, outer_momentum=0.9,
         outer_state_device=home, codec=codec, codec_block=64, exchange="auto",
-        merge_weights="uniform", error_feedback=True, grad_accum=1, batch_size=1, seq_len=1)
+        merge_weights="uniform", error_feedback=True, grad_accum=1, batch_size=1, seq_len=1,
+        local_steps="fixed")
     topo = SimpleNamespace(device=device, shard=0, shards=1, replicas=1)
     comm = OneRank(poison_at)
 
@@ -244,7 +245,7 @@ def test_copies_stay_staged_only_within_a_sync():
         fragments=4, sync_every=12, overlap=2, alpha=0.5, fragment_pattern="strided",
         outer_rule="nesterov", outer_lr=0.7, outer_momentum=0.9, outer_state_device="same",
         codec="fp32", codec_block=64, exchange="auto", merge_weights="uniform",
-        error_feedback=True, grad_accum=1, batch_size=1, seq_len=1)
+        error_feedback=True, grad_accum=1, batch_size=1, seq_len=1, local_steps="fixed")
     topo = SimpleNamespace(device=CPU, shard=0, shards=1, replicas=1)
     algo = Streaming()
     algo.setup(model, model.blocks, lambda ps: torch.optim.SGD(ps, lr=0.1), topo, OneRank(), cfg)

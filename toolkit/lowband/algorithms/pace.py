@@ -97,10 +97,13 @@ class Pace:
 
     def __init__(self, cfg, comm, clock_of):
         self.adaptive = cfg.local_steps != "fixed"
-        self.speeds = declared(cfg.local_steps, cfg.replicas)  # None: measured
         self.period, self.fragments, self.tau = cfg.sync_every // cfg.fragments, cfg.fragments, \
             cfg.overlap
-        self.total = cfg.steps // self.period  # adaptive: the run's syncs
+        if self.adaptive:  # each replica's declared speed (None: measured); the run's syncs
+            self.speeds, self.total = declared(cfg.local_steps, cfg.replicas), \
+                cfg.steps // self.period
+        else:
+            self.speeds = self.total = None
         self.comm, self.clock_of = comm, clock_of
         self.started = 0     # syncs started
         self.last_start = 0  # the inner step the last sync started after
