@@ -75,7 +75,6 @@ def test_the_run_steps_of_a_slow_replica_cover_the_period_once():
     ({"local_steps": "fast"}, "is not fixed, adaptive or one speed a replica"),
     ({"local_steps": "adaptive", "steps": 33}, "--steps 33 is not a multiple of H/P = 5"),
     ({"local_steps": "adaptive", "eval_every": 7}, "--eval-every 7 is not a multiple"),
-    ({"local_steps": "adaptive", "time_budget": 5.0}, "drop --time-budget"),
     ({"local_steps": "adaptive", "elastic": True}, "does not run --elastic yet"),
     ({"straggler": "2:2"}, "each replica must be in 0..1 and each factor at least 1"),
     ({"straggler": "1:0"}, "each replica must be in 0..1 and each factor at least 1"),
@@ -115,7 +114,9 @@ def runs(tmp_path_factory):
                      [*common, "--local-steps", "1,1", "--run-dir", root / "equal"],
                      [*common, "--merge-weights", "tokens", "--run-dir", root / "fixed"],
                      [*COMMON, "--steps", "48", "--eval-every", "0", "--local-steps", "adaptive",
-                      "--straggler", "1:2", "--run-dir", root / "measured"])
+                      "--straggler", "1:2", "--run-dir", root / "measured"],
+                     [*COMMON, "--steps", "4000", "--eval-every", "0", "--time-budget", "3",
+                      *declared, "--run-dir", root / "budget"])
     train_in_one_job(["--resume", root / "part", "--no-progress"])
     return root
 
@@ -165,3 +166,15 @@ def test_measured_speeds_give_a_straggler_fewer_steps(runs):
         [e["step"] for e in syncs if e["replica"] == 1] == list(range(4, 49, 4))
     late = [e["weight"] for e in syncs if e["replica"] == 1 and e["step"] > 12]
     assert late and max(late) < 0.5
+
+
+def test_a_time_budget_ends_every_replica_at_the_same_sync(runs):
+    """--time-budget with adaptive steps: rank 0 decides at syncs (the boundaries every replica
+    reaches), so both end after the same sync, near the budget, each with its own steps."""
+    budget = runs / "budget"
+    summary = json.loads((budget / "summary.json").read_text())
+    fast, slow = summary["steps_run_per_replica"]
+    assert fast < 4000 and slow * 2 == fast and fast % 4 == 0, (fast, slow)
+    assert 1.0 < summary["wall_s"] < 9.0  # (3 s: 3x room for a loaded machine)
+    last = {e["replica"]: e["step"] for e in read_events(budget, ("sync",))}
+    assert last[0] == last[1] == fast

@@ -112,7 +112,8 @@ def _train(session: Session, tokens, model, blocks):
     done = session.begin(None if algo.timed else cfg.time_budget)
     clock = session.clock
     bar = _progress(cfg, topo.rank, _bar_at(cfg, algo, clock, done.step - 1) if done.step else 0)
-    time_up = clock.ends_after(done.step)  # a resumed run whose budget was spent ends at once
+    # a resumed run whose budget was spent ends at once
+    time_up = clock.ends_after(session.run_step())
     while not time_up:
         t0 = time.perf_counter()
         if algo.should_stop(done.step):  # after --steps by default; aedit decides (and syncs)
@@ -134,9 +135,10 @@ def _train(session: Session, tokens, model, blocks):
         faults.slow_down(time.perf_counter() - t0 - comm.wait_s)
         elapsed = session.stepped(loss, micro_batches * cfg.batch_size * cfg.seq_len,
                                   time.perf_counter() - t0, algo.lr(step))
-        time_up = clock.ends_after(step + 1)  # (after the event: it moves the lr's fraction)
-        ends = algo.ends_after(step + 1) or time_up  # the final evaluation follows the loop
         at = algo.run_step(step + 1)  # where every replica is too (None: between syncs)
+        # --time-budget: decided where every rank is (after the event: it moves the lr's fraction)
+        time_up = at is not None and clock.ends_after(at)
+        ends = algo.ends_after(step + 1) or time_up  # the final evaluation follows the loop
         with clock.paused():
             if cfg.eval_every and at is not None and at % cfg.eval_every == 0 and not ends:
                 _evaluate(session, batches, at, elapsed, lockstep)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from lowband.options import ConfigError, Options, option
+from lowband.schedule import lr_at
 
 DEAD_BAND = 0.15  # of a period: how far a replica's ideal steps move before its count does
 
@@ -70,9 +71,6 @@ class PaceOptions(Options):
                 raise ConfigError(f"--{name} {value} is not a multiple of H/P = {period}: with "
                                   f"--local-steps {cfg.local_steps} replicas meet only at syncs, "
                                   "so runs end, evaluate and checkpoint there.")
-        if cfg.time_budget:
-            raise ConfigError(f"--local-steps {cfg.local_steps} ends after --steps of the "
-                              "fastest replica: drop --time-budget.")
 
 
 def declared(text: str, replicas: int) -> list[float] | None:
@@ -227,3 +225,31 @@ class Pace:
             self.n, self.steps_of = state["n"], state["steps_of"]
             self.last_steps = state["last_steps"]
             self._piece, self._mark, self._lr = tuple(state["piece"]), None, (None, 0.0)
+
+
+class Paced:
+    """The hooks of an algorithm whose syncs a Pace schedules (`self.pace`; diloco and
+    streaming), mixed in before Algorithm: with adaptive steps replicas run different step
+    counts, so the schedule decides the run's end and names its evaluations, checkpoints and
+    the learning rate's place; with fixed steps each is Algorithm's."""
+    pace: Pace
+
+    def should_stop(self, step: int) -> bool:
+        return self.pace.over() if self.pace.adaptive else super().should_stop(step)
+
+    def ends_after(self, step: int) -> bool:
+        return self.pace.over() if self.pace.adaptive else super().ends_after(step)
+
+    def run_step(self, s: int) -> int | None:
+        return self.pace.run_step(s)
+
+    def lr_step(self, step: int) -> float:
+        return self.pace.position(step)
+
+    def lr(self, step: int) -> float:
+        """(--time-budget: the budget's fraction is read at the run step, as the clock counts)"""
+        at = self.lr_step(step)
+        return lr_at(self.config, at, None if self.clock is None else self.clock.fraction(at))
+
+    def progress_steps(self, step: int) -> float:
+        return self.pace.position(step) + 1

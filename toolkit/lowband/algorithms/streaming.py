@@ -40,7 +40,7 @@ from lowband.algorithms.ddp import DDP
 from lowband.algorithms.outer import (OuterOptions, Staging, kept_at, nesterov_step, outer_home,
                                       settle, sgd_step)
 from lowband.algorithms.exchange import ExchangeOptions, exchange_block
-from lowband.algorithms.pace import Pace, PaceOptions
+from lowband.algorithms.pace import Pace, Paced, PaceOptions
 from lowband.comm.membership.elastic import lineage_tiebreak
 from lowband.comm.sends import Schedule, average
 from lowband.options import ConfigError, Options, option
@@ -108,7 +108,7 @@ class StreamingOptions(Options):
             raise ConfigError(f"--alpha must lie in [0, 1], got {cfg.alpha}.")
 
 
-class Streaming(Algorithm):
+class Streaming(Paced, Algorithm):
     name = "streaming"
     user_loop = AT_STEP_EDGES  # (diloco and a registered subclass inherit it)
     kind = PERIODIC
@@ -195,23 +195,6 @@ class Streaming(Algorithm):
     def due(self, s: int) -> int | None:
         """The fragment whose sync starts after inner step s (1-based), if any."""
         return self.pace.due(s)
-
-    # --local-steps adaptive: replicas run different step counts; the run's schedule (pace.py)
-    # decides its end, and names its evaluations, checkpoints and learning rate
-    def should_stop(self, step: int) -> bool:
-        return self.pace.over() if self.pace.adaptive else super().should_stop(step)
-
-    def ends_after(self, step: int) -> bool:
-        return self.pace.over() if self.pace.adaptive else super().ends_after(step)
-
-    def run_step(self, s: int) -> int | None:
-        return self.pace.run_step(s)
-
-    def lr_step(self, step: int) -> float:
-        return self.pace.position(step)
-
-    def progress_steps(self, step: int) -> float:
-        return self.pace.position(step) + 1
 
     def after_step(self, step):
         s = step + 1
