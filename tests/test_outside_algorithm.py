@@ -1,4 +1,4 @@
-"""An algorithm from outside the package (tests/outside/diloco_avg.py: DiLoCo whose outer rule is
+"""An algorithm from outside the package (examples/diloco_avg.py: DiLoCo whose outer rule is
 plain averaging, with an option of its own) reaches everything that reads the registry: the
 flags and --help, validation, the trainer's worker processes, telemetry, the report and the
 planner; a bad class is refused in one sentence, and a broken entry point is named, not raised.
@@ -21,7 +21,7 @@ from lowband.config import GROUPS, Config, ConfigError
 from lowband.options import Options, option
 from lowband.telemetry import read_events
 
-OUTSIDE = ROOT / "tests" / "outside" / "diloco_avg.py"
+OUTSIDE = ROOT / "examples" / "diloco_avg.py"
 WITH_IT = {"LOWBAND_ALGORITHMS": str(OUTSIDE)}
 RUN = ["--replicas", "2", "--model", "nano", "--steps", "12", "--sync-every", "4",
        "--eval-every", "0", "--eval-batches", "1", "--no-progress", "--link-bandwidth", "none"]
