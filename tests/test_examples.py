@@ -59,6 +59,7 @@ def test_every_example_has_its_line_in_the_readme():
     assert sorted(readme_commands()) == examples
 
 
+@pytest.mark.slow
 def test_the_example_trains_streaming_with_two_replicas_under_torchrun(tmp_path, lowband_here):
     words = "the a lowband replica fragment sync link step loss token model".split()
     rng = random.Random(0)
@@ -84,6 +85,7 @@ def test_the_example_trains_streaming_with_two_replicas_under_torchrun(tmp_path,
     assert code == 0 and f"\"outer_wire_bytes\": {summary['outer_wire_bytes']}" in html, err
 
 
+@pytest.mark.slow
 def test_the_outside_algorithm_trains_under_lowband_train(tmp_path):
     run = tmp_path / "run"
     proc = run_readme_command("examples/diloco_avg.py", [
@@ -98,6 +100,7 @@ def test_the_outside_algorithm_trains_under_lowband_train(tmp_path):
     assert syncs == [(0, 4), (0, 8), (1, 4), (1, 8)]
 
 
+@pytest.mark.slow
 def test_the_hf_trainer_example_trains_streaming_under_lowband_launch(tmp_path):
     pytest.importorskip("torchx")
     pytest.importorskip("accelerate")

@@ -27,6 +27,7 @@ RUN = ["--replicas", "2", "--model", "nano", "--steps", "12", "--sync-every", "4
        "--eval-every", "0", "--eval-batches", "1", "--no-progress", "--link-bandwidth", "none"]
 
 
+@pytest.mark.slow
 def test_an_outside_algorithm_trains_with_two_replicas_and_reads_in_the_report(tmp_path):
     proc = lowband("train", "--algo", "diloco-avg", *RUN, "--run-dir", tmp_path / "avg",
                    cwd=tmp_path, env=WITH_IT)
