@@ -412,8 +412,8 @@ def test_a_round_of_one_skips_exactly_the_non_finite_gradients(clip):
         torch.testing.assert_close(full, twin.update(mean, LR, commit=True), rtol=1e-6, atol=0)
 
 
-GPU = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                   reason="needs a CUDA device (a GPU session)"))
+GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (a GPU session)")])
 
 
 @pytest.mark.parametrize("device", ["cpu", GPU])

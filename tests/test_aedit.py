@@ -13,6 +13,7 @@ def sync_events(run, rank=0):
     return [e for e in read_events(run, ("sync",)) if e["rank"] == rank]
 
 
+@pytest.mark.slow
 def test_aedit_straggler_syncs_by_time(train_run):
     # the warm-up's two synchronous steps take the first steps' one-off costs out of the windows
     run = train_run("--algo", "aedit", "--model", "nano", "--replicas", 2, "--steps", 100000,
@@ -57,6 +58,7 @@ def test_aedit_step_budget(train_run, reference):
 
 
 
+@pytest.mark.slow
 def test_aedit_budget_holds_and_the_summary_tells_the_steps_run(train_run):
     """The issue's case: a 2 x 30 budget with a 1 s window once ran 91 steps while summary.json
     said 30. The budget now holds within one step per replica, and the summary tells each

@@ -62,6 +62,7 @@ def _entries(path: str) -> list[str]:
 
 
 @pytest.mark.parametrize("mode", ["elastic", "plain"])
+@pytest.mark.slow
 def test_a_one_machine_run_listens_on_loopback_only(tmp_path, mode):
     if mode == "elastic":
         pytest.importorskip("torchft")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
 CHROMIUM = os.environ.get("LOWBAND_CHROMIUM", "/usr/bin/chromium")
 if not Path(CHROMIUM).exists():
     pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium, or set LOWBAND_CHROMIUM)",

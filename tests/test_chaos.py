@@ -12,6 +12,8 @@ import pytest
 
 from lowband.testing.chaos import Soak, check, train_argv
 
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
+
 pytest.importorskip("torchft")
 
 STEPS, QUORUM_TIMEOUT = 240, 60  # (a quorum past it stops the run: exit 3; 30 s was near)

@@ -23,6 +23,7 @@ SUMMARY = {"algorithm", "replicas", "shards", "steps", "tokens", "wall_s", "toke
            "peak_outer_payload_bytes", "final_loss", "final_val_loss"}
 
 
+@pytest.mark.slow
 def test_main_job_small(tmp_path):
     proc = lowband("train", "--algo", "ddp", "--link-bandwidth", "none", "--model", "nano",
                    "--steps", 12, "--eval-every", 5, "--target-loss", 100, cwd=tmp_path)
@@ -71,6 +72,7 @@ def test_main_job_small(tmp_path):
                                  "outer_bytes": took[5][0][2]}
 
 
+@pytest.mark.slow
 def test_every_run_writes_its_report(tmp_path, capsys, monkeypatch):
     """`lowband train` with flags ends with the report it wrote into its run directory; without
     plotly (the ui extra) with one sentence naming the extra, and exit status 0."""
@@ -156,6 +158,7 @@ def test_world_mismatch_under_torchrun(tmp_path):
     assert "make R x S equal the world size" in proc.stderr and proc.stderr.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_worker_side_error_stops_everyone(tmp_path):
     (tmp_path / "tiny.txt").write_bytes(b"x" * 300)  # too small for 4 shards of 64 tokens
     proc = lowband("train", "--data", "tiny.txt", "--replicas", 4, "--seq-len", 64,
@@ -171,6 +174,7 @@ def _workers_of(cwd) -> list[int]:
     return [p for p in pids if os.path.realpath(f"/proc/{p}/cwd") == os.path.realpath(cwd)]
 
 
+@pytest.mark.slow
 def test_killed_worker_stops_the_job(tmp_path):
     parent = subprocess.Popen([sys.executable, "-m", "lowband.cli", "train", "--algo", "ddp",
                                "--link-bandwidth", "none", "--model", "nano", "--steps", "100000",

@@ -10,6 +10,8 @@ import torch
 
 from lowband.comm import NonFiniteError, decode, encode
 
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
+
 SIZES = [1, 63, 64, 65, 1001, 4097, 0]
 VARIANTS = [("int8", 64), ("int8", 32), ("fp4-e2m1", 64), ("fp4-e2m1", 128), ("fp4-e2m1", 7),
             ("fp4-e3m0", 64), ("fp4-e3m0", 32)]

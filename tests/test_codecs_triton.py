@@ -90,10 +90,12 @@ def _check(**env) -> None:
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_triton_codecs_equal_eager_bitwise_in_the_interpreter():
     _check(TRITON_INTERPRET="1")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (a GPU session)")
 def test_triton_codecs_on_the_gpu_equal_the_cpu_codec_bitwise():
     """The same checks with the kernels compiled for the GPU: the products' subnormal cases and

@@ -13,6 +13,8 @@ from lowband.compare import STEPS_CAP, evaluations, loss_at
 from lowband.summary import target
 from lowband.telemetry import RunDir, read_events
 
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
+
 TINY = ["--model", "nano", "--steps", "12", "--seq-len", "32", "--batch-size", "4",
         "--eval-batches", "1", "--eval-every", "4", "--link-bandwidth", "100Mbit",
         "--link-latency", "0ms", "--sync-every", "4", "--fragments", "2", "--checkpoint-every", "4", "--no-progress"]

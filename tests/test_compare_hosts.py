@@ -15,7 +15,8 @@ TINY = ["--model", "nano", "--steps", "8", "--seq-len", "32", "--batch-size", "4
         "--link-latency", "10ms", "--sync-every", "4", "--fragments", "2", "--no-progress"]
 
 why = TestHosts("lbc", "10.213.14", "1mbit", "128kb", "100ms").unavailable()
-pytestmark = pytest.mark.skipif(why is not None, reason=f"test hosts: {why}")
+pytestmark = [pytest.mark.slow, pytest.mark.root,
+              pytest.mark.skipif(why is not None, reason=f"test hosts: {why}")]
 
 
 def test_runs_go_over_the_test_hosts_shaped_link(tmp_path):

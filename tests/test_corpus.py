@@ -13,6 +13,8 @@ from conftest import EOS, lowband
 from lowband.config import ConfigError
 from lowband.data import Batches, ShardedTokens, load_tokens, prepare, tokenizer, vocab_needed
 
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach a hub
 TRAIN = ["--algo", "ddp", "--link-bandwidth", "none", "--model", "nano", "--steps", 3,
          "--replicas", 1, "--seq-len", 32, "--batch-size", 4, "--eval-every", 0,

@@ -25,6 +25,8 @@ pytest.importorskip("plotly")
 
 from lowband.telemetry import RunDir, write_json_atomic  # noqa: E402
 
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
+
 # Two ranks writing as a trainer does, in real time, until a stop file appears (or 60 s pass):
 # a step event per rank every 20 ms, an outer transfer and a sync every 10 steps; then the run
 # end and summary.json.

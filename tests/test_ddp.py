@@ -11,6 +11,8 @@ from lowband.models import num_params
 from lowband.models.gpt import GPT, gpt_config
 from lowband.telemetry import read_events
 
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
+
 STEPS, ACCUM, BATCH, SEQ, LR, WARMUP, CLIP = 4, 2, 2, 32, 1e-3, 2, 0.5
 
 

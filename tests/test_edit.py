@@ -19,6 +19,8 @@ from conftest import join_local_job, outer_lr_of, reference_replicas, train_in_o
 from test_penalty_reference import AtorchPenalty
 from lowband.telemetry import RunDir, read_events
 
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
+
 BATCH, SEQ, LR, WARMUP, CLIP, SEED, MU, N_LAYER = 2, 32, 1e-3, 2, 0.5, 5, 0.9, 2
 
 

@@ -13,6 +13,8 @@ from conftest import lowband, train_in_one_job
 from lowband.telemetry import RunDir, read_events
 from lowband.testing.chaos import RECONNECT_S
 
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
+
 pytest.importorskip("torchft")
 
 SMALL = ["--model", "nano", "--seq-len", 32, "--batch-size", 4, "--eval-every", 0,

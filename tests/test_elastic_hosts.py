@@ -22,6 +22,8 @@ from conftest import hosts_for_a_test
 from lowband.telemetry import read_events
 from lowband.launch.hosts import TestHosts
 
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
+
 pytest.importorskip("torchft")
 pytest.importorskip("torchx")
 
@@ -65,6 +67,7 @@ def role_commands(run_dir, host0: str) -> dict[str, tuple[list[str], dict]]:
     return out
 
 
+@pytest.mark.root
 @pytest.mark.skipif(WHY is not None, reason=f"three test hosts: {WHY}")
 def test_a_killed_group_heals_from_a_live_peer_across_hosts(hosts, tmp_path):
     run = tmp_path / "run"

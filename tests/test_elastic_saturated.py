@@ -16,6 +16,8 @@ import pytest
 from conftest import hosts_for_a_test
 from lowband.telemetry import RunDir, read_events
 
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
+
 pytest.importorskip("torchft")
 pytest.importorskip("torchx")
 
@@ -40,6 +42,7 @@ def hosts():
     yield from hosts_for_a_test(bench.make_hosts("10mbit"))
 
 
+@pytest.mark.root
 @pytest.mark.skipif(WHY is not None, reason=f"three test hosts: {WHY}")
 def test_no_group_leaves_a_quorum_while_exchanges_fill_the_link(hosts, tmp_path):
     r = bench.run(hosts, tmp_path, bench.flags("micro", steps=30, sync_every=10),

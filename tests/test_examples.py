@@ -1,21 +1,50 @@
-"""examples/nanogpt.py, the plain training script around lowband.Sync: it trains Streaming
-DiLoCo with two replicas under torchrun, its run directory is a lowband run (summary.json with
-the bytes sent over the outer link, `lowband report`), and its data loader reads nanoGPT's
-uint16 token files as well as text."""
+"""examples/, each script run by its line in the README's "Examples" section, small:
+nanogpt.py, the plain training script around lowband.Sync, trains Streaming DiLoCo with two
+replicas under torchrun, its run directory is a lowband run (summary.json with the bytes sent
+over the outer link, `lowband report`), and its data loader reads nanoGPT's uint16 token files
+as well as text; diloco_avg.py, an algorithm registered from outside, trains under `lowband
+train` (tests/test_outside_algorithm.py tests the registration itself); hf_trainer.py, the
+Hugging Face Trainer with LowbandCallback, trains streaming replicas under `lowband launch`."""
 
 import importlib.util
 import json
+import os
 import random
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from lowband.launch.local import free_port
 from lowband.telemetry import read_events
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "nanogpt.py"
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "nanogpt.py"
+
+
+def readme_commands() -> dict:
+    """The README's example lines (the code block of its "Examples" section), by the example
+    each one runs: {"examples/NAME.py": [word, ...]}."""
+    section = (ROOT / "README.md").read_text().split("\n## Examples\n", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = [shlex.split(line) for line in block.splitlines() if line.strip()]
+    return {next(w for w in words if "examples/" in w).split("=")[-1]: words for words in lines}
+
+
+def run_readme_command(example: str, extra: list, cwd: Path, timeout: int):
+    """Run the README's line for `example` from `cwd` as a user would from the repository root
+    (its examples/ paths made absolute), with `extra` arguments appended to make it small."""
+    words, env = list(readme_commands()[example]), dict(os.environ)
+    while "=" in words[0]:  # VARIABLE=value before the command
+        key, value = words.pop(0).split("=", 1)
+        env[key] = str(ROOT / value) if value.startswith("examples/") else value
+    program = {"torchrun": [sys.executable, "-m", "torch.distributed.run"],
+               "lowband": [sys.executable, "-m", "lowband.cli"]}[words[0]]
+    args = [str(ROOT / w) if w.startswith("examples/") else w for w in words[1:]]
+    return subprocess.run(program + args + [str(a) for a in extra], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def _example():
@@ -25,17 +54,21 @@ def _example():
     return module
 
 
+def test_every_example_has_its_line_in_the_readme():
+    examples = sorted(f"examples/{p.name}" for p in (ROOT / "examples").glob("*.py"))
+    assert sorted(readme_commands()) == examples
+
+
+@pytest.mark.slow
 def test_the_example_trains_streaming_with_two_replicas_under_torchrun(tmp_path, lowband_here):
     words = "the a lowband replica fragment sync link step loss token model".split()
     rng = random.Random(0)
     (tmp_path / "corpus.txt").write_text(" ".join(rng.choice(words) for _ in range(40_000)))
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SCRIPT),
-           "--data", str(tmp_path / "corpus.txt"), "--algo", "streaming", "--steps", "16",
-           "--sync-every", "4", "--fragments", "2", "--codec", "fp4-e3m0", "--batch-size", "4",
-           "--seq-len", "32", "--eval-every", "8", "--link-bandwidth", "", "--run-dir", str(run)]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    proc = run_readme_command("examples/nanogpt.py", [
+        "--data", tmp_path / "corpus.txt", "--steps", "16", "--sync-every", "4", "--fragments",
+        "2", "--codec", "fp4-e3m0", "--batch-size", "4", "--seq-len", "32", "--eval-every", "8",
+        "--link-bandwidth", "", "--run-dir", run], cwd=tmp_path, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["algorithm"] == "streaming" and summary["replicas"] == 2
@@ -50,6 +83,44 @@ def test_the_example_trains_streaming_with_two_replicas_under_torchrun(tmp_path,
     code, err = lowband_here("report", run, "-o", tmp_path / "report.html", cwd=tmp_path)
     html = (tmp_path / "report.html").read_text()
     assert code == 0 and f"\"outer_wire_bytes\": {summary['outer_wire_bytes']}" in html, err
+
+
+@pytest.mark.slow
+def test_the_outside_algorithm_trains_under_lowband_train(tmp_path):
+    run = tmp_path / "run"
+    proc = run_readme_command("examples/diloco_avg.py", [
+        "--model", "nano", "--steps", "8", "--sync-every", "4", "--eval-every", "0",
+        "--eval-batches", "1", "--no-progress", "--link-bandwidth", "none", "--run-dir", run],
+        cwd=tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["algorithm"], summary["replicas"]) == ("diloco-avg", 2)
+    assert summary["steps_run_per_replica"] == [8, 8] and summary["outer_wire_bytes"] > 0
+    syncs = sorted((e["rank"], e["step"]) for e in read_events(run, ("sync",)))
+    assert syncs == [(0, 4), (0, 8), (1, 4), (1, 8)]
+
+
+@pytest.mark.slow
+def test_the_hf_trainer_example_trains_streaming_under_lowband_launch(tmp_path):
+    pytest.importorskip("torchx")
+    pytest.importorskip("accelerate")
+    proc = run_readme_command("examples/hf_trainer.py", [
+        "--steps", "8", "--sync-every", "4", "--batch-size", "4", "--seq-len", "32",
+        "--eval-every", "4", "--eval-batches", "2", "--lr", "3e-3", "--layers", "2",
+        "--width", "64", "--link-bandwidth", ""], cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    run, = (tmp_path / "runs").iterdir()  # lowband launch's run directory, here
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["algorithm"], summary["replicas"]) == ("streaming", 2)
+    assert summary["steps_run_per_replica"] == [8, 8] and summary["tokens"] == 2 * 8 * 4 * 32
+    assert summary["outer_wire_bytes"] > 0
+    steps = [e for e in read_events(run, ("step",)) if e["rank"] == 0]
+    assert [e["step"] for e in steps] == list(range(1, 9))
+    assert summary["final_loss"] < steps[0]["loss"] - 0.3, (steps[0]["loss"], summary)
+    evals = [e for e in read_events(run, ("eval",)) if e["rank"] == 0]
+    assert [e["step"] for e in evals] == [4, 8]
+    # the Trainer's own files: rank 0's, in the script's --output-dir, beside the run
+    assert (tmp_path / "hf_trainer_out").is_dir()
 
 
 def test_the_example_reads_nanogpts_token_files_and_text(tmp_path):

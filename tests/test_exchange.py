@@ -22,6 +22,8 @@ from lowband.comm.membership.fixed import FixedMembership
 from lowband.comm.wire import exchange_plan, exchange_wire_bytes
 from lowband.launch.local import free_port
 
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
+
 SIZES, NUMEL, BLOCK = (2, 3, 4, 8), 1000, 64  # NUMEL: not a multiple of any chunk
 MODES = ("auto", "all-gather", "two-phase")
 CODECS = ("fp32",) + TWO_PHASE  # the sparse codecs keep the all-gather

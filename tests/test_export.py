@@ -17,6 +17,8 @@ from lowband.data import Batches, ShardedTokens
 from lowband.models import lm_loss
 from lowband.models.gpt import GPT, gpt_config
 
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 FAST = ["--seq-len", 32, "--batch-size", 4, "--eval-every", 0, "--eval-batches", 2, "--no-progress",
         "--link-bandwidth", "none"]

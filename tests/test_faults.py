@@ -8,6 +8,7 @@ from conftest import lowband
 from lowband.telemetry import read_events
 
 
+@pytest.mark.slow
 def test_straggler_and_corruption(train_run):
     run = train_run("--algo", "diloco", "--model", "nano", "--steps", 12, "--sync-every", 4,
                     "--straggler", "1:3", "--corrupt", "1:6:5", "--eval-every", 0,
@@ -36,6 +37,7 @@ def test_bad_fault_flags(tmp_path, flag, value, message):
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_non_finite_pseudo_gradient_never_reaches_outer_parameters(train_run):
     import torch
 
@@ -50,6 +52,7 @@ def test_non_finite_pseudo_gradient_never_reaches_outer_parameters(train_run):
     assert all(torch.isfinite(t).all() for t in local.values())
 
 
+@pytest.mark.slow
 def test_too_many_skips_stop_the_run(tmp_path):
     proc = lowband("train", "--algo", "ddp", "--link-bandwidth", "none", "--model", "nano",
                    "--steps", 50, "--lr", "1e30", "--warmup-steps", 0, "--max-skips", 3,

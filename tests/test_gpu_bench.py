@@ -5,7 +5,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
+
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
 
 
 def test_gpu_benchmark_smoke(tmp_path):

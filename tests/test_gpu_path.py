@@ -41,6 +41,7 @@ def test_bf16_autocast_runs_matmuls_in_bf16_and_keeps_fp32_state():
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_compiled_blocks_keep_names_and_match_eager():
     compiled, eager, x, y = _pair()
     names = list(compiled.state_dict())
@@ -54,6 +55,7 @@ def test_compiled_blocks_keep_names_and_match_eager():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_training_with_compile_and_bf16(train_runs):
     """streaming over 2 ranks: compiled blocks follow the eager run; bf16 trains as well."""
     flags = ["--algo", "streaming", "--model", "nano", "--steps", "8", "--sync-every", "4",

@@ -18,6 +18,8 @@ from lowband.launch.local import free_port
 from lowband.models import build
 from lowband.telemetry import read_events
 
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
+
 SMALL = ["--steps", 8, "--warmup-steps", 2, "--seq-len", 32, "--batch-size", 4,
          "--eval-every", 0, "--eval-batches", 2, "--no-progress", "--link-bandwidth", "none"]
 EVERY = [("ddp", 1), ("diloco", 1), ("streaming", 1), ("zero1", 1), ("acco", 1), ("edit", 1),

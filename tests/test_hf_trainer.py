@@ -27,6 +27,8 @@ from lowband.integrations.transformers import (LowbandCallback,  # noqa: E402
 from lowband.launch.local import free_port  # noqa: E402
 from lowband.telemetry import read_events  # noqa: E402
 
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
+
 SCRIPT = textwrap.dedent('''
     """A user's Trainer script: its own model and data, lowband's streaming through a callback.
     launched: one run (the run directory lowband.launch's); resume: under torchrun, a whole run,

@@ -82,6 +82,7 @@ def test_registered_name_keeps_torchx_builtins():
     assert {"lowband.train", "dist.ddp", "dist.spmd", "utils.echo"} <= names
 
 
+@pytest.mark.slow
 def test_torchx_cli_dry_runs_by_name_and_by_path():
     by_name = torchx_cli("run", "--dryrun", "-s", "slurm", "lowband.train", "--replicas", "2",
                          "--shards", "2", "--", "--model", "nano")
@@ -236,6 +237,7 @@ def test_kubernetes_request():
 
 # -- local_cwd, for real --------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_local_run_outlives_the_call_and_its_handle(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     sigint = signal.getsignal(signal.SIGINT)
@@ -264,6 +266,7 @@ def test_local_run_outlives_the_call_and_its_handle(tmp_path, monkeypatch):
     assert h.status() == "succeeded"
 
 
+@pytest.mark.slow
 def test_cancel_stops_every_process(tmp_path):
     h = lowband.launch(steps=100_000, run_dir=tmp_path / "run", **TINY)
     for attr in ("run_dir", "start", "status", "cancel"):  # what the dashboard looks for

@@ -46,6 +46,7 @@ CLUSTER = dict(replicas=2, shards=4, gpu=4, cpu=16, memMB=64000, env={"NCCL_DEBU
 
 # -- local_cwd, for real --------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_local_script_trains_a_hugging_face_model(llama, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train_mine.py").write_text(SCRIPT)

@@ -48,6 +48,7 @@ def _worker(rank, port, results):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_emulated_link_times_real_transfers():
     q = mp.get_context("spawn").Queue()
     mp.spawn(_worker, args=(free_port(), q), nprocs=2)

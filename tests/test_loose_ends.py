@@ -15,6 +15,8 @@ from lowband.checkpoint import complete
 from lowband.launch.local import free_port
 from lowband.telemetry import RunDir, read_events
 
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
+
 TINY = ["--algo", "ddp", "--link-bandwidth", "none", "--model", "nano", "--seq-len", "32",
         "--batch-size", "4", "--eval-every", "0", "--eval-batches", "1", "--no-progress"]
 

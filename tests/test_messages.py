@@ -118,6 +118,7 @@ def finished(tmp_path_factory):
     return root / "run", llama
 
 
+@pytest.mark.slow
 def test_a_relative_model_path_is_recorded_absolute(finished, tmp_path, lowband_here):
     run, llama = finished
     assert Config.from_file(str(run)).model == f"hf:{llama.resolve()}"

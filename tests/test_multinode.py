@@ -20,6 +20,8 @@ pytest.importorskip("torchx")
 from conftest import hosts_for_a_test  # noqa: E402
 from lowband.launch.local import free_port  # noqa: E402
 
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
+
 ROOT = Path(__file__).resolve().parents[1]
 # tiny, but with an fp32 exchange: the synced bytes dwarf the rendezvous and TCP/IP overhead
 FLAGS = ["--algo", "streaming", "--model", "nano", "--steps", "20", "--sync-every", "4",
@@ -49,6 +51,7 @@ def _events(run_dir: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.root
 @needs_hosts
 def test_streaming_across_two_hosts_matches_the_veth_counters(hosts, tmp_path):
     run_dir = tmp_path / "run"
@@ -72,6 +75,7 @@ def test_streaming_across_two_hosts_matches_the_veth_counters(hosts, tmp_path):
     assert abs(report["ratio_raw"] - 1) <= 0.15, report
 
 
+@pytest.mark.root
 @needs_hosts
 def test_unreachable_rendezvous_fails_clearly_in_bounded_time(hosts, tmp_path):
     # only the second host starts: the first, which hosts the rendezvous, never comes

@@ -95,6 +95,7 @@ def test_a_run_config_json_and_its_directory_are_configs(tmp_path):
         Config.from_file(str(tmp_path / "bad.json"))
 
 
+@pytest.mark.slow
 def test_a_finished_run_repeats_from_its_record(tmp_path):
     first = lowband("train", "--algo", "diloco", "--model", "nano", "--steps", 4, "--sync-every", 2,
                     "--eval-every", 0, "--no-progress", "--link-bandwidth", "none", "--run-dir",

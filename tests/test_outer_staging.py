@@ -278,6 +278,7 @@ def test_copies_stay_staged_only_within_a_sync():
             assert staged() == set(), s
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (a GPU session)")
 @pytest.mark.parametrize("case", CASES)
 def test_outer_state_in_host_memory_is_bitwise_on_the_gpu(case):

@@ -1,4 +1,4 @@
-"""An algorithm from outside the package (tests/outside/diloco_avg.py: DiLoCo whose outer rule is
+"""An algorithm from outside the package (examples/diloco_avg.py: DiLoCo whose outer rule is
 plain averaging, with an option of its own) reaches everything that reads the registry: the
 flags and --help, validation, the trainer's worker processes, telemetry, the report and the
 planner; a bad class is refused in one sentence, and a broken entry point is named, not raised.
@@ -21,12 +21,13 @@ from lowband.config import GROUPS, Config, ConfigError
 from lowband.options import Options, option
 from lowband.telemetry import read_events
 
-OUTSIDE = ROOT / "tests" / "outside" / "diloco_avg.py"
+OUTSIDE = ROOT / "examples" / "diloco_avg.py"
 WITH_IT = {"LOWBAND_ALGORITHMS": str(OUTSIDE)}
 RUN = ["--replicas", "2", "--model", "nano", "--steps", "12", "--sync-every", "4",
        "--eval-every", "0", "--eval-batches", "1", "--no-progress", "--link-bandwidth", "none"]
 
 
+@pytest.mark.slow
 def test_an_outside_algorithm_trains_with_two_replicas_and_reads_in_the_report(tmp_path):
     proc = lowband("train", "--algo", "diloco-avg", *RUN, "--run-dir", tmp_path / "avg",
                    cwd=tmp_path, env=WITH_IT)

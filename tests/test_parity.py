@@ -2,6 +2,10 @@
 
 import json
 
+import pytest
+
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
+
 COMMON = ["--model", "micro", "--steps", 120, "--lr", 1e-3, "--eval-every", 0, "--eval-batches", 8,
           "--link-bandwidth", "none"]
 

@@ -15,6 +15,8 @@ from conftest import lowband
 from lowband.summary import participation, sync_participation
 from lowband.telemetry import read_events
 
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
+
 pytest.importorskip("torchft")
 
 SMALL = ["--model", "nano", "--seq-len", 32, "--batch-size", 4, "--eval-every", 0,

@@ -446,6 +446,7 @@ def test_plan_and_train_take_the_same_options():
     assert all(defaults[a.dest] == a.help for a in _parser()._actions if a.dest in defaults)
 
 
+@pytest.mark.slow
 def test_recipe_main_and_a_finished_run_of_every_algorithm(train_runs, capsys):
     assert main(["--recipe", "main", "--step-time", "50ms", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -6,10 +6,14 @@ import json
 import re
 from collections import Counter
 
+import pytest
+
 from lowband.plan import check_run, exchange_phases, plan_config, predict_to_target, run_of
 from lowband.plan.api import config_of
 from lowband.report import write_report
 from lowband.telemetry import read_events
+
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
 
 
 def test_a_run_is_checked_against_its_plan_and_drawn_on_it(train_run, tmp_path):

@@ -52,6 +52,7 @@ def recipe_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", RUNNABLE)
+@pytest.mark.slow
 def test_recipe_runs(recipe_runs, name):
     cfg = recipes.RECIPES[name]()
     run = recipe_runs / name
@@ -71,6 +72,7 @@ def test_recipes_command_lists_them(tmp_path):
     assert bad.returncode == 2 and "unknown recipe 'nope'" in bad.stderr
 
 
+@pytest.mark.slow
 def test_main_job_shows_the_point(tmp_path):
     """`lowband train` alone: streaming over an emulated link, with ddp's computed bytes beside
     its own and a report to open."""

@@ -15,6 +15,8 @@ from lowband.algorithms import ALGORITHMS
 from lowband.checkpoint import latest
 from lowband.telemetry import RunDir, read_events
 
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
+
 FLAGS = {  # per algorithm: a schedule with syncs both before and after the stop
     "diloco": ["--sync-every", "3"],
     "streaming": ["--sync-every", "4", "--fragments", "2", "--overlap", "1"],

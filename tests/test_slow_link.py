@@ -21,6 +21,7 @@ WHY = _link().unavailable()
 needs_netns = pytest.mark.skipif(WHY is not None, reason=f"network namespaces: {WHY}")
 
 
+@pytest.mark.root
 @needs_netns
 def test_netns_link_is_throttled_and_removed():
     link = _link("100mbit")
@@ -43,6 +44,7 @@ def test_netns_link_is_throttled_and_removed():
     assert "lbt-v0" not in links and "lbt-v1" not in links
 
 
+@pytest.mark.root
 @needs_netns
 def test_setup_removes_leftovers_of_a_crashed_run():
     link = _link()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.slurm]
 pytest.importorskip("torchx")
 
 from lowband.testing.slurm_cluster import LocalSlurm, missing_tools  # noqa: E402

@@ -146,6 +146,7 @@ def test_bad_sparse_options_one_sentence(tmp_path, lowband_here, args, message):
     assert code == 2 and stderr.count("\n") == 1 and message in stderr, stderr
 
 
+@pytest.mark.slow
 def test_topk_2bit_sparseloco_within_3_percent_of_fp4(train_runs):
     """Equal tokens: streaming fp4-e3m0 (Nesterov) against topk-2bit at 2% with SparseLoCo's
     outer rule (lr 1, beta 0.95), nano, 2 replicas, 200 steps (about 8 s each on 2 cores)."""
@@ -199,6 +200,7 @@ def sparseloco_reference(R, steps, H, lr, beta, nesterov=False):
     return [n for n, _ in init.named_parameters()], flat(init), outer
 
 
+@pytest.mark.slow
 def test_outer_rule_sparseloco_matches_float64_reference(train_run):
     R, steps, H, lr, beta = 2, 12, 4, 1.0, 0.95
     run = train_run("--algo", "diloco", *FLAGS, "--n-layer", 2, "--replicas", R, "--steps", steps,

@@ -97,6 +97,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.slow
 def test_matches_float64_reference(train_run, case):
     algo, R, S, steps, H, P, tau, alpha, pattern, n_layer = CASES[case]
     run = train_run("--algo", algo, *FLAGS, "--n-layer", n_layer, "--replicas", R,

@@ -83,6 +83,7 @@ def _same(a, b, name) -> None:
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), name
 
 
+@pytest.mark.slow
 def test_the_wrapper_equals_lowband_train_bitwise_and_a_resume_the_uninterrupted_run(tmp_path):
     train_in_one_job(*(_flags(a, tmp_path / f"train-{a}") for a in OPTIONS))
     torchrun(tmp_path, "sync-ddp:ddp:8", "sync-diloco:diloco:8", "sync-streaming:streaming:8",

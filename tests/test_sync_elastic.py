@@ -23,6 +23,8 @@ from lowband.config import Config, ConfigError  # noqa: E402
 from lowband.launch import components  # noqa: E402
 from lowband.telemetry import read_events  # noqa: E402
 
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
+
 STEPS, HOLD = 16, 6
 # the user's script: nothing in it knows it is elastic; group 1 (first life only) holds before
 # step HOLD until the test kills it, so the kill lands between steps, not in an exchange

@@ -12,6 +12,8 @@ from lowband.config import Config, ConfigError
 from lowband.schedule import lr_at
 from lowband.telemetry import RunDir, read_events
 
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
+
 TINY = ["--model", "micro", "--seq-len", "32", "--batch-size", "4", "--eval-batches", "1",
         "--steps", "100000", "--warmup-steps", "2", "--no-progress", "--link-bandwidth", "none"]
 

@@ -23,7 +23,8 @@ def _hosts() -> TestHosts:
 
 
 WHY = _hosts().unavailable() or WireGuard.unavailable()
-pytestmark = pytest.mark.skipif(WHY is not None, reason=f"encrypted test link: {WHY}")
+pytestmark = [pytest.mark.slow, pytest.mark.root,
+              pytest.mark.skipif(WHY is not None, reason=f"encrypted test link: {WHY}")]
 
 
 def _train(hosts, master, ifaces, run_dir, port):

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # measured (--durations): README, Run the tests
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # asked of a subprocess: importlib.util.find_spec("pip") in this process would pass through

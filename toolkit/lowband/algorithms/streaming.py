@@ -282,7 +282,7 @@ class Streaming(Paced, Algorithm):
     def outer_step(self, f: Fragment, delta: torch.Tensor) -> torch.Tensor:
         """The outer rule: fragment f's new outer parameters (this rank's slice, on delta's
         device) from the averaged pseudo-gradient `delta`, written to f.outer (and f.momentum)
-        through self.staging. A subclass changes the rule here (tests/outside/diloco_avg.py)."""
+        through self.staging. A subclass changes the rule here (examples/diloco_avg.py)."""
         c = self.config
         if c.outer_rule == "sparseloco":
             return sgd_step(f.outer, delta, c.outer_lr, self.staging)

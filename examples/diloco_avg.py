@@ -4,9 +4,13 @@ delta, so with --avg-step 1 (the default) the replicas restart each sync from th
 (local SGD / FedAvg's rule).
 
 It subclasses lowband's DiLoCo and overrides only the outer rule, brings one option group of
-its own (--avg-step) beside DiLoCo's, and registers itself on import. Used by
-tests/test_outside_algorithm.py through LOWBAND_ALGORITHMS=tests/outside/diloco_avg.py; a
-package would name it in an entry point instead:
+its own (--avg-step) beside DiLoCo's, and registers itself on import. LOWBAND_ALGORITHMS names
+it for `lowband train` and its workers:
+
+    LOWBAND_ALGORITHMS=examples/diloco_avg.py lowband train --algo diloco-avg --avg-step 0.8
+
+tests/test_outside_algorithm.py runs it that way; a package would name it in an entry point
+instead:
 
     [project.entry-points."lowband.algorithms"]
     diloco-avg = "diloco_avg:DiLoCoAvg"
