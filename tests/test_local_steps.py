@@ -29,9 +29,9 @@ class _Times:
 def _pace(local_steps="adaptive", replicas=2, replica=0, period=10, fragments=1, tau=0):
     cfg = SimpleNamespace(local_steps=local_steps, sync_every=period * fragments,
                           fragments=fragments, overlap=tau, steps=period * 10, replicas=replicas)
-    comm = SimpleNamespace(topo=SimpleNamespace(replicas=replicas, replica=replica), waited_s=0.0,
+    comm = SimpleNamespace(topo=SimpleNamespace(replicas=replicas, replica=replica),
                            all_gather=lambda *args, **kwargs: "sent")
-    return Pace(cfg, comm, lambda: SimpleNamespace(seconds=lambda: 0.0))
+    return Pace(cfg, comm, lambda: (0.0, 0))
 
 
 def test_the_steps_follow_the_speeds_and_noise_leaves_them():

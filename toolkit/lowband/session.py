@@ -142,6 +142,8 @@ class Session:
         step = self.progress.step
         compute_s = max(step_s - self.comm.take_wait_s(), 0.0)
         self.progress.advance(loss, tokens, compute_s)
+        self.algo.compute_s += compute_s
+        self.algo.computed_steps += 1
         self.take_heal()
         elapsed = self.clock.seconds()
         self.events.emit_step(step + 1, loss, lr, self.progress.tokens, step_s, compute_s, elapsed)

@@ -89,6 +89,11 @@ class Algorithm:
     # the trainer's clock.RunClock: training seconds, and with --time-budget the budget's
     # elapsed fraction every rank agrees on (None outside the trainer)
     clock = None
+    # this rank's compute so far as the loop records it (session.Session.stepped: each step's
+    # seconds less the link's waits) and the steps it covers: what an algorithm that paces its
+    # syncs by speed reads (algorithms/pace.py)
+    compute_s = 0.0
+    computed_steps = 0
     # syncs by wall-clock time (aedit): replicas run different step counts, so the algorithm
     # keeps --time-budget itself, at its syncs, and its own schedule position
     timed: ClassVar[bool] = False

@@ -10,10 +10,11 @@ them at its own step count. Replica r runs n_r inner steps between two syncs, wi
 
     n_r = clamp(round(period x t_fast / t_r), tau + 1, period)
 
-where t_r is its measured compute seconds a step since the last sync (waits for the link left
-out; the first sync's since the run began) and t_fast the fastest replica's: the fastest runs
-`period` steps, a replica twice as slow half as many, and each period lasts about `period` of
-the fastest's steps on every replica. Each replica's time travels with sync k's exchange (an
+where t_r is its compute seconds a step since the last sync, as the loop records them in its
+step events (a step's seconds less its waits for the link; the first sync's since the run
+began) and t_fast the fastest replica's: the fastest runs `period` steps, a replica twice as
+slow half as many, and each period lasts about `period` of the fastest's steps on every
+replica. Each replica's time travels with sync k's exchange (an
 all-gather of one number a rank, started with it) and sets the steps of the period running
 when sync k's average is applied (tau steps later), on every rank from the same numbers, so
 every rank agrees on every replica's steps; tau + 1 steps at the least keep each apply before
@@ -93,7 +94,9 @@ class Pace:
     s, and where a step stands on the run's schedule. State: the syncs started, the step the
     last one started at, this period's steps (n), the times measured since."""
 
-    def __init__(self, cfg, comm, clock_of):
+    def __init__(self, cfg, comm, measured):
+        """measured(): this rank's compute seconds and steps recorded so far (the algorithm's
+        compute_s and computed_steps: session.Session.stepped adds each step's)."""
         self.adaptive = cfg.local_steps != "fixed"
         self.period, self.fragments, self.tau = cfg.sync_every // cfg.fragments, cfg.fragments, \
             cfg.overlap
@@ -102,7 +105,7 @@ class Pace:
                 cfg.steps // self.period
         else:
             self.speeds = self.total = None
-        self.comm, self.clock_of = comm, clock_of
+        self.comm, self.measured = comm, measured
         self.started = 0     # syncs started
         self.last_start = 0  # the inner step the last sync started after
         self.n = self.period  # this replica's steps in the current period
@@ -111,7 +114,7 @@ class Pace:
             self.steps_of = self.steps_for([1 / x for x in self.speeds])
             self.n = self.steps_of[comm.topo.replica]
         self.last_steps = 0  # this replica's steps in the period that ended at the last start
-        self._mark = None    # (training seconds, link waits) at the last start
+        self._mark = None    # measured() at the last start
         # the run steps of the period's inner steps: from inner step (0-based) `at`, run step
         # `base` and `rate` run steps an inner step (an apply that changes n starts a new piece)
         self._piece = (0, 0.0, self.period / self.n)
@@ -159,13 +162,15 @@ class Pace:
             return None
         steps = self.last_steps = s - self.last_start
         self.last_start = s
-        now = (self.clock_of().seconds(), self.comm.waited_s)
+        now = self.measured()  # (compute seconds, steps) recorded so far
         if self._mark is None and self.started == 1:  # a fresh run's first: since it began
-            self._mark = (0.0, 0.0)
-        took = (now[0] - now[1]) - (self._mark[0] - self._mark[1]) if self._mark else 0.0
+            self._mark = (0.0, 0)
+        took = 0.0
+        if self._mark is not None and now[1] > self._mark[1]:
+            took = (now[0] - self._mark[0]) / (now[1] - self._mark[1])
         self._mark = now
         self._piece = (s, float(self.started * self.period), self.period / self.n)
-        mine = torch.tensor([took / max(steps, 1)], dtype=torch.float64)
+        mine = torch.tensor([took], dtype=torch.float64)
         return self.comm.all_gather(mine, "world", tag="pace")
 
     def decide(self, times, s: int) -> None:

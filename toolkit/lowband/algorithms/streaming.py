@@ -145,7 +145,8 @@ class Streaming(Paced, Algorithm):
         self.model, self.blocks, self.topo, self.comm, self.config = model, blocks, topology, comm, c
         self.optimizer = optimizer
         device = outer_home(c, topology.device)
-        self.pace = Pace(c, comm, lambda: self.clock)  # when syncs start (--local-steps)
+        # when syncs start (--local-steps), from this rank's compute as the loop records it
+        self.pace = Pace(c, comm, lambda: (self.compute_s, self.computed_steps))
         self._times = None  # the step times sent with the sync in flight (pace.start)
         self.fragments = [Fragment(i, ps, topology.shard, topology.shards, device)
                           for i, ps in enumerate(split_fragments(model, blocks, c.fragments,

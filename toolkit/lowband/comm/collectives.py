@@ -96,9 +96,7 @@ class Transfer:
     def wait(self):
         t0 = time.perf_counter()
         result = self.landed()
-        waited = time.perf_counter() - t0
-        self.comm.wait_s += waited
-        self.comm.waited_s += waited
+        self.comm.wait_s += time.perf_counter() - t0
         return result
 
     def landed(self):
@@ -165,7 +163,6 @@ class Comm:
         # who the replica groups are (comm/membership/): fixed, or torchft's when elastic
         self.membership = FixedMembership(topology)
         self.wait_s = 0.0  # seconds the training thread spent blocked on transfers
-        self.waited_s = 0.0  # the same, never taken: the run's total (algorithms/pace.py)
         self._lock = threading.Lock()
         self._second: dict[str, dist.ProcessGroup] = {}  # the two-phase all-gathers' groups
         self._phase_two: queue.SimpleQueue | None = None  # the thread that starts them
