@@ -178,3 +178,58 @@ def test_a_time_budget_ends_every_replica_at_the_same_sync(runs):
     assert 1.0 < summary["wall_s"] < 9.0  # (3 s: 3x room for a loaded machine)
     last = {e["replica"]: e["step"] for e in read_events(budget, ("sync",))}
     assert last[0] == last[1] == fast
+
+
+LOOP = '''
+import sys, torch
+from lowband import Config, Sync
+from lowband.data import Batches, load_corpus, vocab_needed
+from lowband.models import build, for_training, lm_loss
+from lowband.schedule import lr_at
+from lowband.train import make_optimizer_factory
+
+cfg = Config(algo="streaming", model="nano", steps=16, seq_len=32, batch_size=4,
+             warmup_steps=2, sync_every=8, fragments=2, overlap=1).validate()
+tokens = load_corpus(cfg.data, cfg.tokenizer)
+torch.manual_seed(cfg.seed)
+model = for_training(build(cfg, vocab_needed(tokens)))
+optimizer = make_optimizer_factory(cfg, torch.device("cpu"))(model.parameters())
+sync = Sync(model, optimizer, "streaming", steps=16, seq_len=32, batch_size=4, sync_every=8,
+            fragments=2, overlap=1, local_steps="1,0.5", run_dir=sys.argv[1], link_bandwidth="")
+batches = Batches(tokens, rank=sync.topo.rank, world=sync.topo.world, seq_len=32, batch_size=4,
+                  seed=cfg.seed, val_fraction=cfg.val_fraction, device=torch.device("cpu"))
+for step in sync.range():
+    for g in optimizer.param_groups:
+        g["lr"] = lr_at(cfg, sync.schedule_step)
+    x, y = batches.train(step, 0)
+    loss = lm_loss(model, x, y, "fp32")
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    sync.step(loss=loss, tokens=x.numel())
+sync.finish()
+'''
+
+
+@pytest.mark.slow
+def test_your_loop_runs_declared_speeds_as_lowband_train_does(runs, tmp_path):
+    """lowband.Sync with local_steps="1,0.5": sync.range() ends the slow replica's steps at the
+    run's last sync, and read at sync.schedule_step the loop's learning rate is lowband
+    train's: the same weights, bitwise."""
+    import subprocess
+    import sys
+
+    from lowband.launch.local import free_port
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+           "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script),
+           str(tmp_path / "mine")]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train_in_one_job([*COMMON, "--steps", "16", "--eval-every", "0", "--local-steps", "1,0.5",
+                      "--run-dir", tmp_path / "theirs"])
+    assert _equal(_final(tmp_path / "mine"), _final(tmp_path / "theirs"))
+    summary = json.loads((tmp_path / "mine" / "summary.json").read_text())
+    assert summary["steps_run_per_replica"] == [16, 8]

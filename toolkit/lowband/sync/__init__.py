@@ -145,6 +145,13 @@ class Sync:
         return self.done.step
 
     @property
+    def schedule_step(self) -> float:
+        """Where the step this Sync is at stands on the run's schedule, for your learning rate:
+        the step itself, or with local_steps="adaptive" (a slower replica runs fewer steps
+        between syncs) the run's step, which a slow replica's steps cross faster."""
+        return self.algo.lr_step(self.done.step)
+
+    @property
     def steps(self) -> int:
         """The run's length (steps=, as `lowband train --steps`)."""
         return self.config.steps

@@ -38,7 +38,8 @@ def config_of(algo: str, recipe: str | None, options: dict, n_blocks: int) -> Co
     given = job_layout(options)  # under lowband launch: the job's layout
     given.pop("progress", None)
     base = {k: v for k, v in recipes.get(recipe).values.items() if k not in theirs} if recipe else {}
-    values = {**base, "algo": algo, **options, **given}
+    # lowband's own loop evaluates every --eval-every steps; here your loop does (val_loss=)
+    values = {**base, "algo": algo, **options, **given, "eval_every": 0}
     if "replicas" not in values:  # under torchrun: every rank its own replica group by default
         shards = values.get("shards", RunOptions.shards)
         values["replicas"] = max(int(os.environ.get("WORLD_SIZE", 1)) // shards, 1)
