@@ -164,6 +164,7 @@ def _one_sentence(message: str) -> bool:
     ("ddp", {}, "use the Trainer's own DDP (torchrun without the callback)"),
     ("edit", {}, "shards the model with FSDP2"),
     ("nope", {}, "LowbandCallback runs algo='diloco' or 'streaming', not 'nope'."),
+    ("streaming", {"local_steps": "adaptive"}, "LowbandCallback runs local_steps='fixed'"),
     ("streaming", {"steps": 10}, "steps= is the Trainer's max_steps (or num_train_epochs) here"),
     ("diloco", {"grad_accum": 2}, "is the Trainer's gradient_accumulation_steps here"),
 ])

@@ -147,6 +147,10 @@ class LowbandCallback(TrainerCallback):
             names = either([repr(name) for name in fitting(tuple(REFUSED))])
             raise ConfigError(f"LowbandCallback runs algo={names}, not {algo!r}.")
         check_fits(algo, "LowbandCallback", REFUSED)
+        if options.get("local_steps", "fixed") != "fixed":
+            raise ConfigError("LowbandCallback runs local_steps='fixed': with other counts a "
+                              "slower replica runs fewer steps than the Trainer's max_steps; use "
+                              "lowband.Sync in your own loop (for step in sync.range()).")
         for key, where in FROM_TRAINER.items():
             if key in options:
                 raise ConfigError(f"{key}= is the Trainer's {where} here: set it in the "
@@ -181,10 +185,6 @@ class LowbandCallback(TrainerCallback):
                               "backward pass, which the Trainer runs, with its own gradient "
                               "clipping before any hook of the callback; use lowband.Sync in "
                               "your own loop (sync.backward) or `lowband train`.")
-        if cfg.local_steps == "adaptive":
-            raise ConfigError("LowbandCallback runs local_steps='fixed': with 'adaptive' a slower "
-                              "replica runs fewer steps than the Trainer's max_steps; use "
-                              "lowband.Sync in your own loop (for step in sync.range()).")
         if cfg.elastic:
             raise ConfigError("LowbandCallback does not run elastic: a group healed from a live "
                               "peer goes on from the peer's step, which the Trainer's own step "
