@@ -41,7 +41,8 @@ def test_a_refused_flag_writes_nothing(tmp_path):
     proc = lowband("train", "--no-progress", "--run-dir", tmp_path / "run", "--steps", 20,
                    "--pause", "1:21:2", cwd=tmp_path)
     assert proc.returncode == 2 and "the step in 1..20" in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_schedule_is_seeded_and_repeats():
