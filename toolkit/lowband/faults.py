@@ -19,8 +19,9 @@
                              that is neither compute nor a link wait, and the event says where it
                              went. (The other replicas' waits for it are link waits, as always;
                              --local-steps adaptive measures training seconds less link waits, so
-                             a stall weighs on the one period it falls in, not on the next.) A
-                             resumed run that takes STEP again pauses again
+                             a stall enters the measure of the one period it falls in: its replica
+                             may get fewer steps for one period, not for good.) A resumed run
+                             that takes STEP again pauses again
 --corrupt REPLICA:STEP[:SCALE]  after inner step STEP, Gaussian noise of SCALE (default 1) x each
                              tensor's RMS is added to REPLICA's parameters: a bad update that
                              gradient clipping cannot undo, so the loss spikes
