@@ -3,6 +3,25 @@
 --straggler REPLICA:FACTOR[,REPLICA:FACTOR...]  the ranks of each REPLICA compute FACTOR x
                              slower: after each step they sleep (FACTOR - 1) x the step's
                              compute time (counted as compute); 0:1,1:2,2:4 sites of 3 speeds
+--slowdown REPLICA:FACTOR:SECONDS[:GAP][,...]  REPLICA computes FACTOR x slower (as --straggler
+                             does, the factors multiply) for SECONDS at a time, at random times
+                             on the run's training clock (clock.py: evaluations and checkpoints
+                             left out) with on average GAP (default 3 x SECONDS) between two:
+                             the gaps are exponential, drawn from --seed and the replica, so a run
+                             repeats them and a resumed one continues them from its clock's
+                             seconds. A step is slowed when a slowdown is on at its end; `fault`
+                             events (what=slowdown, phase start and end) say who was slow, when
+--pause REPLICA:STEP:SECONDS[,...]  after inner step STEP every rank of REPLICA sleeps SECONDS,
+                             as a node that stalls without dying (a `fault` event, what=pause).
+                             A stall is not compute: it is training time lost (the clock and
+                             summary.json's wall_s count it), but neither the step's step_s nor
+                             its compute_s (nor summary.json's compute_s): it shows as wall time
+                             that is neither compute nor a link wait, and the event says where it
+                             went. (The other replicas' waits for it are link waits, as always;
+                             --local-steps adaptive measures training seconds less link waits, so
+                             a stall enters the measure of the one period it falls in: its replica
+                             may get fewer steps for one period, not for good.) A resumed run
+                             that takes STEP again pauses again
 --corrupt REPLICA:STEP[:SCALE]  after inner step STEP, Gaussian noise of SCALE (default 1) x each
                              tensor's RMS is added to REPLICA's parameters: a bad update that
                              gradient clipping cannot undo, so the loss spikes
@@ -18,9 +37,12 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +88,63 @@ def parse_corrupt(text: str, replicas: int, steps: int) -> tuple[int, int, float
     return replica, step, scale
 
 
+@dataclass(frozen=True)
+class Slowdown:
+    """One --slowdown: REPLICA computes FACTOR x slower for SECONDS at a time, GAP apart on
+    average; `index` tells apart two of the same replica (each its own draws)."""
+    replica: int
+    factor: float
+    seconds: float
+    gap: float
+    index: int = 0
+
+    def windows(self, seed: int) -> Iterator[tuple[float, float]]:
+        """Its windows (start, end) in training seconds, in order, without end: the gaps before
+        them exponential with mean GAP, drawn from seed, replica and index alone (a string seed
+        is hashed the same in every process), so every rank of the replica and a resumed run
+        see the same ones."""
+        rng = random.Random(f"slowdown:{seed}:{self.replica}:{self.index}")
+        t = 0.0
+        while True:
+            t += rng.expovariate(1 / self.gap)
+            yield t, t + self.seconds
+            t += self.seconds
+
+
+def slowdown_windows(slowdown: Slowdown, seed: int, until: float) -> list[tuple[float, float]]:
+    """The windows of `slowdown` that start before `until` training seconds."""
+    return list(itertools.takewhile(lambda w: w[0] < until, slowdown.windows(seed)))
+
+
+def parse_slowdown(text: str, replicas: int) -> list[Slowdown]:
+    """--slowdown REPLICA:FACTOR:SECONDS[:GAP][,...] (GAP's default: 3 x SECONDS)."""
+    out, seen = [], {}
+    for part in filter(None, text.split(",")):
+        values = _parse(part, "--slowdown", "REPLICA:FACTOR:SECONDS[:GAP][,...], e.g. 1:4:10 or "
+                        "1:4:10:60", (int, float, float, float), 3)
+        replica, factor, seconds = values[:3]
+        gap = values[3] if len(values) == 4 else 3 * seconds
+        if not 0 <= replica < replicas or not factor >= 1 or not seconds > 0 or not gap > 0:
+            raise ConfigError(f"--slowdown {part}: the replica must be in 0..{replicas - 1}, the "
+                              "factor at least 1, and the seconds and the gap positive.")
+        seen[replica] = seen.get(replica, -1) + 1
+        out.append(Slowdown(replica, factor, seconds, gap, seen[replica]))
+    return out
+
+
+def parse_pause(text: str, replicas: int, steps: int) -> list[tuple[int, int, float]]:
+    """--pause REPLICA:STEP:SECONDS[,...]: (replica, step, seconds) triples."""
+    out = []
+    for part in filter(None, text.split(",")):
+        replica, step, seconds = _parse(part, "--pause", "REPLICA:STEP:SECONDS[,...], e.g. "
+                                        "1:20:30", (int, int, float), 3)
+        if not 0 <= replica < replicas or not 1 <= step <= steps or not seconds > 0:
+            raise ConfigError(f"--pause {part}: the replica must be in 0..{replicas - 1}, the "
+                              f"step in 1..{steps} and the seconds positive.")
+        out.append((replica, step, seconds))
+    return out
+
+
 LIGHTHOUSE = "lighthouse"
 
 
@@ -103,6 +182,11 @@ class FaultOptions(Options):
     title = "fault injection (every algorithm)"
     straggler: str = option("", "REPLICA:FACTOR[,REPLICA:FACTOR...]: each replica named "
                             "computes FACTOR x slower (0:1,1:2,2:4: three speeds)")
+    slowdown: str = option("", "REPLICA:FACTOR:SECONDS[:GAP][,...]: that replica computes "
+                           "FACTOR x slower for SECONDS of training time at a time, at random "
+                           "times (from --seed) on average GAP apart (default 3 x SECONDS)")
+    pause: str = option("", "REPLICA:STEP:SECONDS[,...]: every rank of that replica stalls "
+                        "SECONDS after STEP (time lost, not compute)")
     corrupt: str = option("", "REPLICA:STEP[:SCALE]: noise of SCALE x RMS added to that replica's "
                           "parameters after STEP")
     crash_checkpoint: int = option(0, "die between writing and renaming the checkpoint of this "
@@ -116,6 +200,8 @@ class FaultOptions(Options):
         if cfg.crash_checkpoint < 0:
             raise ConfigError(f"--crash-checkpoint must be zero or positive, got {cfg.crash_checkpoint}.")
         parse_straggler(cfg.straggler, cfg.replicas)
+        parse_slowdown(cfg.slowdown, cfg.replicas)
+        parse_pause(cfg.pause, cfg.replicas, cfg.steps)
         parse_corrupt(cfg.corrupt, cfg.replicas, cfg.steps)
         parse_kill(cfg.kill, cfg.replicas, cfg.steps, cfg.elastic)
 
@@ -123,6 +209,14 @@ class FaultOptions(Options):
 class Faults:
     def __init__(self, cfg, replica: int, seed: int, rank: int = 0):
         self.straggler = parse_straggler(cfg.straggler, cfg.replicas)
+        # this replica's slowdowns, each [Slowdown, its windows, the next window, on]
+        self.slowdowns = []
+        for slowdown in parse_slowdown(cfg.slowdown, cfg.replicas):
+            if slowdown.replica == replica:
+                windows = slowdown.windows(seed)
+                self.slowdowns.append([slowdown, windows, next(windows), False])
+        self.pauses = [(step, seconds) for who, step, seconds
+                       in parse_pause(cfg.pause, cfg.replicas, cfg.steps) if who == replica]
         self.corrupt = parse_corrupt(cfg.corrupt, cfg.replicas, cfg.steps)
         self.crash_checkpoint = cfg.crash_checkpoint
         kills = parse_kill(cfg.kill, cfg.replicas, cfg.steps, cfg.elastic)
@@ -153,11 +247,44 @@ class Faults:
         marker.touch()
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def slow_down(self, compute_s: float) -> None:
-        """Make this rank's step slower if its replica is a straggler."""
-        factor = self.straggler.get(self.replica, 1.0)
+    def slow_down(self, step: int, compute_s: float, seconds: float, events) -> float:
+        """After inner step `step` (1-based) of `compute_s` seconds, at `seconds` of training
+        time: sleep as long as this replica's straggler factor times the slowdowns on now make
+        the step (counted as its compute), then stall if --pause names the step. Returns the
+        seconds stalled, which the caller leaves out of the step's time (module doc)."""
+        factor = self.straggler.get(self.replica, 1.0) * self._slowdowns(step, seconds, events)
         if factor > 1:
             time.sleep((factor - 1) * compute_s)
+        stalled = 0.0
+        for at, pause in self.pauses:
+            if at == step:
+                events.emit("fault", step=step, what="pause", seconds=pause)
+                t0 = time.perf_counter()
+                time.sleep(pause)
+                stalled += time.perf_counter() - t0
+        return stalled
+
+    def _slowdowns(self, step: int, seconds: float, events) -> float:
+        """The product of this replica's slowdowns on at `seconds`, with a `fault` event where
+        one starts or ends (a window wholly between two steps' ends slows none of them)."""
+        factor = 1.0
+        for entry in self.slowdowns:
+            slowdown, windows, (start, end), on = entry
+            while end <= seconds:  # past this window: to the next one that has not ended
+                if on:
+                    events.emit("fault", step=step, what="slowdown", phase="end",
+                                factor=slowdown.factor, seconds=slowdown.seconds,
+                                elapsed_s=seconds)
+                    on = False
+                entry[2] = next(windows)
+                start, end = entry[2]
+            if start <= seconds and not on:
+                events.emit("fault", step=step, what="slowdown", phase="start",
+                            factor=slowdown.factor, seconds=slowdown.seconds, elapsed_s=seconds)
+                on = True
+            entry[3] = on
+            factor *= slowdown.factor if on else 1.0
+        return factor
 
     @torch.no_grad()
     def after_step(self, step: int, model: torch.nn.Module) -> bool:

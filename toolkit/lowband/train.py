@@ -132,9 +132,10 @@ def _train(session: Session, tokens, model, blocks):
         faults.maybe_die(step + 1, run.root)
         if faults.after_step(step + 1, model):
             session.events.emit("fault", step=step + 1, what="corrupt", scale=faults.corrupt[2])
-        faults.slow_down(time.perf_counter() - t0 - comm.wait_s)
+        stalled = faults.slow_down(step + 1, time.perf_counter() - t0 - comm.wait_s,
+                                   clock.seconds(), session.events)  # a stall is no step time
         elapsed = session.stepped(loss, micro_batches * cfg.batch_size * cfg.seq_len,
-                                  time.perf_counter() - t0, algo.lr(step))
+                                  time.perf_counter() - t0 - stalled, algo.lr(step))
         at = algo.run_step(step + 1)  # where every replica is too (None: between syncs)
         # --time-budget: decided where every rank is (after the event: it moves the lr's fraction)
         time_up = at is not None and clock.ends_after(at)
