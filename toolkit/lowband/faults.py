@@ -18,9 +18,8 @@
                              its compute_s (nor summary.json's compute_s): it shows as wall time
                              that is neither compute nor a link wait, and the event says where it
                              went. (The other replicas' waits for it are link waits, as always;
-                             --local-steps adaptive measures training seconds less link waits, so
-                             a stall enters the measure of the one period it falls in: its replica
-                             may get fewer steps for one period, not for good.) A resumed run
+                             --local-steps adaptive measures a replica's speed from its steps'
+                             compute_s, so a stall does not make it look slower.) A resumed run
                              that takes STEP again pauses again
 --corrupt REPLICA:STEP[:SCALE]  after inner step STEP, Gaussian noise of SCALE (default 1) x each
                              tensor's RMS is added to REPLICA's parameters: a bad update that
