@@ -50,6 +50,8 @@ class Run:
     unit_sizes: tuple[int, ...]   # edit's units: the root's values, then each block's
     sync_seconds: float           # aedit: seconds of training between two syncs
     acco_adaptive: bool           # acco's adaptive micro-batches: a count all-gather a round
+    slowdowns: tuple[float, ...]  # each replica's compute a step over step_time (--straggler)
+    local_steps: str              # diloco, streaming: fixed, adaptive or each replica's speed
 
     @property
     def world(self) -> int:

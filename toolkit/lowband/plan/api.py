@@ -13,6 +13,7 @@ from lowband.options import ConfigError, needs_extra
 from lowband.plan import calibrate
 from lowband.plan.inputs import (ALGORITHMS, GRAD_DTYPES, PlanError, Run, _number, fmt_bandwidth,
                                  fmt_count, make_run, modeled, payload_bytes, run_of)
+from lowband.plan.replicas import join, replica_runs
 from lowband.plan.target import recommend, timing, to_ddp_loss
 from lowband.plan.timeline import Timeline, schedule, steady_stall
 
@@ -36,13 +37,15 @@ class SimResult:
     peak_transfer_bytes: float   # the largest single transfer
     peak_transfer_s: float       # its duration on this link, latency included
     sync_period_steps: int = 1   # its send pattern repeats every this many steps (H; 1: every step)
+    per_replica: dict | None = None  # replicas that differ (replicas.join); None: all alike
 
     @property
     def stall_per_step(self) -> float:
         return self.stall_s / self.steps
 
     def to_dict(self) -> dict:
-        return asdict(self) | {"stall_per_step": self.stall_per_step}
+        out = asdict(self) | {"stall_per_step": self.stall_per_step}
+        return out if self.per_replica else {k: v for k, v in out.items() if k != "per_replica"}
 
 
 def simulate(algorithm: str, **params) -> SimResult:
@@ -61,6 +64,13 @@ def _run(params: dict) -> Run:
 
 
 def _simulate(algorithm: str, run: Run, bandwidth: float) -> SimResult:
+    parts = replica_runs(algorithm, run)
+    if parts is not None:  # replicas that differ: each at its own pace, joined (replicas.py)
+        sims: dict = {}
+        for sub, _ in parts:
+            if sub not in sims:
+                sims[sub] = _simulate(algorithm, sub, bandwidth)
+        return join(algorithm, run, parts, [sims[sub] for sub, _ in parts])
     s = schedule(algorithm, run)
     if run.steps is None:  # the periodic regime after the transient
         units, stall = steady_stall(s, bandwidth, run.latency)

@@ -1,7 +1,8 @@
 """The plan against a finished run: predicted compute utilization beside the measured one.
 
 The run's own compute time per step (the mean over ranks and steps of the `step` events'
-compute_s, the first steps left out as warm-up) is the simulator's step time; the rest is the
+compute_s, the first steps left out as warm-up, each over its replica's --straggler factor)
+is the simulator's step time; the rest is the
 run's config.json, read as `lowband plan --config RUN` reads it (plan_config). A run on an
 emulated link is simulated on that link, a run without one on an unlimited link.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
+from lowband.faults import parse_straggler
 from lowband.plan.api import _simulate, config_of, curves, plan, plan_config
 from lowband.plan.inputs import PlanError, fmt_bandwidth, run_of
 from lowband.plan.target import timing
@@ -33,7 +35,10 @@ def measured(run_dir, warmup_steps: int = 3, link: str | None = None
     if not steps:
         raise PlanError(f"'{run_dir}' has no step events after the first {warmup_steps} steps.")
     cfg = {k: v for k, v in config.items() if k != "meta"}
-    took = {"step_time": statistics.fmean(e["compute_s"] for e in steps),
+    # a straggler's sleep counts as its compute: the plan's step time is the unslowed one
+    slow = parse_straggler(cfg.get("straggler") or "", cfg.get("replicas") or 1)
+    took = {"step_time": statistics.fmean(e["compute_s"] / slow.get(e.get("replica"), 1.0)
+                                          for e in steps),
             "params": config["meta"]["n_params"], "steps": max(1, round(summary["steps_run"]))}
     if link:
         cfg["link_bandwidth"] = link

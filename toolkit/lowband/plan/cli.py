@@ -112,7 +112,35 @@ def _setup(name: str, row: dict) -> str:
     the row carries) and the options it reads among P, tau and the codec."""
     every, inputs = row.get("sync_period_steps", 1), row["inputs"]
     parts = [form.format(inputs[key]) for key, form in SHOWN if key in reads(name)]
+    pace = (row.get("per_replica") or {}).get("local_steps", "fixed")
+    if pace != "fixed":  # adaptive, or declared speeds
+        parts.append("steps " + pace)
     return " ".join([f"every {every} steps" if every > 1 else "every step", *parts])
+
+
+def _slower(slowdowns) -> str:
+    """'; replica 1 computes 2x slower': the --straggler set-up, for the header."""
+    slow = [f"replica {r} {f:g}x" for r, f in enumerate(slowdowns or ()) if f != 1]
+    return f"; slower compute: {', '.join(slow)} (--straggler)" if slow else ""
+
+
+def _replica_notes(result: dict) -> list[str]:
+    """Per row whose replicas differ: each replica's compute utilization (and its steps a sync
+    with adaptive or declared steps); the row's CU is their mean."""
+    lines = []
+    for name, r in result["algorithms"].items():
+        per = r.get("per_replica")
+        if not per:
+            continue
+        cus = ", ".join(f"{u:.3f}" for u in per["utilization"])
+        steps = per["steps_per_sync"]
+        lines.append(f"{name}: CU by replica {cus} (the row's: their mean)" + (
+            "" if steps is None else f"; inner steps a sync {', '.join(map(str, steps))}"))
+    if lines:
+        lines.insert(0, "")
+        lines.append("replicas that differ: fixed steps wait for the slowest at every sync or "
+                     "step; adaptive steps run fewer on a slow replica (docs/plan.md)")
+    return lines
 
 
 def _soon(r: dict) -> str:
@@ -164,8 +192,9 @@ def table(result: dict) -> str:
     link = link or fmt_bandwidth(i["bandwidth"])
     run = "the steady state" if i["steps"] is None else f"a run of {i['steps']} steps"
     lines = [f"{fmt_count(i['params'])} params, {i['layers']} blocks, step "
-             f"{fmt_seconds(i['step_time'])}, R={i['replicas']} S={i['shards']}; link {link}, "
-             f"latency {fmt_seconds(i['latency'])}; {run}", ""]
+             f"{fmt_seconds(i['step_time'])}, R={i['replicas']} S={i['shards']}"
+             f"{_slower(i.get('slowdowns'))}; link {link}, latency {fmt_seconds(i['latency'])}; "
+             f"{run}", ""]
     rows = [("algorithm", "syncs", "CU", "stall/step", "wire/step", "largest transfer",
              f"needs for CU {target:g}", "tokens/s", "to ddp's loss")]
     notes, fits = [], {}
@@ -186,6 +215,7 @@ def table(result: dict) -> str:
             fits[fit["fit"]] = fit["outside"]
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines += _replica_notes(result)
     lines += _fit_notes(fits, result.get("recommended"), result["algorithm"], target)
     lines += _calibration_notes(result.get("calibration"))
     if "measured" in result:

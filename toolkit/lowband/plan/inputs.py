@@ -7,8 +7,10 @@ import re
 
 from lowband import units
 from lowband.algorithms import ALGORITHMS as REGISTRY, Algorithm
+from lowband.algorithms.pace import declared
 from lowband.comm import wire
 from lowband.comm.codecs import CODEC_RECORDS
+from lowband.faults import parse_straggler
 from lowband.comm.sends import (GRAD_BYTES, Run, block, exchange_phases,  # noqa: F401
                                 payload_bytes)
 from lowband.models import spec
@@ -85,7 +87,8 @@ def trained(cfg) -> dict:
                 fragment_pattern=cfg.fragment_pattern, exchange=cfg.exchange, density=cfg.density,
                 sparse_chunk=cfg.sparse_chunk, block_size=cfg.codec_block,
                 bucket_mb=cfg.bucket_mb, sync_seconds=cfg.sync_seconds,
-                acco_adaptive=cfg.acco_micro == "adaptive")
+                acco_adaptive=cfg.acco_micro == "adaptive", straggler=cfg.straggler,
+                local_steps=cfg.local_steps)
 
 
 def make_run(params=None, layers=None, step_time=None, **given) -> Run:
@@ -108,7 +111,7 @@ def _run(params, layers, step_time, *, model=None, flops_per_step=None, flops=No
          grad_dtype="fp32", bandwidth=None, latency=0.0, steps=None, acco_rounds=2,
          fragment_sizes=None, n_head=0, d_model=0, vocab_size=0, seq_len=0, replicas, shards,
          sync_every, fragments, overlap, codec, fragment_pattern, exchange, density, sparse_chunk,
-         block_size, bucket_mb, sync_seconds, acco_adaptive) -> Run:
+         block_size, bucket_mb, sync_seconds, acco_adaptive, straggler, local_steps) -> Run:
     """make_run's Run, every `lowband train` option given.
 
     model: a preset or hf:PATH, built on the meta device for its parameter count, blocks and
@@ -192,10 +195,26 @@ def _run(params, layers, step_time, *, model=None, flops_per_step=None, flops=No
         raise PlanError(f"fragment_sizes {list(fragment_sizes)} must be {fragments} counts "
                         f"adding up to the {round(params)} parameters.")
     unit_sizes = model_units(model, *shape) if real else even_units(round(params), layers)
+    slowdowns, local_steps = _paces(straggler, local_steps, replicas)
     return Run(params, layers, step_time, replicas, sync_every, fragments, overlap, codec,
                grad_dtype, bandwidth, latency, steps, block_size, density, sparse_chunk, exchange,
                bucket_mb, acco_rounds, fragment_pattern, fragment_sizes, shards, unit_sizes,
-               sync_seconds, bool(acco_adaptive))
+               sync_seconds, bool(acco_adaptive), slowdowns, local_steps)
+
+
+def _paces(straggler, local_steps, replicas: int) -> tuple[tuple[float, ...], str]:
+    """(each replica's compute factor, --local-steps) as lowband train reads them: straggler is
+    --straggler's text (REPLICA:FACTOR,...) or a mapping replica -> factor; PlanError with the
+    flag's own sentence for a factor below 1, an unknown replica or a speed a replica short."""
+    if isinstance(straggler, dict):
+        straggler = ",".join(f"{r}:{f}" for r, f in straggler.items())
+    try:
+        factors = parse_straggler(straggler or "", replicas)
+        local_steps = str(local_steps or "fixed")
+        declared(local_steps, replicas)
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
+    return tuple(float(factors.get(r, 1.0)) for r in range(replicas)), local_steps
 
 
 def run_of(cfg, step_time=None, *, params=None, steady: bool = False, **overrides) -> Run:

@@ -5,7 +5,9 @@ A run of s steps of T seconds of compute at compute utilization CU takes s·T/CU
 simulation's compute plus stall) and trains s times the tokens of a step (R·S ranks ×
 --batch-size × --grad-accum × --seq-len). ddp reaches its own final loss at the end of its run;
 an algorithm whose loss at equal tokens is (1 + p) times ddp's needs `tokens_factor` times
-ddp's tokens for it, at its own tokens per second.
+ddp's tokens for it, at its own tokens per second. With replicas that differ (--straggler,
+--local-steps) the tokens it needs stay the figures' (tokens merged from unequal replicas are
+taken to count as equal ones: an assumption) and only its tokens per second change.
 """
 
 from __future__ import annotations
@@ -26,14 +28,18 @@ def timing(cfg, run, row: dict) -> dict:
     """A row's tokens and times: tokens_per_step, tokens_per_s, and for a whole run its steps'
     wall_s and tokens (with --time-budget: the steps, tokens and seconds that fit in it); the
     loss penalty at equal tokens where a figure applies. None where the row has no link (CU not
-    simulated)."""
+    simulated). Replicas that differ (the row's per_replica): a run step lasts its run_step_s
+    and trains step_share of every rank's tokens (adaptive steps: fewer on a slow replica)."""
     per_step = cfg.world * cfg.batch_size * cfg.grad_accum * cfg.seq_len
+    replicas = row.get("per_replica")
+    if replicas:  # replicas of unequal steps a sync train fewer tokens a run step
+        per_step *= replicas["step_share"]
     fit = penalty(REGISTRY[cfg.algo].loss_fit, run.params, run.replicas, run.sync_every)
     out = {"tokens_per_step": per_step, "tokens_per_s": None, "wall_s": None, "tokens": None,
            "loss_penalty": None if fit is None else asdict(fit)}
     if row.get("cu") is None:
         return out
-    step_s = run.step_time / row["cu"]
+    step_s = replicas["run_step_s"] if replicas else run.step_time / row["cu"]
     out["tokens_per_s"] = per_step / step_s
     if run.steps is not None:
         steps, wall = run.steps, row["compute_s"] + row["stall_s"]
