@@ -89,6 +89,23 @@ def declared(text: str, replicas: int) -> list[float] | None:
     return speeds
 
 
+def steps_for(times: list[float], period: int, tau: int,
+              now: list[int] | None = None) -> list[int]:
+    """Each replica's steps in a period, from its seconds a step: the fastest's `period`, the
+    others' in proportion, at least tau + 1. A replica's count moves only when its ideal is
+    DEAD_BAND of a period (or a step) away from `now`'s: the noise of a loaded machine leaves
+    equal replicas at `period`, a 2x straggler moves to half of it. (The planner counts with
+    it too: plan/replicas.py.)"""
+    now = now or [period] * len(times)
+    band = max(1.0, DEAD_BAND * period)
+    out = []
+    for t, n in zip(times, now):
+        ideal = period * min(times) / t
+        out.append(n if abs(ideal - n) < band else
+                   min(max(math.floor(ideal + 0.5), tau + 1), period))
+    return out
+
+
 class Pace:
     """One replica's sync schedule (module doc): which fragment's sync starts after inner step
     s, and where a step stands on the run's schedule. State: the syncs started, the step the
@@ -192,18 +209,8 @@ class Pace:
         self._piece = (s, here, (end - here) / (self.last_start + self.n - s))
 
     def steps_for(self, times: list[float], now: list[int] | None = None) -> list[int]:
-        """Each replica's steps in a period, from its seconds a step: the fastest's `period`,
-        the others' in proportion, at least tau + 1. A replica's count moves only when its
-        ideal is DEAD_BAND of a period (or a step) away from `now`'s: the noise of a loaded
-        machine leaves equal replicas at `period`, a 2x straggler moves to half of it."""
-        now = now or [self.period] * len(times)
-        band = max(1.0, DEAD_BAND * self.period)
-        out = []
-        for t, n in zip(times, now):
-            ideal = self.period * min(times) / t
-            out.append(n if abs(ideal - n) < band else
-                       min(max(math.floor(ideal + 0.5), self.tau + 1), self.period))
-        return out
+        """Each replica's steps in a period of this run (steps_for, below)."""
+        return steps_for(times, self.period, self.tau, now)
 
     def sync_step(self, started_at: int) -> int:
         """The run step of the sync in flight, started after inner step `started_at` (until

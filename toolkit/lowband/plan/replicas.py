@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import replace
-from types import SimpleNamespace
 
 from lowband.algorithms import ALGORITHMS as REGISTRY
-from lowband.algorithms.pace import Pace, Paced, declared
+from lowband.algorithms.pace import Paced, declared, steps_for
 from lowband.comm.sends import Run
 
 
@@ -37,9 +36,7 @@ def steps_per_sync(algorithm: str, run: Run) -> list[int] | None:
         return None
     speeds = declared(run.local_steps, run.replicas)
     times = list(run.slowdowns) if speeds is None else [1 / s for s in speeds]
-    # Pace.steps_for reads only its period and tau: the count a run makes, not a copy of it
-    pace = SimpleNamespace(period=run.sync_every // run.fragments, tau=run.overlap)
-    return Pace.steps_for(pace, times)
+    return steps_for(times, run.sync_every // run.fragments, run.overlap)  # the run's count
 
 
 def replica_runs(algorithm: str, run: Run) -> list[tuple[Run, float]] | None:
