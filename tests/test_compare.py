@@ -58,6 +58,7 @@ def test_the_table_and_the_report(compared):
     for row in result["runs"]:  # measured and planned compute utilization, tokens/s
         assert 0 < row["compute_utilization"] <= 1 and 0 < row["planned_compute_utilization"] <= 1
         assert row["tokens_per_s"] == summary[row["name"]]["tokens_per_s"]
+        assert row["heterogeneity"] == "" and 0 < row["lowest_replica_compute_utilization"] <= 1
     assert streaming["outer_wire_bytes"] < ddp["outer_wire_bytes"]
     # printed, and the report opens with the same table
     assert "ddp (reference)" in stdout and "time to target" in stdout
@@ -101,6 +102,34 @@ def test_evaluations_read_as_the_trainer_keeps_them(tmp_path):
     assert loss_at(evals, (t0 + t1) / 2) == pytest.approx((v0 + v1) / 2)
     assert loss_at(evals, t0 / 2) is None and loss_at(evals, 1e9) == evals[-1][1]
     assert loss_at([], 1.0) is None
+
+
+def test_the_table_shows_each_runs_heterogeneity_and_its_least_busy_replica(tmp_path):
+    """Runs read without training: a run whose replica 1 is a 2x straggler under fixed steps
+    names its set-up, and its fast replica 0, waiting at every sync, is the least busy; the
+    terminal's table and the report's section say the same."""
+    from lowband.compare.table import rows, text
+    from lowband.dashboard.comparison import compare_section
+    from lowband.dashboard.model import RunModel
+    from lowband.testing.synthetic import make_run
+
+    plain = make_run(tmp_path / "plain", steps=40).root
+    slow = make_run(tmp_path / "slow", steps=40, straggler={1: 2}).root
+    table, _ = rows([("plain", str(plain), {"steps": 40}), ("slow", str(slow), {"steps": 40})],
+                    2.5, "plain")
+    alike, uneven = table
+    assert (alike["heterogeneity"], uneven["heterogeneity"]) == ("", "--straggler 1:2")
+    assert uneven["replica_compute_utilization"] == \
+        [w.utilization for w in RunModel(slow).load().replica_work()]
+    assert uneven["lowest_replica"] == 0
+    assert uneven["lowest_replica_compute_utilization"] == pytest.approx(0.4, rel=2e-3)
+    assert uneven["lowest_replica_compute_utilization"] < uneven["compute_utilization"]
+    result = {"runs": table, "reference": "plain"}
+    line = text(result).splitlines()[2]
+    assert "--straggler 1:2" in line and "40.0 % (replica 0)" in line
+    section = compare_section(result)
+    assert '<td data-key="heterogeneity">--straggler 1:2</td>' in section
+    assert '<td data-key="lowest_replica_compute_utilization">40.0 % (replica 0)</td>' in section
 
 
 def _refused(lowband_here, tmp_path, *args, says):

@@ -1,5 +1,6 @@
 """A comparison's table: per run, what reaching the target took, its validation loss at equal
-time, its compute utilization measured and planned, and its tokens/s.
+time, its compute utilization measured and planned (and its least busy replica's), its
+heterogeneity set-up (--straggler, --local-steps) and its tokens/s.
 
 Everything is read from the finished runs' directories, so the target can be chosen after
 they ran (the reference's final validation loss is known only then): each run's evaluations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import math
 
 from lowband.dashboard.comparison import COLUMNS, cell
+from lowband.dashboard.model import RunModel
+from lowband.dashboard.replicas import setup_text
 from lowband.summary import target
 from lowband.telemetry import RunDir, read_events
 
@@ -69,6 +72,18 @@ def planned(run_dir, tokens: float | None, link: str | None = None) -> dict:
             "fit": p.get("fit")}
 
 
+def replicas(run_dir) -> dict:
+    """A run's heterogeneity set-up in its flags ("" for replicas alike) and each replica's
+    compute utilization from its events (the report's replicas table), with the least busy
+    replica: under fixed local steps the fast one, waiting for a straggler at every sync."""
+    model = RunModel(run_dir).load()
+    cu = [w.utilization for w in model.replica_work()]
+    known = [(u, i) for i, u in enumerate(cu) if u is not None]
+    low, which = min(known) if known else (None, None)
+    return {"heterogeneity": setup_text(model.config), "replica_compute_utilization": cu,
+            "lowest_replica_compute_utilization": low, "lowest_replica": which}
+
+
 def rows(runs: list[tuple[str, str, dict]], loss: float, reference: str,
          link: str | None = None) -> tuple[list[dict], float | None]:
     """The table's rows for [(label, run directory, what the run was given)] with the target
@@ -100,7 +115,7 @@ def rows(runs: list[tuple[str, str, dict]], loss: float, reference: str,
             else plan["measured"], "planned_compute_utilization": plan["cu"],
             "planned_time_to_target_s": plan["seconds"], "planned_fit": plan["fit"],
             "planned_error": plan["seconds"] / measured - 1 if plan["seconds"] and measured
-            else None})
+            else None, **replicas(d)})
     return out, equal_s
 
 

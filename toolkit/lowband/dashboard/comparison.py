@@ -3,8 +3,10 @@ and the terminal's table from the same cells.
 
 A comparison's result is a dict (compare.json's): `runs` (rows with `name`, `algorithm`,
 `target` as summary.json's, `planned_time_to_target_s`, `val_loss_at_equal_time`,
-`compute_utilization`, `planned_compute_utilization`, `tokens_per_s`, `final_val_loss`, `wall_s`), `target_loss`,
-`target_from`, `equal` (time or tokens), `equal_time_s` and `reference` (a run's name).
+`compute_utilization`, `planned_compute_utilization`, `tokens_per_s`, `final_val_loss`,
+`wall_s`, `heterogeneity` (its --straggler and --local-steps),
+`lowest_replica_compute_utilization` and `lowest_replica`), `target_loss`, `target_from`,
+`equal` (time or tokens), `equal_time_s` and `reference` (a run's name).
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ import html
 from .style import fmt_value
 from .tables import target_text
 
-COLUMNS = [("name", "run"), ("algorithm", "algorithm"), ("target.elapsed_s", "time to target"),
+COLUMNS = [("name", "run"), ("algorithm", "algorithm"), ("heterogeneity", "replicas differ"),
+           ("target.elapsed_s", "time to target"),
            ("planned_time_to_target_s", "planned"), ("planned_error", "planned error"),
            ("target.tokens", "tokens to target"), ("target.outer_bytes", "outer bytes to target"),
            ("val_loss_at_equal_time", "val loss at equal time"),
-           ("compute_utilization", "CU measured"), ("planned_compute_utilization", "CU planned"),
+           ("compute_utilization", "CU measured"),
+           ("lowest_replica_compute_utilization", "CU least busy replica"),
+           ("planned_compute_utilization", "CU planned"),
            ("tokens_per_s", "tokens/s"), ("final_val_loss", "final val loss"),
            ("wall_s", "training time")]
 
@@ -29,7 +34,12 @@ def cell(key: str, row: dict, result: dict) -> str:
         return target_text(key, row.get("target"))
     if key == "name":
         return row["name"] + (" (reference)" if row["name"] == result.get("reference") else "")
+    if key == "heterogeneity":
+        return row.get(key) or "–"
+    if key == "lowest_replica_compute_utilization" and row.get("lowest_replica") is not None:
+        return f"{fmt_value('compute_utilization', row[key])} (replica {row['lowest_replica']})"
     as_ = {"planned_compute_utilization": "compute_utilization",
+           "lowest_replica_compute_utilization": "compute_utilization",
            "val_loss_at_equal_time": "loss"}.get(key, key)  # formatted as these
     return fmt_value(as_, row.get(key))
 
@@ -53,7 +63,10 @@ def note(result: dict) -> str:
             "evaluations; planned: the time to target lowband plan predicts for the run's config "
             "and measured compute time (ddp's tokens to target, times what the published loss "
             "figures say its setup needs more, at its planned tokens/s; – where no figure "
-            "applies), and its error against the measured time; CU: compute utilization, measured and as lowband plan predicts it.")
+            "applies), and its error against the measured time; replicas differ: the run's "
+            "--straggler and --local-steps; CU: compute utilization, measured (the mean over "
+            "ranks, and the least busy replica's: its compute seconds over its training "
+            "seconds) and as lowband plan predicts it.")
 
 
 def compare_section(result: dict) -> str:

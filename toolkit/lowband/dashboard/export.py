@@ -12,7 +12,8 @@ wall-clock time.
 
 For tests in a browser, the page has stable hooks: figure divs #lowband-loss,
 #lowband-bandwidth and #lowband-timeline-<i>, sections #headline (what ddp would have sent, as
-`lowband train` prints it: runs that are not ddp), #summary, #config (#restarts for runs
+`lowband train` prints it: runs that are not ddp), #summary, #replicas (runs of two replicas or
+more: each replica's work), #config (#restarts for runs
 that restarted, #membership for --elastic runs, with #failed-commits where a commit vote
 failed), and the report's numbers as JSON in <script type="application/json"
 id="lowband-report-data">.
@@ -35,6 +36,8 @@ from .comparison import compare_section
 from .loss_figure import loss_figure_static
 from .losses import warmup_text
 from .model import RunModel, is_run_dir
+from .replicas import COLUMNS as REPLICA_COLUMNS
+from .replicas import replicas_table
 from .specs import make_figure
 from .tables import (commits_table, config_table, elastic_text, membership_table,
                      participation_table, restarts_table, run_record, summary_table)
@@ -125,7 +128,7 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
     parts += [_headline_section(models)] if any(_headline(m) for m in models) else []
     parts += [
         f'<section id="summary"><h2>Summary</h2><div class="scroll">{summary_table(records)}'
-        f"</div></section>",
+        f"</div></section>", _replicas_section(models),
         f'<section id="loss-section"><h2>Loss</h2><p class="meta">Mean over each replica\'s '
         f"ranks; validation loss, loss spikes (EWMA z-score, z &gt; {models[0].spike_params[0]:g};"
         f" the grey band is {html.escape(warmup_text(models[0].spike_params[2]))})"
@@ -178,6 +181,7 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
     data = {"title": title, "runs": [
         {"name": m.name, "dir": str(m.run_dir), "finished": m.finished,
          "stats": rec, "config": m.config,
+         "replicas": [dict(r._asdict(), utilization=r.utilization) for r in m.replica_work()],
          **({"membership": [r._asdict() for r in m.membership()]} if m.membership() else {}),
          **({"failed_commits": [c._asdict() for c in m.failed_commits()]}
             if m.failed_commits() else {}),
@@ -208,6 +212,19 @@ def _headline_section(models: list[RunModel]) -> str:
     lines = [(f"<b>{html.escape(m.name)}</b>: " if len(models) > 1 else "")
              + html.escape(_headline(m)) + "." for m in models if _headline(m)]
     return '<section id="headline">' + "".join(f"<p>{line}</p>" for line in lines) + "</section>"
+
+
+def _replicas_section(models: list[RunModel]) -> str:
+    """Each replica's work, where some run has two replicas or more ("" otherwise)."""
+    table = replicas_table(models)
+    if not table:
+        return ""
+    words = "; ".join(f"{head}: {what}" for head, what in REPLICA_COLUMNS[1:])
+    return ('<section id="replicas"><h2>Replicas</h2><p class="meta">One row per replica, from '
+            f"its ranks' step and sync events: {html.escape(words)}. Under fixed local steps a "
+            "replica faster than the others waits for them at each sync; with --local-steps "
+            "adaptive it runs more steps instead.</p>"
+            f'<div class="scroll">{table}</div></section>')
 
 
 def _membership_section(models: list[RunModel]) -> str:

@@ -10,7 +10,8 @@ This module holds RunModel itself: reading the run directory, folding events in,
 headline numbers. Its parts live beside it: records.py (the records it keeps and the event field
 readers), losses.py (per-replica loss curves, spike detection), syncs.py (outer-sync marks),
 membership.py (replica groups joining and leaving an --elastic run's quorum), commits.py (its
-failed commit votes), restarts.py (attempts that continued the run), bandwidth.py
+failed commit votes), restarts.py (attempts that continued the run), replicas.py (each
+replica's work: steps, tokens, compute utilization, waits), bandwidth.py
 (outer-link traffic binned over time) and axes.py (where a point lies on the loss figure's x
 axes). Their public names import from here too.
 """
@@ -32,13 +33,14 @@ from .losses import ReplicaSeries, SpikeDetector, detect_spikes
 from .membership import MembershipChanges
 from .records import (FailedCommit, Membership, MembershipMark, Restart, Spike, StepSpan,
                       SyncMark, Transfer, _int, _num, sync_label)
+from .replicas import ReplicaWork, ReplicaWorks
 from .restarts import Restarts
 from .syncs import SyncMarks
 
 __all__ = ["FailedCommit", "Membership", "MembershipMark", "RankState", "ReplicaSeries",
-           "Restart", "RunModel", "Spike", "SpikeDetector", "StepSpan", "SyncMark", "Transfer",
-           "bin_transfers", "detect_spikes", "is_run_dir", "nice_width", "parse_bits",
-           "parse_seconds", "sync_label"]
+           "ReplicaWork", "Restart", "RunModel", "Spike", "SpikeDetector", "StepSpan",
+           "SyncMark", "Transfer", "bin_transfers", "detect_spikes", "is_run_dir", "nice_width",
+           "parse_bits", "parse_seconds", "sync_label"]
 
 # the event kinds read: the telemetry's, and those the trainer writes beyond them
 READ_KINDS = KINDS
@@ -46,7 +48,7 @@ READ_KINDS = KINDS
 
 class RankState:
     __slots__ = ("replica", "step", "tokens", "t", "first_t", "n_steps", "step_s", "compute_s",
-                 "loss")
+                 "loss", "elapsed_s")
 
     def __init__(self, replica: int):
         self.replica = replica
@@ -56,6 +58,7 @@ class RankState:
         self.n_steps = 0
         self.step_s = self.compute_s = 0.0
         self.loss = None
+        self.elapsed_s = None      # its training seconds at its latest step (its clock)
 
 
 def is_run_dir(path) -> bool:
@@ -63,7 +66,8 @@ def is_run_dir(path) -> bool:
     return p.is_dir() and ((p / "config.json").is_file() or (p / "events").is_dir())
 
 
-class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits, Restarts, LossAxes):
+class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits, Restarts, LossAxes,
+               ReplicaWorks):
     """Everything the dashboard draws about one run, updated incrementally by poll().
 
     source: a run directory (str or Path) or a launch handle with a `.run_dir` attribute (read
@@ -108,6 +112,7 @@ class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits, Restar
         self._quorums: list[dict] = []           # every quorum each group took (its first rank)
         self._commits: dict = {}                 # (step, fragment) -> failed votes' reports
         self._restarts: dict = {}                # (attempt, step, group) -> its ranks' words
+        self._pace: dict = {}                    # replica -> (run step, its steps a period)
         self.max_step_s = 0.0
         self.files_mtime: float | None = None
         self._cache: dict = {}
@@ -224,10 +229,13 @@ class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits, Restar
         rs.n_steps += 1
         rs.step_s += step_s
         rs.compute_s += compute_s
+        elapsed = _num(e.get("elapsed_s"))
+        if elapsed is not None:
+            rs.elapsed_s = elapsed if rs.elapsed_s is None else max(rs.elapsed_s, elapsed)
         self.max_step_s = max(self.max_step_s, step_s)
         self.steps.append(StepSpan(rank, replica, t - step_s, t, step, compute_s))
         if loss is not None:
-            self._replica(replica).add(rank, step, loss, t, tokens, _num(e.get("elapsed_s")))
+            self._replica(replica).add(rank, step, loss, t, tokens, elapsed)
 
     def _on_comm(self, e, t, rank, replica):
         start, end = _num(e.get("start"), t), _num(e.get("end"), t)
@@ -258,6 +266,7 @@ class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits, Restar
                                    _num(e.get("pseudo_grad_norm")), _num(e.get("weight"))))
         if anomaly:
             self._anomalies.add((replica, step, label))
+        self._fold_pace(e, replica)
 
     def _on_eval(self, e, t, rank, replica):
         step, val = _int(e.get("step")), _num(e.get("val_loss"))

@@ -1,5 +1,5 @@
-"""The dashboard's layout: its widgets (title, summary, controls, the three FigureWidgets) and
-drawing the runs' models into them."""
+"""The dashboard's layout: its widgets (title, summary, each replica's work, controls, the
+three FigureWidgets) and drawing the runs' models into them."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import ipywidgets as W
 from .bandwidth_figure import bandwidth_spec
 from .loss_figure import loss_spec
 from .loss_figure import opening_xaxis
+from .replicas import replicas_table
 from .specs import make_figure, update_figure
 from .style import XAXIS_BUTTONS
 from .tables import summary_html
@@ -58,12 +59,13 @@ class Panels:
 
         self.title = W.HTML()
         self.summary = W.HTML()
+        self.replicas = W.HTML()      # each replica's work (runs of two replicas or more)
         self.message = W.HTML()
         controls = W.HBox([self.xaxis, self.refresh_button, *buttons],
                           layout=W.Layout(flex_flow="row wrap", align_items="center"))
         tl_controls = W.HBox([self.timeline_run, self.window, self.follow],
                              layout=W.Layout(align_items="center"))
-        self.widget = W.VBox([self.title, self.summary, controls, self.loss_fig,
+        self.widget = W.VBox([self.title, self.summary, self.replicas, controls, self.loss_fig,
                               self.bandwidth_fig, tl_controls, self.timeline_fig, self.message],
                              layout=W.Layout(width="100%"))
         self._update_title()
@@ -96,6 +98,7 @@ class Panels:
         models = self.models
         stats, extra = self._statuses([m.stats() for m in models])
         self.summary.value = summary_html(stats, extra)
+        self.replicas.value = replicas_table(models)
         self._update_title()
         options = [(m.name, i) for i, m in enumerate(models)]
         if list(self.timeline_run.options) != options:   # names known once configs are read

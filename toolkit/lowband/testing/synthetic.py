@@ -7,6 +7,7 @@ training anything. For tests, docs and trying the dashboard or a report in secon
     make_run("runs/vote", elastic={"kill": 1, "at": 60, "back": 100, "uncommitted": 60})
     make_run("runs/requeued", restart={"at": 100, "crash": 130, "slurm_restart": 1})
     make_run("runs/target", target_loss=2.0)    # summary.json's `target`, as --target-loss
+    make_run("runs/straggler", straggler={1: 2})  # replica 1 computes 2x slower, 0 waits
     run = SyntheticRun("runs/live"); run.emit_steps(0, 50)   # ... later: run.emit_steps(50, 80)
 """
 
@@ -29,12 +30,14 @@ class SyntheticRun:
                  spike: dict | None = None, anomaly_at: tuple | None = None,
                  name: str | None = None, algo: str = "streaming", t_start: float = 1.7e9,
                  noise: float = 0.02, seed: int = 0, elastic: dict | None = None,
-                 target_loss: float = 0.0):
+                 target_loss: float = 0.0, straggler: dict | None = None):
         """elastic: an --elastic run (membership events) whose group `kill` dies after step
         `at` and is back, healed from a live peer, at step `back` (both moved on to the next
         sync); heal_bytes, heal_s as the healed group reports them; uncommitted: a step whose
         sync (the next one from there) fails its commit vote: the live ranks write a `skip`
-        event (what=commit) instead of its `sync` event. target_loss: as --target-loss."""
+        event (what=commit) instead of its `sync` event. target_loss: as --target-loss. straggler:
+        as --straggler, {replica: factor}: the slowest replica computes 80% of each step, a
+        replica `factor` times faster than it that much less, and waits for the link the rest."""
         self.rd = RunDir(root).create()
         self.R, self.S, self.steps, self.P, self.H = replicas, shards, steps, fragments, sync_every
         self.step_s, self.bw, self.model_bytes = step_s, link_bandwidth, model_bytes
@@ -46,7 +49,11 @@ class SyntheticRun:
         self.config = {"name": name or self.rd.root.name, "algo": algo, "replicas": replicas,
                        "shards": shards, "steps": steps, "fragments": fragments,
                        "sync_every": sync_every, "link_bandwidth": f"{link_bandwidth / 1e6:g}Mbit",
-                       "codec": "fp4", "target_loss": target_loss}
+                       "codec": "fp4", "target_loss": target_loss,
+                       "straggler": ",".join(f"{q}:{f:g}" for q, f in (straggler or {}).items())}
+        slowest = max((straggler or {}).values(), default=1.0)
+        self.compute_share = [0.8 * (straggler or {}).get(q, 1.0) / slowest
+                              for q in range(replicas)]
         self.world = replicas * shards
         self.elastic = None
         if elastic is not None:
@@ -128,7 +135,7 @@ class SyntheticRun:
                 if self.spike and self.spike.get("step") == s and self.spike.get("replica", q) == q:
                     loss += self.spike.get("size", 1.5)
                 losses.append(loss)
-                compute = 0.8 * self.step_s
+                compute = self.compute_share[q] * self.step_s
                 self.compute += compute
                 w.emit_step(s, loss, 3e-4, (s + 1) * self.tokens_per_step, self.step_s, compute,
                             self.clock(r, s), t=t, future_field="ignored")
