@@ -186,6 +186,8 @@ def variants(cfg: "Config", algorithms) -> dict:
                     setattr(other, f.name, f.default)
         for key in REGISTRY[name].defaults:
             setattr(other, key, None)
+        if cfg.local_steps != "fixed":  # resolved to tokens for cfg's steps: resolved again
+            other.merge_weights = None  # for the other's (edit weighs by its penalty)
         try:
             out[name] = config_of(other)
         except PlanError as e:
