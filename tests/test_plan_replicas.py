@@ -133,3 +133,24 @@ def test_a_measured_step_time_leaves_out_the_straggler(tmp_path):
             events.emit_step(step, 1.0, 1e-3, 100, 0.3, compute, 0.3 * step)
         events.close()
     assert measured(run.root, warmup_steps=0)[2]["step_time"] == pytest.approx(0.1)
+
+
+def test_the_recommended_h_is_one_adaptive_steps_can_run():
+    """With --local-steps other than fixed, H/P must divide the run's steps and evaluations
+    (lowband train refuses the rest): the recommendation skips the H it would refuse."""
+    from types import SimpleNamespace
+
+    from lowband import recipes
+    from lowband.config import Config
+    from lowband.plan.target import recommend
+
+    def first_h(**given):
+        cfg = Config.from_dict({**recipes.get("main").values, **given}).validate()
+        run = SimpleNamespace(params=1e6, replicas=cfg.replicas)
+        return recommend(cfg, lambda trial: run, lambda run: 1.0, 0.9)["sync_every"]
+
+    fixed, adaptive = first_h(), first_h(local_steps="adaptive")
+    cfg = Config.from_dict({**recipes.get("main").values, "local_steps": "adaptive"}).validate()
+    period = adaptive // cfg.fragments
+    assert fixed == 28 and adaptive > fixed
+    assert cfg.steps % period == 0 and cfg.eval_every % period == 0

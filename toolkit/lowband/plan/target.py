@@ -17,6 +17,8 @@ import math
 from dataclasses import asdict
 
 from lowband.algorithms import ALGORITHMS as REGISTRY
+from lowband.algorithms.pace import PaceOptions
+from lowband.options import ConfigError
 from lowband.plan.loss import penalty
 
 # the codecs from the most precise to the least: the recommendation takes the first that fits
@@ -74,6 +76,10 @@ def recommend(cfg, make_run, simulate, target: float) -> dict | None:
         for codec in BY_PRECISION:
             trial = copy.copy(cfg)
             trial.sync_every, trial.codec = h, codec
+            try:  # --local-steps other than fixed: H/P must divide the run's steps, evaluations
+                PaceOptions.check(trial)  # and checkpoints, or lowband train refuses the H
+            except ConfigError:
+                break
             run = make_run(trial)
             cu = simulate(run)
             if cu >= target:
