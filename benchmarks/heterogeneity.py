@@ -6,7 +6,8 @@ another with the machine to itself, at ddp's wall-clock time (each run gets ddp'
 training seconds as --time-budget):
 
   homo   R replicas of equal speed: ddp (the reference) and streaming with fixed local steps
-  slow   the same replicas with replica 1 computing FACTOR x slower (--straggler 1:FACTOR):
+  slow   the same replicas with replica 1 computing FACTOR x slower (--straggler 1:FACTOR; or
+         slowed now and then, --slowdown 1:FACTOR:SECONDS:GAP):
          ddp, streaming (fixed local steps), streaming --local-steps adaptive, diloco
          --local-steps adaptive, and aedit
 
@@ -23,7 +24,7 @@ per goal of issue 43:
   4. (homo) nothing to compare: adaptive is tested equal to fixed in tests/test_local_steps.py
 
     python benchmarks/heterogeneity.py [--model micro] [--replicas 2] [--factor 2]
-        [--steps 100] [--dir DIR] [--json out.json]
+        [--steps 100] [--slowdown 1:3:5:10] [--dir DIR] [--json out.json]
 
 A part's runs land in DIR/<part>/ (default: a fresh temporary directory); calling again with the
 same --dir continues (lowband compare skips finished runs). R=2, micro, 100 steps: about 5
@@ -58,7 +59,7 @@ def run_part(name: str, a, root: Path) -> dict:
     flags = ["--model", a.model, "--replicas", str(a.replicas), "--steps", str(a.steps),
              "--eval-every", str(a.eval_every), *LINK]
     if name == "slow":
-        flags += ["--straggler", f"1:{a.factor:g}"]
+        flags += ["--slowdown", a.slowdown] if a.slowdown else ["--straggler", f"1:{a.factor:g}"]
     t0 = time.time()
     result = lowband.compare(algos=PARTS[name], flags=flags, directory=root / name)
     print(f"\n[{name}] {time.time() - t0:.0f} s; report: {root / name / 'report.html'}", flush=True)
@@ -81,6 +82,16 @@ def per_replica_cu(run_dir: str) -> list[float]:
     return [sum(v) / len(v) for _, v in sorted(out.items())]
 
 
+def mean_speed(a) -> float:
+    """Replica 1's speed on average: 1/FACTOR, or with --slowdown REPLICA:FACTOR:SECONDS:GAP
+    slowed for SECONDS of every SECONDS + GAP on average."""
+    if not a.slowdown:
+        return 1 / a.factor
+    _, factor, seconds, gap = (float(x) for x in a.slowdown.split(":"))
+    slowed = seconds / (seconds + gap)
+    return (1 - slowed) + slowed / factor
+
+
 def reached_s(row: dict) -> float | None:
     return row["target"].get("elapsed_s") if row["target"].get("reached") else None
 
@@ -89,7 +100,7 @@ def goals(homo: dict, slow: dict, a) -> list[tuple[str, bool | None, str]]:
     rows = {r["name"]: r for r in slow["runs"]}
     t_homo = reached_s({r["name"]: r for r in homo["runs"]}["streaming"])
     speeds = [1.0] * a.replicas
-    speeds[1] = 1 / a.factor
+    speeds[1] = mean_speed(a)
     ideal = None if t_homo is None else t_homo * a.replicas / sum(speeds)
     t = {name: reached_s(r) for name, r in rows.items()}
     out = []
@@ -119,12 +130,15 @@ def main() -> int:
     p.add_argument("--factor", type=float, default=2.0)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--eval-every", type=int, default=20)  # (diloco adaptive: syncs only)
+    p.add_argument("--slowdown", default="", help="1:FACTOR:SECONDS:GAP: replica 1 slowed now "
+                   "and then (--slowdown) in place of the --straggler of --factor")
     p.add_argument("--dir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
     root = a.dir or Path(tempfile.mkdtemp(prefix="lowband-heterogeneity-"))
     results = {name: run_part(name, a, root) for name in ("homo", "slow")}
-    print(f"\ngoals (R={a.replicas}, {a.model}, replica 1 {a.factor:g}x slower):")
+    how = f"--slowdown {a.slowdown}" if a.slowdown else f"{a.factor:g}x slower"
+    print(f"\ngoals (R={a.replicas}, {a.model}, replica 1 {how}):")
     checked = goals(results["homo"], results["slow"], a)
     for what, ok, detail in checked:
         print(f"  {'PASS' if ok else 'MISS' if ok is False else '    '}  {what}: {detail}")

@@ -66,6 +66,8 @@ def test_straggler_factors_and_the_setup_in_words():
     assert setup_text({"straggler": "1:2", "local_steps": "adaptive"}) == \
         "--straggler 1:2 --local-steps adaptive"
     assert setup_text({"straggler": "", "local_steps": "fixed"}) == ""
+    assert setup_text({"slowdown": "1:3:5:10", "pause": "0:4:2", "local_steps": "fixed"}) == \
+        "--slowdown 1:3:5:10 --pause 0:4:2"
 
 
 def test_adaptive_steps_read_as_the_summary_and_the_events_say(tmp_path):

@@ -1,6 +1,6 @@
 """A comparison's table: per run, what reaching the target took, its validation loss at equal
 time, its compute utilization measured and planned (and its least busy replica's), its
-heterogeneity set-up (--straggler, --local-steps) and its tokens/s.
+heterogeneity set-up (--straggler, --slowdown, --pause, --local-steps) and its tokens/s.
 
 Everything is read from the finished runs' directories, so the target can be chosen after
 they ran (the reference's final validation loss is known only then): each run's evaluations

@@ -50,10 +50,9 @@ def straggler_factors(config: dict, replicas: int) -> dict[int, float]:
 
 def setup_text(config: dict) -> str:
     """A run's heterogeneity as its flags: "--straggler 1:2 --local-steps adaptive"; "" for
-    replicas alike (no straggler, fixed local steps)."""
-    parts = []
-    if config.get("straggler"):
-        parts.append(f"--straggler {config['straggler']}")
+    replicas alike (no straggler, slowdown or pause; fixed local steps)."""
+    parts = [f"--{name} {config[name]}" for name in ("straggler", "slowdown", "pause")
+             if config.get(name)]
     if config.get("local_steps") not in (None, "", "fixed"):
         parts.append(f"--local-steps {config['local_steps']}")
     return " ".join(parts)
