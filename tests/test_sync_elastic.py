@@ -176,16 +176,17 @@ def test_sync_range_follows_a_heal_and_refuses_a_step_left_out():
     """sync.range() yields the step the Sync is at: after a heal inside sync.step() (a group
     behind the others goes on at a live peer's step) the next one is the peer's, where
     range(sync.start_step, sync.steps) would go on counting. Its Sync stood in for: the step
-    it is at (done.step) is all range() reads."""
+    it is at (done.step) and whether its run is over (_over: adaptive local steps end a slow
+    replica's run at the last sync) are all range() reads."""
     from types import SimpleNamespace as Stand
 
-    sync = Stand(done=Stand(step=2), config=Stand(steps=8), finished=False)
+    sync = Stand(done=Stand(step=2), config=Stand(steps=8), finished=False, _over=False)
     seen = []
     for step in lowband.Sync.range(sync):
         seen.append(step)
         sync.done.step = 6 if step == 3 else step + 1  # sync.step(): step 4 healed to 6
     assert seen == [2, 3, 6, 7]
-    forgot = Stand(done=Stand(step=0), config=Stand(steps=8), finished=False)
+    forgot = Stand(done=Stand(step=0), config=Stand(steps=8), finished=False, _over=False)
     with pytest.raises(ConfigError, match=r"^sync.range\(\) went past step 1 without "
                        r"sync.step\(\): call it once a step, after the optimizer's step\.$"):
         for step in lowband.Sync.range(forgot):

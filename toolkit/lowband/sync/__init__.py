@@ -162,7 +162,7 @@ class Sync:
         live peer's state and step), which range(sync.start_step, sync.steps) would not, and
         with local_steps="adaptive" it ends this replica's steps at the run's last sync (a
         slower replica runs fewer)."""
-        while not self._over and not self.finished:
+        while self.done.step < self.config.steps and not self._over and not self.finished:
             step = self.done.step
             yield step
             if self.done.step == step and not self.finished:
