@@ -44,7 +44,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "toolkit"))
 
 import lowband  # noqa: E402
 from lowband.compare.table import text  # noqa: E402
-from lowband.telemetry import read_events  # noqa: E402
 
 LINK = ["--link-bandwidth", "100Mbit", "--link-latency", "10ms"]
 ADAPTIVE = {"local_steps": "adaptive"}
@@ -65,21 +64,6 @@ def run_part(name: str, a, root: Path) -> dict:
     print(f"\n[{name}] {time.time() - t0:.0f} s; report: {root / name / 'report.html'}", flush=True)
     print(text(result), flush=True)
     return result
-
-
-def per_replica_cu(run_dir: str) -> list[float]:
-    """Each replica's compute utilization: its ranks' compute seconds over their training
-    seconds (the last step's elapsed_s), averaged over its ranks."""
-    by_rank: dict[int, list[float]] = {}
-    replica_of: dict[int, int] = {}
-    for e in read_events(run_dir, ("step",)):
-        c, _ = by_rank.setdefault(e["rank"], [0.0, 0.0])
-        by_rank[e["rank"]] = [c + e["compute_s"], e["elapsed_s"]]
-        replica_of[e["rank"]] = e["replica"]
-    out: dict[int, list[float]] = {}
-    for rank, (compute, elapsed) in by_rank.items():
-        out.setdefault(replica_of[rank], []).append(compute / elapsed if elapsed else 0.0)
-    return [sum(v) / len(v) for _, v in sorted(out.items())]
 
 
 def mean_speed(a) -> float:
@@ -110,7 +94,7 @@ def goals(homo: dict, slow: dict, a) -> list[tuple[str, bool | None, str]]:
                 None if ratio is None else ratio <= 1.15,
                 f"{ad} s against the ideal {ideal and round(ideal, 2)} s"
                 + ("" if ratio is None else f" ({ratio:.2f}x)")))
-    cus = per_replica_cu(rows["streaming-2"]["run_dir"])
+    cus = rows["streaming-2"]["replica_compute_utilization"]  # (compare's, from the run model)
     out.append(("every replica of adaptive streaming at >= 95% compute utilization",
                 min(cus) >= 0.95, ", ".join(f"{c:.1%}" for c in cus)))
     for other, what in (("streaming", "fixed streaming"), ("aedit", "aedit")):
@@ -119,7 +103,7 @@ def goals(homo: dict, slow: dict, a) -> list[tuple[str, bool | None, str]]:
         out.append((f"adaptive streaming sooner than {what}", ok, f"{ad} s against {o} s"))
     for name, r in rows.items():
         out.append((f"{name}: per replica CU", None, ", ".join(
-            f"{c:.1%}" for c in per_replica_cu(r["run_dir"]))))
+            f"{c:.1%}" for c in r["replica_compute_utilization"])))
     return out
 
 

@@ -175,6 +175,15 @@ class Session:
         at = self.algo.run_step(self.progress.step)
         return self.progress.step if at is None else at
 
+    def evaluate(self, val_loss_of, elapsed: float | None = None, everyone: bool = True,
+                 step: int | None = None) -> None:
+        """An evaluation this rank takes now: val_loss_of() (None: none), recorded as
+        evaluated() records it, with the outer link's bytes counted before it (it sends none)."""
+        outer = self.comm.totals.wire_bytes["outer"]
+        val_loss = val_loss_of()
+        if val_loss is not None:
+            self.evaluated(val_loss, elapsed, outer, everyone, step)
+
     def maybe_checkpoint(self, step: int, last: bool) -> None:
         """The checkpoint rule, after inner step `step` (1-based; last: the run's last step):
         every --checkpoint-every steps of the run's schedule and at the end."""
@@ -221,13 +230,9 @@ class Session:
         ranks, for the ddp bytes the summary compares with (None: from the steps run). Returns
         the summary on rank 0 of a non-elastic run."""
         self.algo.finish()
-        done = self.progress
-        done.wall_s = self.clock.seconds()  # training time only (a resume's included)
+        self.progress.wall_s = self.clock.seconds()  # training time only (a resume's included)
         if evaluate is not None:
-            outer = self.comm.totals.wire_bytes["outer"]
-            val_loss = evaluate()
-            if val_loss is not None:
-                self.evaluated(val_loss, done.wall_s, outer)
+            self.evaluate(evaluate, self.progress.wall_s)
         return self._write_results(tokens_per_step)
 
     def close(self) -> None:

@@ -142,7 +142,7 @@ def _train(session: Session, tokens, model, blocks):
         ends = algo.ends_after(step + 1) or time_up  # the final evaluation follows the loop
         with clock.paused():
             if cfg.eval_every and at is not None and at % cfg.eval_every == 0 and not ends:
-                _evaluate(session, batches, at, elapsed, lockstep)
+                session.evaluate(lambda: _val_loss(session, batches), elapsed, lockstep, at)
             session.maybe_checkpoint(step + 1, ends or at == cfg.stop_after)
         if bar is not None:
             tok_s = done.tokens * topo.world / max(clock.seconds(), 1e-9)
@@ -211,14 +211,6 @@ def _val_loss(session: Session, batches: Batches) -> float:
     """The validation loss of the weights the run evaluates (--eval-params: local or outer)."""
     with session.algo.eval_weights(session.cfg.eval_params):
         return evaluate(session.model, batches, session.cfg)
-
-
-def _evaluate(session: Session, batches: Batches, step: int, elapsed: float,
-              everyone: bool) -> None:
-    """An evaluation after `step` steps, `elapsed` training seconds (the outer link's bytes
-    counted before it: it sends none)."""
-    outer = session.comm.totals.wire_bytes["outer"]
-    session.evaluated(_val_loss(session, batches), elapsed, outer, everyone, step=step)
 
 
 def _progress(cfg: Config, rank: int, initial: int = 0):

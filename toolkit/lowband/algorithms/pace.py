@@ -172,13 +172,12 @@ class Pace:
         """Sync `self.started` starts after inner step s: the measured step time leaves with it
         (a Transfer; None with fixed steps), to decide the next period at its apply."""
         self.started += 1
-        if not self.adaptive or self.speeds is not None:  # (declared: nothing to measure)
-            if self.adaptive:
-                self.last_steps, self.last_start = s - self.last_start, s
-                self._piece = (s, float(self.started * self.period), self.period / self.n)
+        if not self.adaptive:
             return None
-        steps = self.last_steps = s - self.last_start
-        self.last_start = s
+        self.last_steps, self.last_start = s - self.last_start, s
+        self._piece = (s, float(self.started * self.period), self.period / self.n)
+        if self.speeds is not None:  # declared: nothing to measure
+            return None
         now = self.measured()  # (compute seconds, steps) recorded so far
         if self._mark is None and self.started == 1:  # a fresh run's first: since it began
             self._mark = (0.0, 0)
@@ -186,7 +185,6 @@ class Pace:
         if self._mark is not None and now[1] > self._mark[1]:
             took = (now[0] - self._mark[0]) / (now[1] - self._mark[1])
         self._mark = now
-        self._piece = (s, float(self.started * self.period), self.period / self.n)
         mine = torch.tensor([took], dtype=torch.float64)
         return self.comm.all_gather(mine, "world", tag="pace")
 
@@ -198,8 +196,8 @@ class Pace:
             return
         per_rank = [float(t) for t in times.wait()]
         shards = len(per_rank) // self.comm.topo.replicas
-        per_replica = [max(per_rank[r * shards:(r + 1) * shards]) for r in range(len(per_rank)
-                                                                                   // shards)]
+        per_replica = [max(per_rank[r * shards:(r + 1) * shards])
+                       for r in range(self.comm.topo.replicas)]
         if min(per_replica) <= 0:  # a resumed run's first: nothing measured before it
             return
         self.steps_of = self.steps_for(per_replica, self.steps_of)
