@@ -34,15 +34,16 @@ minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "toolkit"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lowband  # noqa: E402
+from goals import report  # noqa: E402
 from lowband.compare.table import text  # noqa: E402
 
 LINK = ["--link-bandwidth", "100Mbit", "--link-latency", "10ms"]
@@ -122,13 +123,8 @@ def main() -> int:
     root = a.dir or Path(tempfile.mkdtemp(prefix="lowband-heterogeneity-"))
     results = {name: run_part(name, a, root) for name in ("homo", "slow")}
     how = f"--slowdown {a.slowdown}" if a.slowdown else f"{a.factor:g}x slower"
-    print(f"\ngoals (R={a.replicas}, {a.model}, replica 1 {how}):")
-    checked = goals(results["homo"], results["slow"], a)
-    for what, ok, detail in checked:
-        print(f"  {'PASS' if ok else 'MISS' if ok is False else '    '}  {what}: {detail}")
-    if a.json:
-        a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
-                                      "results": results, "goals": checked}, indent=1))
+    report(f"goals (R={a.replicas}, {a.model}, replica 1 {how})",
+           goals(results["homo"], results["slow"], a), a, a.json, results=results)
     return 0
 
 

@@ -247,7 +247,8 @@ class Session:
                 "compute_s": done.compute_s, "loss": done.loss, "val_loss": done.val_loss,
                 "replica": topo.replica, "shard": topo.shard, "evals": done.evals,
                 "outer_wire": totals.wire_bytes["outer"], "inner_wire": totals.wire_bytes["inner"],
-                "peak_outer": totals.peak_outer_payload, "setup_wire": totals.setup_wire_bytes}
+                "peak_outer": totals.peak_outer_payload, "setup_wire": totals.setup_wire_bytes,
+                "outer_sha256": _digest(outer)}
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         weights = _full_weights(self.model, dist.get_rank())

@@ -58,6 +58,9 @@ def summarize(cfg, ranks: list[dict]) -> dict:
         "final_val_loss": mean([r["val_loss"] for r in ranks if r["shard"] == 0]),
         "run_dir": cfg.run_dir,
         **_acco(cfg, tokens, len(ranks), run),
+        # every replica's copy of the outer state the same (None: the algorithm keeps none)
+        "outer_states_agree": None if ranks[0].get("outer_sha256") is None else
+        len({r["outer_sha256"] for r in ranks}) == 1,
         **({"target": target(ranks[0].get("evals", []), cfg.target_loss)}
            if cfg.target_loss else {}),
     }

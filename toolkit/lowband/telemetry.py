@@ -43,7 +43,7 @@ from lowband.options import ConfigError
 
 SCHEMA_VERSION = 1
 KINDS = ("step", "comm", "sync", "eval", "spike", "run", "fault", "skip", "checkpoint",
-         "shard", "memory", "setup", "membership", "quorum")
+         "shard", "memory", "setup", "membership", "quorum", "late", "rejoin")
 
 
 class RunDir:

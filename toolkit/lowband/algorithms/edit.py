@@ -55,7 +55,8 @@ from lowband.algorithms.base import PERIODIC, Algorithm
 from lowband.algorithms.edit_plan import (Plan, clip_scale, decide_sync, event_fields, extras_of,
                                          new_stats, penalty_config, plan_from_state, plan_state,
                                          stats_from_state)
-from lowband.algorithms.edit_units import (Landed, Summed, Unit, allocated_bytes, outer_memory,
+from lowband.comm.exchanges import Landed
+from lowband.algorithms.edit_units import (Summed, Unit, allocated_bytes, outer_memory,
                                           shard_replica, sync_schedule)
 from lowband.algorithms.exchange import ExchangeOptions, exchange_block
 from lowband.algorithms.outer import OuterOptions, nesterov_step, outer_home, settle, sgd_step

@@ -20,16 +20,6 @@ from lowband.options import ConfigError
 from lowband.params import local_piece
 
 
-class Landed:
-    """An exchange that has already arrived (drained for a checkpoint, or restored from one)."""
-
-    def __init__(self, value: torch.Tensor):
-        self.value = value
-
-    def wait(self) -> torch.Tensor:
-        return self.value.clone()
-
-
 class Summed:
     """An encoded average in flight as a sum: its mean times the rows summed (each replica sent
     its weighted pseudo-gradient, so the weighted average is their sum)."""

@@ -37,8 +37,10 @@ from dataclasses import dataclass
 
 import torch
 
+from lowband.comm.wire import exchange_plan
 from lowband.options import ConfigError, Options, option
 from lowband.schedule import lr_at
+from lowband.units import parse_duration
 
 DEAD_BAND = 0.15  # of a period: how far a replica's ideal steps move before its count does
 
@@ -51,9 +53,14 @@ class PaceOptions(Options):
                               "replicas of unequal speed reach each sync together (merged by "
                               "tokens; docs/algorithms.md); or each replica's speed declared, "
                               "SPEED,SPEED,... (1,0.5: replica 1 runs half the steps)")
+    grace: str = option("", "with adaptive local steps: the longest a sync waits for a late "
+                        "replica after the last one that reached it, e.g. 2s; the late one's "
+                        "work merges at a later sync (algorithms/grace.py). Empty: wait for all")
 
     @classmethod
     def check(cls, cfg) -> None:
+        if cfg.grace:
+            check_grace(cfg)
         if cfg.local_steps == "fixed":
             return
         declared(cfg.local_steps, cfg.replicas)
@@ -72,6 +79,26 @@ class PaceOptions(Options):
                 raise ConfigError(f"--{name} {value} is not a multiple of H/P = {period}: with "
                                   f"--local-steps {cfg.local_steps} replicas meet only at syncs, "
                                   "so runs end, evaluate and checkpoint there.")
+
+
+def check_grace(cfg) -> None:
+    """--grace: a duration, and a run the stand-in (algorithms/grace.py) can serve."""
+    try:
+        seconds = parse_duration(cfg.grace)
+    except ValueError as e:
+        raise ConfigError(f"--grace {cfg.grace}: {e}.") from None
+    if not seconds > 0:
+        raise ConfigError(f"--grace {cfg.grace} must be a positive duration, e.g. 2s.")
+    why = [(cfg.local_steps == "fixed", "--local-steps adaptive (a late replica rejoins by "
+            "time, not by a step count)"), (cfg.shards != 1, "--shards 1"),
+           (cfg.elastic, "no --elastic (torchft's quorum has its own timeout)"),
+           (cfg.time_budget is not None, "no --time-budget (its checks meet every replica)"),
+           (cfg.merge_weights != "tokens", "--merge-weights tokens (a late replica weighs 0)"),
+           (exchange_plan(cfg.codec, 1 << 20, cfg.replicas, 64, cfg.exchange)[0] == "two-phase",
+            "--exchange all-gather (the two-phase exchange runs a thread of its own)")]
+    for bad, need in why:
+        if bad:
+            raise ConfigError(f"--grace {cfg.grace} needs {need}.")
 
 
 def declared(text: str, replicas: int) -> list[float] | None:
@@ -98,9 +125,10 @@ def steps_for(times: list[float], period: int, tau: int,
     it too: plan/replicas.py.)"""
     now = now or [period] * len(times)
     band = max(1.0, DEAD_BAND * period)
+    fastest = min(t for t in times if t > 0)
     out = []
-    for t, n in zip(times, now):
-        ideal = period * min(times) / t
+    for t, n in zip(times, now):  # (t <= 0: nothing measured, --grace's absent: it keeps n)
+        ideal = period * fastest / t if t > 0 else n
         out.append(n if abs(ideal - n) < band else
                    min(max(math.floor(ideal + 0.5), tau + 1), period))
     return out
@@ -123,6 +151,9 @@ class Pace:
         else:
             self.speeds = self.total = None
         self.comm, self.measured = comm, measured
+        self.grace = bool(getattr(cfg, "grace", ""))  # run steps where every replica met
+        self.met_at = None  # (--grace) the inner step and run step of the last sync all met
+        self.took = 0.0  # the compute seconds a step sent with the last sync
         self.started = 0     # syncs started
         self.last_start = 0  # the inner step the last sync started after
         self.n = self.period  # this replica's steps in the current period
@@ -150,6 +181,10 @@ class Pace:
         replica stands there too: s (fixed), or the run step of a sync started after it."""
         if not self.adaptive:
             return s
+        if self.grace:  # where the apply of a sync that every replica reached ran, the end
+            if self.over() and s == self.last_start:
+                return self.total * self.period
+            return self.met_at[1] if self.met_at is not None and self.met_at[0] == s else None
         return self.started * self.period if s == self.last_start and self.started else None
 
     def position(self, step: int) -> float:
@@ -168,43 +203,56 @@ class Pace:
 
     # -- at a sync -----------------------------------------------------------------------------
 
-    def start(self, s: int):
+    def start(self, s: int, send: bool = True):
         """Sync `self.started` starts after inner step s: the measured step time leaves with it
-        (a Transfer; None with fixed steps), to decide the next period at its apply."""
+        (a Transfer; None with fixed steps; not `send`: the seconds, which --grace's stand-in
+        sends), to decide the next period at its apply."""
         self.started += 1
         if not self.adaptive:
             return None
         self.last_steps, self.last_start = s - self.last_start, s
         self._piece = (s, float(self.started * self.period), self.period / self.n)
         if self.speeds is not None:  # declared: nothing to measure
-            return None
+            return None if send else 0.0
         now = self.measured()  # (compute seconds, steps) recorded so far
         if self._mark is None and self.started == 1:  # a fresh run's first: since it began
             self._mark = (0.0, 0)
         took = 0.0
         if self._mark is not None and now[1] > self._mark[1]:
             took = (now[0] - self._mark[0]) / (now[1] - self._mark[1])
-        self._mark = now
+        self._mark, self.took = now, took or self.took
+        if not send:
+            return took
         mine = torch.tensor([took], dtype=torch.float64)
         return self.comm.all_gather(mine, "world", tag="pace")
 
-    def decide(self, times, s: int) -> None:
+    def decide(self, times, s: int | None) -> None:
         """At a sync's apply, after inner step s: every replica's steps for the period now
         running, from the times every rank sent (a replica's: its slowest rank's), the same on
-        every rank; the period's remaining steps spread over its remaining run steps."""
+        every rank; the period's remaining steps spread over its remaining run steps. s None:
+        a sync this replica missed (--grace): every replica's steps only, its own stay."""
         if times is None:
             return
         per_rank = [float(t) for t in times.wait()]
         shards = len(per_rank) // self.comm.topo.replicas
         per_replica = [max(per_rank[r * shards:(r + 1) * shards])
                        for r in range(self.comm.topo.replicas)]
-        if min(per_replica) <= 0:  # a resumed run's first: nothing measured before it
-            return
+        if max(per_replica) <= 0 or min(per_replica) == 0:  # a resumed run's first: nothing
+            return                                          # measured before it
         self.steps_of = self.steps_for(per_replica, self.steps_of)
+        if s is None:
+            return
         self.n = self.steps_of[self.comm.topo.replica]
         end = (self.started + 1) * self.period  # the next sync's run step: the period's end
         here = self.position(s)
         self._piece = (s, here, (end - here) / (self.last_start + self.n - s))
+
+    def rejoin(self, s: int, target: int, steps: int) -> None:
+        """(--grace) A late replica goes on after inner step s towards sync `target`, reached
+        after `steps` more inner steps; the syncs before it were missed."""
+        here = self.position(s)
+        self.started, self.last_start, self.n = target - 1, s, steps
+        self._piece = (s, here, max(target * self.period - here, 0.0) / steps)
 
     def steps_for(self, times: list[float], now: list[int] | None = None) -> list[int]:
         """Each replica's steps in a period of this run (steps_for, below)."""

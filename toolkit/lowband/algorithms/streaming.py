@@ -40,8 +40,10 @@ from lowband.algorithms.ddp import DDP
 from lowband.algorithms.outer import (OuterOptions, Staging, kept_at, nesterov_step, outer_home,
                                       settle, sgd_step)
 from lowband.algorithms.exchange import ExchangeOptions, exchange_block
+from lowband.algorithms.grace import Graced
 from lowband.algorithms.pace import Pace, Paced, PaceOptions
 from lowband.comm.membership.elastic import lineage_tiebreak
+from lowband.comm.exchanges import Landed
 from lowband.comm.sends import Schedule, average
 from lowband.options import ConfigError, Options, option
 from lowband.params import flatten, split_fragments, write_flat
@@ -62,20 +64,6 @@ class Fragment:
 
     def local_slice(self) -> torch.Tensor:
         return flatten(self.params)[self.lo: self.hi]
-
-
-class Landed:
-    """An average that has already arrived (restored from a checkpoint, or drained for one);
-    `committed` is the membership's commit vote taken on it then (None: not yet taken, as in a
-    plain run's checkpoint from before every run had a membership); `share` this replica's
-    weight in it (--merge-weights tokens; None: 1/R)."""
-
-    def __init__(self, value: torch.Tensor, committed: bool | None = None,
-                 share: float | None = None):
-        self.value, self.committed, self.share = value, committed, share
-
-    def wait(self) -> torch.Tensor:
-        return self.value.clone()
 
 
 @dataclass
@@ -108,7 +96,7 @@ class StreamingOptions(Options):
             raise ConfigError(f"--alpha must lie in [0, 1], got {cfg.alpha}.")
 
 
-class Streaming(Paced, Algorithm):
+class Streaming(Graced, Paced, Algorithm):
     name = "streaming"
     user_loop = AT_STEP_EDGES  # (diloco and a registered subclass inherit it)
     kind = PERIODIC
@@ -160,6 +148,7 @@ class Streaming(Paced, Algorithm):
         # queued where it hides under a step's compute (the hooks below). Nothing is staged
         # with the state on the model's device.
         self.staging = Staging(device, topology.device)
+        self.set_up_grace()  # --grace: the stand-in (algorithms/grace.py)
         return optimizer
 
     def before_backward(self, step, micro, last):
@@ -202,6 +191,8 @@ class Streaming(Paced, Algorithm):
         c = self.config
         for f in self.fragments:
             f.tokens += c.grad_accum * c.batch_size * c.seq_len
+        if self.grace is not None:  # the syncs this replica missed, as they land
+            self.catch_up()
         for f in self.fragments:
             if f.pending is not None and f.pending[0] == s:
                 self._apply(f)
@@ -213,6 +204,8 @@ class Streaming(Paced, Algorithm):
     # the commit vote before each apply; a heal hands over state_dict() at the start of a sync
     # or in the first quorum (nothing in flight then, but a resumed exchange that already landed)
     def join(self, step: int) -> None:
+        if self.grace is not None:
+            self.grace.start(self.pace.started)
         if self.comm.membership.join(step):  # restarted: the others are in the sync of
             s = self.healed_step               # healed_step; join it
             self._exchange(self.fragments[self.due(s)], s)
@@ -228,7 +221,10 @@ class Streaming(Paced, Algorithm):
         if self.comm.membership.begin(s):  # behind the others: now a live peer's copy
             s = self.healed_step
             f = self.fragments[self.due(s)]
-        self._times = self.pace.start(s)
+        if self.grace is not None and not self.grace.reserve(self.pace.started + 1):
+            self.rejoin(s)  # its stand-in took part without it: late
+            return
+        self._times = self.pace.start(s, send=self.grace is None)
         self._exchange(f, s)
 
     def _exchange(self, f: Fragment, s: int) -> None:
@@ -241,8 +237,12 @@ class Streaming(Paced, Algorithm):
             delta.add_(f.residual, alpha=c.outer_momentum if c.outer_rule == "sparseloco" else 1.0)
         weight = f.tokens if c.merge_weights == "tokens" else None
         f.tokens = 0
-        avg = self.comm.average(delta, "outer", c.codec, exchange_block(c), tag=f"frag{f.index}",
-                                exchange=c.exchange, weight=weight)
+        if self.grace is not None:  # its stand-in sends it, with the step time (pace.start)
+            avg = self.grace.hand_in(self.pace.started, delta, weight, self._times)
+            self._times = avg.times
+        else:
+            avg = self.comm.average(delta, "outer", c.codec, exchange_block(c),
+                                    tag=f"frag{f.index}", exchange=c.exchange, weight=weight)
         if c.error_feedback and c.codec != "fp32" and not self.comm.membership.healed_now:
             f.residual = delta - avg.sent
         f.pending = (s + c.overlap, s, avg)
@@ -254,6 +254,8 @@ class Streaming(Paced, Algorithm):
         c = self.config
         applied, started, avg = f.pending
         f.pending = None
+        if self.grace is not None:  # the syncs missed before it first, in order
+            self.catch_up(before=getattr(avg, "k", 0), block=True)
         delta = avg.wait().to(self.topo.device)
         self.pace.decide(self._times, applied)  # adaptive: this period's steps, every replica's
         self._times = None
@@ -269,16 +271,17 @@ class Streaming(Paced, Algorithm):
         outer = self.outer_step(f, delta)
         merged = c.alpha * f.local_slice() + (1 - c.alpha) * outer
         write_flat(f.params, self._gather(f, merged))
+        at = self.pace.sync_step(started)  # (adaptive: the run's step, not this replica's)
+        met = self.met(avg, applied, at) if self.grace is not None else {}
         if self.comm.events is not None:
             quorum = self.comm.membership.sync_fields(outer)  # elastic: quorum, outer digest
             if quorum:
                 self.lineage[f.index] = quorum["outer_digest"]
-            at = self.pace.sync_step(started)  # (adaptive: the run's step, not this replica's)
             self.comm.events.emit("sync", step=at, fragment=f.index,
                                   applied_step=at + c.overlap,
                                   pseudo_grad_norm=norm, weight=self._weight(avg),
                                   anomaly=False, outer_lr=c.outer_lr, **quorum,
-                                  **self.pace.fields())
+                                  **self.pace.fields(), **met)
 
     def outer_step(self, f: Fragment, delta: torch.Tensor) -> torch.Tensor:
         """The outer rule: fragment f's new outer parameters (this rank's slice, on delta's
@@ -332,7 +335,8 @@ class Streaming(Paced, Algorithm):
                 apply_at, started, avg = f.pending
                 value = avg.wait()
                 f.pending = (apply_at, started, Landed(value, self._vote(avg),
-                                                       getattr(avg, "share", None)))
+                                                       getattr(avg, "share", None),
+                                                       getattr(avg, "absent", None)))
         frags = [{"outer": f.outer, "momentum": f.momentum, "residual": f.residual,
                   "pending": self._landed(f), "tokens": f.tokens} for f in self.fragments]
         healing = self.comm.membership.heal_fields({"lineage": list(self.lineage)})
@@ -387,6 +391,10 @@ class Streaming(Paced, Algorithm):
         """Land the exchanges still in flight, in the order they started."""
         for f in sorted((f for f in self.fragments if f.pending), key=lambda f: f.pending[1]):
             self._apply(f)
+        if self.grace is not None:  # the syncs left, which this replica took no part in
+            for met in self.grace.close(self.pace.total if self.pace.over() else
+                                        self.pace.started):
+                self._rebase(met)
 
     def outer_params(self) -> dict[str, torch.Tensor]:
         """The full outer parameters by name (gathered over the inner group when sharded)."""

@@ -164,7 +164,7 @@ class Comm:
         self.membership = FixedMembership(topology)
         self.wait_s = 0.0  # seconds the training thread spent blocked on transfers
         self._lock = threading.Lock()
-        self._second: dict[str, dist.ProcessGroup] = {}  # the two-phase all-gathers' groups
+        self._second: dict[str, dist.ProcessGroup] = {}  # side groups, by "GROUP:NAME"
         self._phase_two: queue.SimpleQueue | None = None  # the thread that starts them
 
     def take_wait_s(self) -> float:
@@ -173,7 +173,7 @@ class Comm:
 
     def link_of(self, group: str) -> str:
         """Which link a transfer on `group` travels: outer (slow) or inner (fast)."""
-        t = self.topo
+        t, group = self.topo, group.split(":")[0]  # a side group ("outer:grace") travels its own
         if group == "world":
             nxt = (t.rank + 1) % t.world
             return "outer" if nxt // t.shards != t.replica else "inner"
@@ -312,16 +312,24 @@ class Comm:
 
     def second_group(self, group: str) -> dist.ProcessGroup:
         """This rank's group of a second set of `group`'s groups, for the two-phase exchange's
-        all-gathers, which its own thread starts: a group whose collectives all come from one
-        thread gets them in the same order on every rank (the training thread's collectives,
-        Comm's or not, stay on `group`). Made at the first two-phase average on `group`, by every
-        rank of the world alike (dist.new_group's contract): streaming starts a fragment's
-        exchange on every rank at the same step."""
-        if group not in self._second:
+        all-gathers, which its own thread starts (side_group)."""
+        return self.side_group(group, "second")
+
+    def side_group(self, group: str, name: str) -> dist.ProcessGroup:
+        """This rank's group of another set of `group`'s groups, for collectives that one thread
+        of their own starts (the two-phase exchange's all-gathers; --grace's stand-in,
+        algorithms/grace.py): a group whose collectives all come from one thread gets them in
+        the same order on every rank (the training thread's collectives, Comm's or not, stay
+        on `group`). Made once, by every rank of the world alike (dist.new_group's contract):
+        streaming starts a fragment's exchange on every rank at the same step, and the
+        stand-in is made at set-up. Known to the topology as "GROUP:NAME"."""
+        key = f"{group}:{name}"
+        if key not in self._second:
             mesh = self.topo.mesh.mesh  # R x S global ranks: a column is an outer group
             layout = {"outer": mesh.T, "inner": mesh, "world": mesh.reshape(1, -1)}[group]
-            self._second[group], _ = dist.new_subgroups_by_enumeration(layout.tolist())
-        return self._second[group]
+            self._second[key], _ = dist.new_subgroups_by_enumeration(layout.tolist())
+            self.topo.side[key] = self._second[key]
+        return self._second[key]
 
     def phase_two(self, exchange: "TwoPhase") -> None:
         """Hand a two-phase exchange to the thread that finishes them, in the order started."""

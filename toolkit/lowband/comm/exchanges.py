@@ -1,8 +1,8 @@
 """The averages `Comm.average` starts (collectives.py), each a mean over a group in flight:
 `Average` (an fp32 all-reduce, or the all-gather of every rank's encoded payload),
-`Weighted` (--merge-weights tokens, and torchft's means: comm/membership/elastic.py) and
+`Weighted` (--merge-weights tokens, and torchft's means: comm/membership/elastic.py),
 `TwoPhase` (the all-to-all of encoded chunks, then the all-gather of the re-encoded means;
-wire.py says which one a codec takes and its bytes).
+wire.py says which one a codec takes and its bytes), and `Landed`, one that has arrived.
 
 Error of the two-phase average, per value, against the exact mean of the inputs x_i: with e(v)
 the codec's worst-case error on a value v (codecs.py: int8 s/2, fp4-e2m1 s, fp4-e3m0 |v|/3 or
@@ -103,6 +103,25 @@ class Weighted:
                 total += decode(payload[:-1], numel, codec, block)
                 weights += int(payload[-1])
         return total / weights if weights else torch.full_like(total, float("nan"))
+
+
+class Landed:
+    """An average that has already arrived (restored from a checkpoint, or drained for one):
+    `committed` is the membership's commit vote taken on it then (None: not yet taken, as in a
+    plain run's checkpoint from before every run had a membership); `share` this replica's
+    weight in it (--merge-weights tokens; None: 1/R); `absent` the replicas that sent nothing
+    (--grace; not kept in a checkpoint)."""
+
+    def __init__(self, value: torch.Tensor, committed: bool | None = None,
+                 share: float | None = None, absent: list | None = None):
+        self.value, self.committed, self.share = value, committed, share
+        self.absent = absent or []
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> torch.Tensor:
+        return self.value.clone()
 
 
 def decoded_sum(payloads, numel: int, codec: str, block: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ refuses two ranks on one device). `--backend` overrides the choice.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -31,6 +31,7 @@ class Topology:
     mesh: DeviceMesh
     inner: dist.ProcessGroup
     outer: dist.ProcessGroup
+    side: dict = field(default_factory=dict)  # Comm.side_group's groups, by "GROUP:NAME"
 
     @property
     def replica(self) -> int:
@@ -45,6 +46,9 @@ class Topology:
         return int(os.environ.get("LOCAL_RANK", self.rank))
 
     def group(self, name: str) -> dist.ProcessGroup:
+        """inner, outer, world, or a side group Comm.side_group made ("outer:grace")."""
+        if name in self.side:
+            return self.side[name]
         return {"inner": self.inner, "outer": self.outer, "world": dist.group.WORLD}[name]
 
 

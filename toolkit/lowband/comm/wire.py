@@ -42,6 +42,8 @@ def wire_bytes(op: str, payload: int, n: int, is_root: bool = False) -> int:
         return (n - 1) * payload // n
     if op == "broadcast":
         return (n - 1) * payload if is_root else 0
+    if op == "send":  # one peer's (algorithms/grace.py's arrivals)
+        return payload
     raise ValueError(f"unknown collective {op}")
 
 

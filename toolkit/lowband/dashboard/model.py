@@ -113,6 +113,7 @@ class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits, Restar
         self._commits: dict = {}                 # (step, fragment) -> failed votes' reports
         self._restarts: dict = {}                # (attempt, step, group) -> its ranks' words
         self._pace: dict = {}                    # replica -> (run step, its steps a period)
+        self._missed: dict = {}                  # replica -> run steps of syncs it missed
         self.max_step_s = 0.0
         self.files_mtime: float | None = None
         self._cache: dict = {}

@@ -32,6 +32,7 @@ class ReplicaWork(NamedTuple):
     wait_s: float              # Σ (step_s - compute_s): the seconds it waited for the link
     straggler: float           # its --straggler factor (1: not named)
     period_steps: int | None   # --local-steps adaptive: its steps in the latest period
+    missed: int | None         # --grace: the syncs it was late for (None: no --grace)
 
     @property
     def utilization(self) -> float | None:
@@ -51,7 +52,7 @@ def straggler_factors(config: dict, replicas: int) -> dict[int, float]:
 def setup_text(config: dict) -> str:
     """A run's heterogeneity as its flags: "--straggler 1:2 --local-steps adaptive"; "" for
     replicas alike (no straggler, slowdown or pause; fixed local steps)."""
-    parts = [f"--{name} {config[name]}" for name in ("straggler", "slowdown", "pause")
+    parts = [f"--{name} {config[name]}" for name in ("straggler", "slowdown", "pause", "grace")
              if config.get(name)]
     if config.get("local_steps") not in (None, "", "fixed"):
         parts.append(f"--local-steps {config['local_steps']}")
@@ -64,8 +65,10 @@ class ReplicaWorks:
 
     def _fold_pace(self, e: dict, replica: int) -> None:
         """A sync event's schedule (--local-steps adaptive): this replica's steps in the period
-        that ended, kept from its latest sync by run step."""
+        that ended, kept from its latest sync by run step; a sync it missed (--grace)."""
         step, steps = _int(e.get("step")), _int(e.get("local_steps"))
+        if e.get("missed"):
+            self._missed.setdefault(replica, set()).add(step)
         if step is None or steps is None:
             return
         if step >= self._pace.get(replica, (-1, None))[0]:
@@ -80,6 +83,7 @@ class ReplicaWorks:
         for rank, rs in sorted(self.ranks.items()):
             by_replica.setdefault(rs.replica, []).append(rs)
         factors = straggler_factors(self.config, self.n_replicas)
+        graced = bool(self.config.get("grace"))
         rows = []
         for replica, ranks in sorted(by_replica.items()):
             n = len(ranks)
@@ -88,7 +92,8 @@ class ReplicaWorks:
                 sum(r.compute_s for r in ranks) / n,
                 sum(r.elapsed_s if r.elapsed_s is not None else r.step_s for r in ranks) / n,
                 sum(max(r.step_s - r.compute_s, 0.0) for r in ranks) / n,
-                float(factors.get(replica, 1.0)), self._pace.get(replica, (None, None))[1]))
+                float(factors.get(replica, 1.0)), self._pace.get(replica, (None, None))[1],
+                len(self._missed.get(replica, ())) if graced else None))
         return rows
 
 
@@ -98,21 +103,23 @@ COLUMNS = [("replica", "the replica (its ranks when more than one)"),
            ("compute utilization", "its compute seconds / its training seconds"),
            ("waited for the link", "Σ (step_s − compute_s), mean over its ranks"),
            ("straggler", "its --straggler factor"),
-           ("steps a period", "its inner steps in the latest period (adaptive local steps)")]
+           ("steps a period", "its inner steps in the latest period (adaptive local steps)"),
+           ("missed syncs", "the syncs it was late for, merged later (--grace)")]
 
 
 def replicas_table(models) -> str:
     """The replicas of each run, a row each (a run's name on its first row when there are
     several runs), styled to stand alone; the steps-a-period column only where some run has
-    adaptive steps. "" when no run has two replicas with a step yet (one has nothing to
+    adaptive steps, the missed-syncs one where some run has --grace. "" when no run has two replicas with a step yet (one has nothing to
     compare)."""
     runs = [(m, m.replica_work()) for m in models]
     if not any(len(rows) > 1 for _, rows in runs):
         return ""
     multi = len(models) > 1
     paced = any(r.period_steps is not None for _, rows in runs for r in rows)
-    head = (["run"] if multi else []) + [h for h, _ in COLUMNS[:-1]] + (
-        [COLUMNS[-1][0]] if paced else [])
+    graced = any(r.missed is not None for _, rows in runs for r in rows)
+    head = (["run"] if multi else []) + [h for h, _ in COLUMNS[:-2]] + (
+        [COLUMNS[-2][0]] if paced else []) + ([COLUMNS[-1][0]] if graced else [])
     out = []
     for m, rows in runs:
         for i, r in enumerate(rows):
@@ -123,7 +130,8 @@ def replicas_table(models) -> str:
                 f"{r.steps:,}", html.escape(fmt_value("tokens", r.tokens)),
                 _bar(r.utilization), html.escape(fmt_value("wait_s", r.wait_s)),
                 f"{r.straggler:g}×"] + (
-                ["–" if r.period_steps is None else f"{r.period_steps:,}"] if paced else [])
+                ["–" if r.period_steps is None else f"{r.period_steps:,}"] if paced else []) + (
+                ["–" if r.missed is None else f"{r.missed:,}"] if graced else [])
             out.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     heads = "".join(f'<th title="{html.escape(dict(COLUMNS).get(h, h))}">{h}</th>'
                     for h in head)

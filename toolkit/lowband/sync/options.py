@@ -19,7 +19,8 @@ from lowband.options import flag
 # RunOptions fields that only lowband's own loop reads
 LOOP_ONLY = ("data", "tokenizer", "val_fraction", "lr", "min_lr_ratio", "warmup_steps",
              "weight_decay", "beta1", "beta2", "grad_clip", "eval_every", "eval_batches",
-             "time_budget", "compile", "precision", "progress", "max_skips", "stop_after")
+             "time_budget", "compile", "precision", "progress", "max_skips", "stop_after",
+             "grace")  # (--grace's rejoin is tested in lowband's own loop only)
 
 
 def loop_only() -> set[str]:
