@@ -67,6 +67,27 @@ def test_the_run_steps_of_a_slow_replica_cover_the_period_once():
     assert measured.position(12) == pytest.approx(15.5) and measured.due(13) == 0
 
 
+def test_a_fractional_rate_alternates_its_counts():
+    """A replica at 2.5 steps a period of 10 (4x slower) runs 3, 2, 3, 2, ...: never more than
+    half a step early or late (error diffusion), where rounding alone would give 3 every
+    period; equal replicas stay at the period whatever the noise (the dead band)."""
+    pace = _pace(replica=1, tau=1)
+    counts = []
+    for _ in range(6):
+        pace.decide(_Times([0.1, 0.4]), None)
+        counts.append(pace.steps_of[1])
+    assert counts == [3, 2, 3, 2, 3, 2] and pace.steps_of[0] == 10
+    for noisy in ([0.1, 0.35], [0.1, 0.45]):  # within 15% of its rate: the rate stays
+        pace.decide(_Times(noisy), None)
+    assert pace.rate[1] == 2.5
+    pace.decide(_Times([0.1, 0.2]), None)  # now 2x slower: the rate moves at once
+    assert pace.rate[1] == 5.0 and pace.steps_of[1] in (5, 6)
+    equal = _pace(replica=0)
+    for noisy in ([0.1, 0.11], [0.105, 0.1], [0.1, 0.095]):
+        equal.decide(_Times(noisy), None)
+        assert equal.steps_of == [10, 10]
+
+
 @pytest.mark.parametrize("options, says", [
     ({"algo": "ddp", "local_steps": "adaptive"}, "--local-steps applies only to --algo diloco"),
     ({"local_steps": "adaptive", "merge_weights": "uniform"}, "drop --merge-weights uniform"),
@@ -77,6 +98,9 @@ def test_the_run_steps_of_a_slow_replica_cover_the_period_once():
     ({"local_steps": "adaptive", "eval_every": 7}, "--eval-every 7 is not a multiple"),
     ({"local_steps": "adaptive", "elastic": True}, "does not run --elastic yet"),
     ({"straggler": "2:2"}, "each replica must be in 0..1 and each factor at least 1"),
+    ({"replica_accum": "2"}, "give one positive whole number of micro-batches for each of the 2"),
+    ({"replica_accum": "2,0"}, "give one positive whole number of micro-batches"),
+    ({"replica_accum": "2,1", "merge_weights": "uniform"}, "drop --merge-weights uniform"),
     ({"straggler": "1:0"}, "each replica must be in 0..1 and each factor at least 1"),
     ({"straggler": "1:2,1:3"}, "names replica 1 twice"),
 ])
@@ -113,6 +137,7 @@ def runs(tmp_path_factory):
                      [*common, *declared, "--stop-after", "8", "--run-dir", root / "part"],
                      [*common, "--local-steps", "1,1", "--run-dir", root / "equal"],
                      [*common, "--merge-weights", "tokens", "--run-dir", root / "fixed"],
+                     [*common, "--replica-accum", "2,1", "--run-dir", root / "accum"],
                      [*COMMON, "--steps", "48", "--eval-every", "0", "--local-steps", "adaptive",
                       "--straggler", "1:2", "--run-dir", root / "measured"],
                      [*COMMON, "--steps", "4000", "--eval-every", "0", "--time-budget", "3",
@@ -233,3 +258,17 @@ def test_your_loop_runs_declared_speeds_as_lowband_train_does(runs, tmp_path):
     assert _equal(_final(tmp_path / "mine"), _final(tmp_path / "theirs"))
     summary = json.loads((tmp_path / "mine" / "summary.json").read_text())
     assert summary["steps_run_per_replica"] == [16, 8]
+
+
+def test_a_larger_replica_trains_a_larger_batch_and_weighs_by_its_tokens(runs):
+    """--replica-accum 2,1 (fixed steps): replica 0 accumulates two micro-batches a step,
+    replica 1 one, so it trains twice the tokens and its pseudo-gradient weighs 2/3."""
+    accum = runs / "accum"
+    steps = read_events(accum, ("step",))
+    tokens = {r: max(e["tokens"] for e in steps if e["replica"] == r) for r in (0, 1)}
+    assert tokens == {0: 2 * 16 * 4 * 32, 1: 16 * 4 * 32}
+    weights = {round(e["weight"], 6) for e in read_events(accum, ("sync",)) if e["replica"] == 0}
+    assert weights == {round(2 / 3, 6)}
+    summary = json.loads((accum / "summary.json").read_text())
+    assert summary["tokens"] == sum(tokens.values())
+

@@ -20,6 +20,7 @@ import time
 import torch
 import torch.nn as nn
 
+from lowband.algorithms.pace import accums
 from lowband.clock import RunClock
 from lowband.comm import topology as topo_mod
 from lowband.comm.membership.elastic import replica_of_env
@@ -152,7 +153,7 @@ def _train(session: Session, tokens, model, blocks):
             break
     # exchanges still in flight land before the final evaluation
     summary = session.finish(lambda: _val_loss(session, batches),
-                             cfg.world * cfg.grad_accum * cfg.batch_size * cfg.seq_len)
+                             sum(accums(cfg)) * cfg.shards * cfg.batch_size * cfg.seq_len)
     if bar is not None:
         bar.close()
     return summary
@@ -168,10 +169,11 @@ def standard_step(algo, model, optimizer, batches: Batches, cfg: Config, step: i
     device = next(model.parameters()).device
     algo.before_forward(step)
     loss_sum = torch.zeros((), device=device)
-    for micro in range(cfg.grad_accum):
+    accum = algo.micro_batches()  # (--replica-accum: this replica's)
+    for micro in range(accum):
         x, y = batches.train(step, micro)
-        loss = lm_loss(model, x, y, cfg.precision) / cfg.grad_accum
-        algo.before_backward(step, micro, micro == cfg.grad_accum - 1)
+        loss = lm_loss(model, x, y, cfg.precision) / accum
+        algo.before_backward(step, micro, micro == accum - 1)
         loss.backward()
         loss_sum += loss.detach()
     algo.after_backward(step)
@@ -191,7 +193,7 @@ def standard_step(algo, model, optimizer, batches: Batches, cfg: Config, step: i
             events.emit("skip", step=step + 1, what="gradient")
     optimizer.zero_grad(set_to_none=True)
     algo.after_step(step)
-    return loss_sum.item(), cfg.grad_accum
+    return loss_sum.item(), accum
 
 
 def _skips_on_device(optimizer) -> bool:

@@ -155,6 +155,11 @@ class Algorithm:
         with --local-steps adaptive only the step after which a sync started (None between)."""
         return s
 
+    def micro_batches(self) -> int:
+        """The micro-batches this rank accumulates a step: --grad-accum (diloco and streaming:
+        its replica's of --replica-accum, algorithms/pace.py)."""
+        return self.config.grad_accum
+
     def lr_step(self, step: int) -> float:
         """Where step `step` (0-based) read the learning-rate schedule (schedule.lr_at): at its
         number; acco and aedit at their budgets' progress. The `step` events report this lr."""

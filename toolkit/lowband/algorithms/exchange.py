@@ -46,11 +46,12 @@ class ExchangeOptions(Options):
 
     @classmethod
     def resolve(cls, cfg, algorithm) -> None:
-        """--merge-weights left unset: by tokens where replicas train unequal steps between
-        syncs (--local-steps adaptive, algorithms/pace.py), else uniform."""
+        """--merge-weights left unset: by tokens where replicas train unequal tokens between
+        syncs (--local-steps adaptive, --replica-accum: algorithms/pace.py), else uniform."""
         if cfg.merge_weights is None:
             adaptive = getattr(cfg, "local_steps", "fixed") != "fixed" and not cfg.elastic
-            cfg.merge_weights = "tokens" if adaptive else "uniform"
+            unequal = bool(getattr(cfg, "replica_accum", ""))
+            cfg.merge_weights = "tokens" if adaptive or unequal else "uniform"
 
     @classmethod
     def check(cls, cfg) -> None:

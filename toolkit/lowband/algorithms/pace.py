@@ -6,22 +6,23 @@ fixed (the default): a sync starts after every H/P inner steps (`period`), fragm
 (s / period - 1) mod P after step s, on every replica alike.
 
 adaptive: the syncs keep their order (sync k syncs fragment k mod P) but each replica reaches
-them at its own step count. Replica r runs n_r inner steps between two syncs, with
+them at its own step count. Replica r runs n_r inner steps between two syncs: its rate
 
-    n_r = clamp(round(period x t_fast / t_r), tau + 1, period)
+    rate_r = period x t_fast / t_r
 
-where t_r is its compute seconds a step since the last sync, as the loop records them in its
-step events (a step's seconds less its waits for the link; the first sync's since the run
-began) and t_fast the fastest replica's: the fastest runs `period` steps, a replica twice as
-slow half as many, and each period lasts about `period` of the fastest's steps on every
-replica. Each replica's time travels with sync k's exchange (an
-all-gather of one number a rank, started with it) and sets the steps of the period running
-when sync k's average is applied (tau steps later), on every rank from the same numbers, so
-every rank agrees on every replica's steps; tau + 1 steps at the least keep each apply before
-the next sync. A count moves only when its ideal is 15% of a period away (DEAD_BAND): a loaded
-machine's noise leaves equal replicas at `period`; a slowdown that comes and goes moves it at
-the next sync. Declared speeds (--local-steps 1,0.5) set the counts once, from the start, with
-nothing measured: a site known to be slower, and runs that repeat exactly.
+(t_r its compute seconds a step since the last sync, as the loop records them in its step
+events: a step's seconds less its waits for the link; the first sync's since the run began;
+t_fast the fastest replica's) rounded to whole steps by error diffusion, n_r = round(rate_r +
+carry_r), carry_r the rounding left over (at least tau + 1, at most `period`): the fastest runs
+`period` steps, a replica twice as slow alternately 3 and 2 of a period of 5, and each period
+lasts about `period` of the fastest's steps on every replica. Each replica's time travels with
+sync k's exchange (an all-gather of one number a rank, started with it) and sets the steps of
+the period running when sync k's average is applied (tau steps later), on every rank from the
+same numbers, so every rank agrees on every replica's steps; tau + 1 steps at the least keep
+each apply before the next sync. A rate moves only when its ideal is 15% of it away
+(DEAD_BAND): a loaded machine's noise leaves equal replicas at `period`; a slowdown that comes
+and goes moves it at the next sync. Declared speeds (--local-steps 1,0.5) set the counts once,
+from the start, with nothing measured: a site known to be slower, and runs that repeat exactly.
 
 The schedule's own clock is the *run step*: sync k (k = 1, 2, ...) starts at run step
 k x period on every replica, which names evaluations, checkpoints and the learning rate's place
@@ -53,6 +54,10 @@ class PaceOptions(Options):
                               "replicas of unequal speed reach each sync together (merged by "
                               "tokens; docs/algorithms.md); or each replica's speed declared, "
                               "SPEED,SPEED,... (1,0.5: replica 1 runs half the steps)")
+    replica_accum: str = option("", "each replica's micro-batches a step, A,B,...: a site "
+                                "with more GPUs trains a larger batch (2,1: replica 0 twice "
+                                "replica 1's), merged by tokens. Empty: --grad-accum on every "
+                                "replica")
     grace: str = option("", "with adaptive local steps: the longest a sync waits for a late "
                         "replica after the last one that reached it, e.g. 2s; the late one's "
                         "work merges at a later sync (algorithms/grace.py). Empty: wait for all")
@@ -61,6 +66,12 @@ class PaceOptions(Options):
     def check(cls, cfg) -> None:
         if cfg.grace:
             check_grace(cfg)
+        if cfg.replica_accum:
+            accums(cfg)
+            if cfg.merge_weights != "tokens":
+                raise ConfigError(f"--replica-accum {cfg.replica_accum} merges each replica's "
+                                  "pseudo-gradient by the tokens it trained: drop "
+                                  "--merge-weights uniform.")
         if cfg.local_steps == "fixed":
             return
         declared(cfg.local_steps, cfg.replicas)
@@ -99,6 +110,21 @@ def check_grace(cfg) -> None:
     for bad, need in why:
         if bad:
             raise ConfigError(f"--grace {cfg.grace} needs {need}.")
+
+
+def accums(cfg) -> list[int]:
+    """Each replica's micro-batches a step: --replica-accum, or --grad-accum for every one."""
+    if not getattr(cfg, "replica_accum", ""):
+        return [cfg.grad_accum] * cfg.replicas
+    try:
+        out = [int(x) for x in cfg.replica_accum.split(",")]
+    except ValueError:
+        out = []
+    if len(out) != cfg.replicas or not all(a > 0 for a in out):
+        raise ConfigError(f"--replica-accum {cfg.replica_accum}: give one positive whole number "
+                          f"of micro-batches for each of the {cfg.replicas} replicas (e.g. "
+                          f"{','.join(['1'] * cfg.replicas)}).")
+    return out
 
 
 def declared(text: str, replicas: int) -> list[float] | None:
@@ -158,6 +184,9 @@ class Pace:
         self.last_start = 0  # the inner step the last sync started after
         self.n = self.period  # this replica's steps in the current period
         self.steps_of = None  # every replica's n for the current period (decided at an apply)
+        # measured: each replica's steps a period as a fraction (its rate) and what rounding
+        # its counts to whole steps has left over (dithered)
+        self.rate, self.carry = [float(self.period)] * cfg.replicas, [0.0] * cfg.replicas
         if self.speeds is not None:  # declared: the same from the first period on
             self.steps_of = self.steps_for([1 / x for x in self.speeds])
             self.n = self.steps_of[comm.topo.replica]
@@ -239,7 +268,7 @@ class Pace:
                        for r in range(self.comm.topo.replicas)]
         if max(per_replica) <= 0 or min(per_replica) == 0:  # a resumed run's first: nothing
             return                                          # measured before it
-        self.steps_of = self.steps_for(per_replica, self.steps_of)
+        self.steps_of = self.dithered(per_replica)
         if s is None:
             return
         self.n = self.steps_of[self.comm.topo.replica]
@@ -253,6 +282,26 @@ class Pace:
         here = self.position(s)
         self.started, self.last_start, self.n = target - 1, s, steps
         self._piece = (s, here, max(target * self.period - here, 0.0) / steps)
+
+    def dithered(self, times: list[float]) -> list[int]:
+        """Each replica's steps for the period now running, from its seconds a step (t <= 0:
+        nothing measured, it keeps its rate): its rate, period x t_fast / t, moves when the
+        ideal is DEAD_BAND of it away (the noise of a loaded machine leaves it), and the count
+        is the rate plus what earlier counts' rounding left over, rounded (error diffusion):
+        a rate of 2.5 runs 3, 2, 3, 2, ... steps, so that a replica is never more than half a
+        step early or late, and streaming's overlap (tau steps after the start) hides what is
+        late, where a count of 2 every period would wait half a step each time."""
+        fastest = min(t for t in times if t > 0)
+        out = []
+        for r, t in enumerate(times):
+            ideal = self.period * fastest / t if t > 0 else self.rate[r]
+            if abs(ideal - self.rate[r]) >= DEAD_BAND * self.rate[r]:
+                self.rate[r] = ideal
+            x = self.rate[r] + self.carry[r]
+            n = min(max(math.floor(x + 0.5), self.tau + 1), self.period)
+            self.carry[r] = min(max(x - n, -1.0), 1.0)
+            out.append(n)
+        return out
 
     def steps_for(self, times: list[float], now: list[int] | None = None) -> list[int]:
         """Each replica's steps in a period of this run (steps_for, below)."""
@@ -275,7 +324,7 @@ class Pace:
     def state_dict(self) -> dict:
         return {"started": self.started, "last_start": self.last_start, "n": self.n,
                 "steps_of": self.steps_of, "last_steps": self.last_steps,
-                "piece": list(self._piece)}
+                "piece": list(self._piece), "rate": self.rate, "carry": self.carry}
 
     def load_state_dict(self, state: dict | None) -> None:
         if state:  # (a checkpoint from before adaptive steps: fixed, nothing to restore)
@@ -283,6 +332,8 @@ class Pace:
             self.n, self.steps_of = state["n"], state["steps_of"]
             self.last_steps = state["last_steps"]
             self._piece, self._mark, self._lr = tuple(state["piece"]), None, (None, 0.0)
+            self.rate = list(state.get("rate", self.rate))
+            self.carry = list(state.get("carry", self.carry))
 
 
 class Paced:
@@ -311,3 +362,6 @@ class Paced:
 
     def progress_steps(self, step: int) -> float:
         return self.pace.position(step) + 1
+
+    def micro_batches(self) -> int:
+        return accums(self.config)[self.topo.replica]

@@ -190,7 +190,7 @@ class Streaming(Graced, Paced, Algorithm):
         s = step + 1
         c = self.config
         for f in self.fragments:
-            f.tokens += c.grad_accum * c.batch_size * c.seq_len
+            f.tokens += self.micro_batches() * c.batch_size * c.seq_len
         if self.grace is not None:  # the syncs this replica missed, as they land
             self.catch_up()
         for f in self.fragments:

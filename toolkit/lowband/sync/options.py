@@ -20,7 +20,8 @@ from lowband.options import flag
 LOOP_ONLY = ("data", "tokenizer", "val_fraction", "lr", "min_lr_ratio", "warmup_steps",
              "weight_decay", "beta1", "beta2", "grad_clip", "eval_every", "eval_batches",
              "time_budget", "compile", "precision", "progress", "max_skips", "stop_after",
-             "grace")  # (--grace's rejoin is tested in lowband's own loop only)
+             "grace", "replica_accum")  # (a replica's batch is your loop's; --grace's
+# rejoin is tested in lowband's own loop only)
 
 
 def loop_only() -> set[str]:
