@@ -122,6 +122,32 @@ def test_a_killed_group_restarts_and_heals_from_a_live_peer(tmp_path):
     assert key.hex() not in proc.stdout + proc.stderr
 
 
+def test_adaptive_local_steps_heal_a_killed_group_on_the_run_steps(tmp_path):
+    """--local-steps adaptive with --elastic (three groups, group 2 computing 3x slower): group
+    1 is killed after step 10 and heals from a live peer on the run's schedule (a quorum
+    compares run steps, not the groups' unequal inner steps), takes its own count again, and
+    every group ends with the same outer parameters; the straggler runs fewer steps, and its
+    pseudo-gradients weigh by their tokens."""
+    run, proc = train(tmp_path, "r", "--algo", "streaming", "--replicas", 3, "--steps", 40,
+                      "--sync-every", 8, "--fragments", 2, "--elastic", "--kill", "1:10",
+                      "--local-steps", "adaptive", "--straggler", "2:3", *HOLD)
+    assert "replica group 1 was killed by SIGKILL" in proc.stderr
+    assert [e["replica"] for e in read_events(run, ("membership",)) if e["healed"]] == [1]
+    records = groups(run)
+    assert len({r["outer_sha256"] for r in records.values()}) == 1  # bitwise equal
+    syncs = read_events(run, ("sync",))
+    for g in (0, 1, 2):  # every group took part in (or healed into) the run's syncs
+        assert {e["step"] for e in syncs if e["replica"] == g} == set(range(4, 41, 4)), g
+    summary = json.loads((run / "summary.json").read_text())
+    fast, _, slow = summary["steps_run_per_replica"]  # (group 1's count both its lives)
+    assert slow < fast * 0.8, summary["steps_run_per_replica"]
+    late = [e for e in syncs if e["step"] >= 24]  # by then the counts follow the speeds (a
+    # loaded machine's noise may even them out at a sync or two)
+    assert sum(e["steps_of"][2] < e["steps_of"][0] for e in late) >= len(late) * 2 / 3
+    weights = [e["weight"] for e in late if e["replica"] == 2]
+    assert sum(weights) / len(weights) < 1 / 3, weights
+
+
 def test_groups_killed_one_after_the_other_continue_from_their_checkpoints(tmp_path):
     """Group 0 is killed in step 25 and, while it restarts, group 1 in step 26: no live peer
     has trained past their step-20 checkpoints, so each continues from its own (a `run`

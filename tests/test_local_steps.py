@@ -96,7 +96,7 @@ def test_a_fractional_rate_alternates_its_counts():
     ({"local_steps": "fast"}, "is not fixed, adaptive or one speed a replica"),
     ({"local_steps": "adaptive", "steps": 33}, "--steps 33 is not a multiple of H/P = 5"),
     ({"local_steps": "adaptive", "eval_every": 7}, "--eval-every 7 is not a multiple"),
-    ({"local_steps": "adaptive", "elastic": True}, "does not run --elastic yet"),
+    ({"local_steps": "adaptive", "elastic": True, "shards": 2}, "use --shards 1"),
     ({"straggler": "2:2"}, "each replica must be in 0..1 and each factor at least 1"),
     ({"replica_accum": "2"}, "give one positive whole number of micro-batches for each of the 2"),
     ({"replica_accum": "2,0"}, "give one positive whole number of micro-batches"),

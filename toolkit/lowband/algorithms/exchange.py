@@ -49,7 +49,7 @@ class ExchangeOptions(Options):
         """--merge-weights left unset: by tokens where replicas train unequal tokens between
         syncs (--local-steps adaptive, --replica-accum: algorithms/pace.py), else uniform."""
         if cfg.merge_weights is None:
-            adaptive = getattr(cfg, "local_steps", "fixed") != "fixed" and not cfg.elastic
+            adaptive = getattr(cfg, "local_steps", "fixed") != "fixed"
             unequal = bool(getattr(cfg, "replica_accum", ""))
             cfg.merge_weights = "tokens" if adaptive or unequal else "uniform"
 
@@ -81,9 +81,6 @@ class ExchangeOptions(Options):
         if cfg.merge_weights == "tokens" and cfg.algo in ("edit", "aedit"):
             raise ConfigError(f"--algo {cfg.algo} weighs replicas by its penalty (and aedit by "
                               "their steps, --edit-step-weights): drop --merge-weights tokens.")
-        if cfg.merge_weights == "tokens" and cfg.elastic:
-            raise ConfigError("--elastic weighs each group of a quorum by whether it trained "
-                              "(a healed group 0): drop --merge-weights tokens.")
 
 
 def exchange_block(cfg) -> "int | Chunks":

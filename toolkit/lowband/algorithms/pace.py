@@ -76,9 +76,9 @@ class PaceOptions(Options):
             return
         declared(cfg.local_steps, cfg.replicas)
         period = cfg.sync_every // cfg.fragments
-        if cfg.elastic:
-            raise ConfigError(f"--local-steps {cfg.local_steps} does not run --elastic yet (a "
-                              "healed group would take a peer's pace): drop one of them.")
+        if cfg.elastic and cfg.shards != 1:
+            raise ConfigError(f"--local-steps {cfg.local_steps} runs --elastic with one rank a "
+                              "replica group: use --shards 1.")
         if cfg.merge_weights != "tokens":
             raise ConfigError(f"--local-steps {cfg.local_steps} merges each replica's "
                               "pseudo-gradient by the tokens it trained: drop --merge-weights "
@@ -178,6 +178,7 @@ class Pace:
             self.speeds = self.total = None
         self.comm, self.measured = comm, measured
         self.grace = bool(getattr(cfg, "grace", ""))  # run steps where every replica met
+        self.elastic = bool(getattr(cfg, "elastic", False))  # times through torchft's group
         self.met_at = None  # (--grace) the inner step and run step of the last sync all met
         self.took = 0.0  # the compute seconds a step sent with the last sync
         self.started = 0     # syncs started
@@ -240,6 +241,8 @@ class Pace:
         if not self.adaptive:
             return None
         self.last_steps, self.last_start = s - self.last_start, s
+        if self.steps_of is not None:  # its own count (an --elastic heal brings a peer's)
+            self.n = self.steps_of[self.comm.topo.replica]
         self._piece = (s, float(self.started * self.period), self.period / self.n)
         if self.speeds is not None:  # declared: nothing to measure
             return None if send else 0.0
@@ -252,6 +255,9 @@ class Pace:
         self._mark, self.took = now, took or self.took
         if not send:
             return took
+        if self.elastic:  # the quorum's groups: each says which it is
+            mine = torch.tensor([float(self.comm.topo.replica), took], dtype=torch.float64)
+            return self.comm.membership.all_gather(self.comm, mine, "pace")
         mine = torch.tensor([took], dtype=torch.float64)
         return self.comm.all_gather(mine, "world", tag="pace")
 
@@ -262,10 +268,16 @@ class Pace:
         a sync this replica missed (--grace): every replica's steps only, its own stay."""
         if times is None:
             return
-        per_rank = [float(t) for t in times.wait()]
-        shards = len(per_rank) // self.comm.topo.replicas
-        per_replica = [max(per_rank[r * shards:(r + 1) * shards])
-                       for r in range(self.comm.topo.replicas)]
+        got = times.wait()
+        if got and got[0].numel() == 2:  # --elastic: (replica, time) of the quorum's groups;
+            per_replica = [-1.0] * self.comm.topo.replicas  # the others keep their counts
+            for row in got:
+                per_replica[int(row[0])] = float(row[1])
+        else:
+            per_rank = [float(t) for t in got]
+            shards = len(per_rank) // self.comm.topo.replicas
+            per_replica = [max(per_rank[r * shards:(r + 1) * shards])
+                           for r in range(self.comm.topo.replicas)]
         if max(per_replica) <= 0 or min(per_replica) == 0:  # a resumed run's first: nothing
             return                                          # measured before it
         self.steps_of = self.dithered(per_replica)
@@ -365,3 +377,10 @@ class Paced:
 
     def micro_batches(self) -> int:
         return accums(self.config)[self.topo.replica]
+
+    def quorum_progress(self, step: int) -> int:
+        """--elastic: the run step of the sync about to start (replicas' inner steps differ,
+        so a quorum compares where they are on the run's schedule; a fresh group's is 0)."""
+        if not self.pace.adaptive:
+            return super().quorum_progress(step)
+        return (self.pace.started + 1) * self.pace.period if step else 0

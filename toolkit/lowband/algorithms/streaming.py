@@ -208,7 +208,9 @@ class Streaming(Graced, Paced, Algorithm):
             self.grace.start(self.pace.started)
         if self.comm.membership.join(step):  # restarted: the others are in the sync of
             s = self.healed_step               # healed_step; join it
-            self._exchange(self.fragments[self.due(s)], s)
+            f = self.fragments[self.due(s)]
+            self._times = self.pace.start(s)
+            self._exchange(f, s)
 
     def quorum_tiebreak(self) -> int:
         return lineage_tiebreak(self.lineage)
@@ -342,7 +344,7 @@ class Streaming(Graced, Paced, Algorithm):
         healing = self.comm.membership.heal_fields({"lineage": list(self.lineage)})
         pace = {}
         if self.pace.adaptive:  # the times sent with the sync in flight, landed too
-            times = None if self._times is None else [float(t) for t in self._times.wait()]
+            times = None if self._times is None else [t.tolist() for t in self._times.wait()]
             self._times = None if times is None else Landed(torch.tensor(times))
             pace = {"pace": {**self.pace.state_dict(), "times": times}}
         return {"fragments": frags, "skips": self.skips, **healing, **pace}

@@ -74,8 +74,9 @@ class Weighted:
     that times n over the summed weights, and `share` this member's weight over them. Inside
     (comm/membership/elastic.py, torchft): each member's weight travels in its own payload, so a
     member lost mid-exchange takes its weight with it: the last value of an fp32 all-reduce of
-    [w x, w], or one byte after an encoded payload of x (`decoding`: numel, codec, block) whose
-    members with weight 0 are left out; NaN when no member had weight (the update is skipped).
+    [w x, w], or after an encoded payload of x (`decoding`: numel, codec, block, and the
+    weight's bytes: one for 0 or 1, four for a float32 of tokens) whose members with weight 0
+    are left out; NaN when no member had weight (the update is skipped).
     `sent` is this member's x as the others decode it, in x's units (error feedback keeps
     x - sent)."""
 
@@ -83,7 +84,7 @@ class Weighted:
                  weight: float = 1.0, decoding=None):
         self.transfer, self.sent, self.total, self.n = transfer, sent, total, n
         self.weight, self.decoding = weight, decoding
-        self.share = None  # beside: this member's share of the summed weights, for the events
+        self.share = None  # this member's share of the summed weights, for the events
 
     def done(self) -> bool:
         return self.transfer.done() and (self.total is None or self.total.done())
@@ -95,13 +96,18 @@ class Weighted:
             self.share = self.weight / total if total else None
             return result.mul_(self.n / total)
         if self.decoding is None:
+            weights = float(result[-1])
+            self.share = self.weight / weights if weights else None
             return result[:-1] / result[-1]
-        numel, codec, block = self.decoding
-        total, weights = torch.zeros(numel, device=self.sent.device), 0
+        numel, codec, block, size = (*self.decoding, 1)[:4]
+        total, weights = torch.zeros(numel, device=self.sent.device), 0.0
         for payload in result:
-            if int(payload[-1]):
-                total += decode(payload[:-1], numel, codec, block)
-                weights += int(payload[-1])
+            w = float(payload[-1]) if size == 1 else \
+                float(payload[-size:].clone().view(torch.float32)[0])
+            if w:
+                total += decode(payload[:-size], numel, codec, block).mul_(w)
+                weights += w
+        self.share = self.weight / weights if weights else None
         return total / weights if weights else torch.full_like(total, float("nan"))
 
 

@@ -321,21 +321,26 @@ class Membership:
                 healed_counts: bool = False, exchange: str = "auto",
                 weight: float | None = None) -> "Weighted":
         """Start averaging the flat fp32 tensor x over the groups of this quorum, each with its
-        weight: 1, or 0 for a group healed in this quorum (its x is a copy of its source's)
-        unless `healed_counts` (ddp: it healed before computing x); wait() gives the mean.
-        When the exchange fails the error goes to the Manager, never up: commit() then says
-        False. `exchange` and `weight` (Comm.average's) do not apply: torchft's exchange is
-        an all-reduce or an all-gather, each group weighing 1 or 0."""
+        weight: `weight` (--merge-weights tokens: the tokens it trained) or 1, and 0 for a group
+        healed in this quorum (its x is a copy of its source's) unless `healed_counts` (ddp: it
+        healed before computing x); wait() gives the mean. When the exchange fails the error
+        goes to the Manager, never up: commit() then says False. `exchange` (Comm.average's)
+        does not apply: torchft's exchange is an all-reduce or an all-gather."""
         from lowband.comm.exchanges import Weighted, encoded
 
-        weight = 0.0 if self.healed_now and not healed_counts else 1.0
+        w = 0.0 if self.healed_now and not healed_counts else \
+            (1.0 if weight is None else float(weight))
         if codec == "fp32":
-            t = torch.cat([x * weight, x.new_tensor([weight])])
-            return Weighted(self.all_reduce(comm, t, tag), x)
+            t = torch.cat([x * w, x.new_tensor([w])])
+            return Weighted(self.all_reduce(comm, t, tag), x, weight=w)
         payload, sent = encoded(x, codec, block)
-        payload = torch.cat([payload, payload.new_tensor([int(weight)])])  # one byte: the weight
-        return Weighted(self.all_gather(comm, payload, tag, codec), sent,
-                        decoding=(x.numel(), codec, block))
+        if weight is None:  # one byte: the weight, 0 or 1
+            size, tail = 1, payload.new_tensor([int(w)])
+        else:  # four: the tokens, a float32
+            size, tail = 4, torch.tensor([w], dtype=torch.float32).view(torch.uint8)
+        payload = torch.cat([payload, tail.to(payload.device)])
+        return Weighted(self.all_gather(comm, payload, tag, codec), sent, weight=w,
+                        decoding=(x.numel(), codec, block, size))
 
     def all_reduce(self, comm, t: torch.Tensor, tag: str):
         """The sum of t over the groups of the quorum (in place), through lowband's Comm."""
