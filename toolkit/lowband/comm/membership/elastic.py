@@ -13,9 +13,8 @@ One outer sync (diloco, streaming):
                    member: comm/membership/heal.py; `register`) and loads it: model, inner optimizer, the
                    algorithm's state_dict() (outer parameters and momentum...), the step. Its
                    time is a wait of the step, not compute.
-  average(x, ...)  the mean over the groups that take part with what they trained: a group
-                   healed in this quorum holds a copy of its source's state, so it sends weight
-                   0 (and zeros) and the mean divides by the summed weights
+  average(x, ...)  the mean over the groups that take part (by tokens, or 1 each); a group
+                   healed in this quorum holds its source's state: weight 0
   commit()         Manager.should_commit: the vote, this group's own (torchft's vote joins a
                    group's ranks, not the groups). False (a peer died mid-exchange, too few
                    groups) leaves this group's outer state as it was: it skipped the update
@@ -167,8 +166,7 @@ class Membership:
         self.quorum_id = -1
         self.at = 0  # the inner step of the quorum this group is in (begin's)
         self.healed_now = self.peer_in_sync = self._joining = False
-        self._progress = lambda step: step  # the algorithm's (register)
-        self._tiebreak = lambda: 0
+        self._progress, self._tiebreak = (lambda step: step), (lambda: 0)  # the algorithm's
         self._skipped = False  # this group's last commit vote failed (commit; the next quorum reads it)
 
     def register(self, algo) -> None:
@@ -283,12 +281,12 @@ class Membership:
     def _set_quorum_step(self, step: int) -> None:
         """The step this group brings to the quorum, from which torchft heals: every group whose
         step is below the quorum's highest receives the state of a group at the highest. It is
-        what the group has trained (the algorithm's quorum_progress: the inner step, restored
-        from a checkpoint by a restarted group), twice, plus one in a sync: a group in its first
-        quorum (fresh, or restored from its checkpoint) at the same progress as groups already in
-        a sync heals from them, and a fresh group never hands its state to one that trained.
-        torchft's own count of commits would not do: a restored group's equals that of the
-        groups that trained on since its checkpoint and have not synced yet. Then, at the same
+        what the group has trained (quorum_progress: the inner step, adaptive steps' run step;
+        restored from a checkpoint by a restarted group), twice, plus one in a sync: a group in
+        its first quorum (fresh, or restored) at the same progress as groups in a sync heals
+        from them; a fresh group never hands its state to one that trained. torchft's count of
+        commits would not do: a restored group's equals that of the groups that trained on
+        since its checkpoint and have not synced yet. Then, at the same
         progress, a group whose last commit vote failed ranks below one whose vote passed: it
         skipped an update the other applied, so it heals from it (every algorithm, any S; when
         every group's vote failed they stay equal). Below that, the algorithm's quorum_tiebreak
@@ -321,11 +319,11 @@ class Membership:
                 healed_counts: bool = False, exchange: str = "auto",
                 weight: float | None = None) -> "Weighted":
         """Start averaging the flat fp32 tensor x over the groups of this quorum, each with its
-        weight: `weight` (--merge-weights tokens: the tokens it trained) or 1, and 0 for a group
-        healed in this quorum (its x is a copy of its source's) unless `healed_counts` (ddp: it
-        healed before computing x); wait() gives the mean. When the exchange fails the error
-        goes to the Manager, never up: commit() then says False. `exchange` (Comm.average's)
-        does not apply: torchft's exchange is an all-reduce or an all-gather."""
+        weight (--merge-weights tokens: its tokens, else 1), 0 for a group healed in this
+        quorum (its x is a copy of its source's) unless `healed_counts` (ddp: it healed before
+        computing x); wait() gives the mean. A failed exchange's error goes to the Manager,
+        never up: commit() then says False. torchft's exchange is an all-reduce or an
+        all-gather (`exchange` does not apply)."""
         from lowband.comm.exchanges import Weighted, encoded
 
         w = 0.0 if self.healed_now and not healed_counts else \
@@ -334,10 +332,8 @@ class Membership:
             t = torch.cat([x * w, x.new_tensor([w])])
             return Weighted(self.all_reduce(comm, t, tag), x, weight=w)
         payload, sent = encoded(x, codec, block)
-        if weight is None:  # one byte: the weight, 0 or 1
-            size, tail = 1, payload.new_tensor([int(w)])
-        else:  # four: the tokens, a float32
-            size, tail = 4, torch.tensor([w], dtype=torch.float32).view(torch.uint8)
+        size, tail = (1, payload.new_tensor([int(w)])) if weight is None else \
+            (4, torch.tensor([w], dtype=torch.float32).view(torch.uint8))  # 0/1, or tokens
         payload = torch.cat([payload, tail.to(payload.device)])
         return Weighted(self.all_gather(comm, payload, tag, codec), sent, weight=w,
                         decoding=(x.numel(), codec, block, size))
