@@ -230,7 +230,7 @@ def test_elastic_aedit_heals_into_the_others_window_and_keeps_the_step_budget(tm
     progress, takes part with weight 0, gets a share of the next window, and the run ends when
     the steps of the windows reach the budget; all end bitwise equal."""
     run, proc = train(tmp_path, "r", "--algo", "aedit", "--replicas", 3, "--steps", 40,
-                      "--sync-seconds", 30, "--elastic", "--kill", "1:8")
+                      "--sync-seconds", 30, "--elastic", "--kill", "1:8", *HOLD)
     assert "replica group 1 was killed by SIGKILL" in proc.stderr
     healed = [e for e in read_events(run, ("membership",)) if e["healed"]]
     assert [(e["replica"], e["step"]) for e in healed] == [(1, 40)]

@@ -24,14 +24,18 @@ PAUSE = 2.5
 def runs(tmp_path_factory):
     """root/NAME for: replica 1 stalled PAUSE s after step 14 (mid-period: its sync 4, at step
     16, is late) with a 0.3 s window, in a run long enough to rejoin; the same without a stall,
-    with and without --grace, and with it stopped at run step 32 and resumed."""
+    with and without --grace, and with it stopped at run step 32 and resumed; of three
+    replicas, two stalled at once."""
     root = tmp_path_factory.mktemp("grace")
     train_in_one_job([*COMMON, "--steps", "1000", "--eval-every", "200", "--checkpoint-every",
                       "200", "--grace", "0.3s", "--pause", f"1:14:{PAUSE}",
                       "--run-dir", root / "paused"],
                      [*COMMON, "--grace", "5s", "--run-dir", root / "graced"],
                      [*COMMON, "--grace", "5s", "--stop-after", "32", "--run-dir", root / "part"],
-                     [*COMMON, "--run-dir", root / "plain"])
+                     [*COMMON, "--run-dir", root / "plain"],
+                     [*COMMON, "--replicas", "3", "--local-steps", "1,1,1", "--steps", "1000",
+                      "--eval-every", "200", "--checkpoint-every", "200", "--grace", "0.3s",
+                      "--pause", f"1:14:{PAUSE},2:18:{PAUSE}", "--run-dir", root / "two"])
     train_in_one_job(["--resume", root / "part", "--no-progress"])
     return root
 
@@ -66,6 +70,18 @@ def test_a_stalled_replica_delays_the_others_once_by_the_window(runs):
     assert "missed syncs" in replicas_table([model])
 
 
+def test_two_stalled_replicas_of_three_delay_the_third_once(runs):
+    """Replicas 1 and 2 stall at about the same time (after steps 14 and 18): each stand-in
+    gives up on its own, neither waits for the other, and the third goes on."""
+    two = runs / "two"
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["outer_states_agree"] is True and summary["steps_run_per_replica"][0] == 1000
+    times = [e["t"] for e in read_events(two, ("step",)) if e["replica"] == 0]
+    assert max(b - a for a, b in zip(times, times[1:])) < PAUSE - 1.0
+    assert sorted(e["replica"] for e in read_events(two, ("late",))) == [1, 2]
+    assert sorted(e["replica"] for e in read_events(two, ("rejoin",))) == [1, 2]
+
+
 def _same(a, b) -> bool:
     for name in ("model.pt", "outer.pt"):
         x, y = torch.load(a / name, weights_only=True), torch.load(b / name, weights_only=True)
@@ -91,9 +107,20 @@ def test_nobody_late_changes_nothing_and_a_resume_is_bitwise(runs):
     ({"grace": "2s", "local_steps": "adaptive", "shards": 2}, "needs --shards 1"),
     ({"grace": "2s", "local_steps": "adaptive", "time_budget": 60}, "needs no --time-budget"),
     ({"grace": "2s", "local_steps": "adaptive", "replicas": 4, "exchange": "two-phase"},
-     "needs --exchange all-gather"),
+     "needs --exchange all-gather or auto"),
 ])
 def test_bad_input_gets_one_sentence(options, says):
     with pytest.raises(ConfigError) as e:
         Config.from_dict({"algo": "streaming", **options}).validate()
     assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_stand_in_that_stops_is_an_error_not_a_hang():
+    """The training thread waits for its stand-in to start an exchange: if the stand-in died
+    instead, the wait raises its error (it does not hang)."""
+    from types import SimpleNamespace
+
+    from lowband.algorithms.grace import Met
+
+    with pytest.raises(RuntimeError, match="stand-in stopped before sync 3: KeyError"):
+        Met(3, SimpleNamespace(error=KeyError("outer:grace"))).wait()

@@ -51,10 +51,17 @@ class Met:
     Weighted's); `sent`, `share` as Weighted's; `times` the gathered step times (an absent
     replica's -1), for Pace.decide; `absent` the replicas that sent nothing."""
 
-    def __init__(self, k: int):
-        self.k = k
+    def __init__(self, k: int, grace: "Grace"):
+        self.k, self.grace = k, grace
         self.avg = self.gathered = None
         self._ready = threading.Event()
+
+    def _started(self) -> None:
+        """Wait for the stand-in to start this exchange (its error, if it stopped instead)."""
+        while not self._ready.wait(0.2):
+            if self.grace.error is not None:
+                raise RuntimeError(f"the --grace stand-in stopped before sync {self.k}: "
+                                   f"{self.grace.error!r}") from self.grace.error
 
     def started(self, avg, gathered) -> None:
         self.avg, self.gathered = avg, gathered
@@ -64,12 +71,12 @@ class Met:
         return self._ready.is_set() and self.avg.done() and self.gathered.done()
 
     def wait(self) -> torch.Tensor:
-        self._ready.wait()
+        self._started()
         return self.avg.wait()
 
     @property
     def sent(self) -> torch.Tensor:
-        self._ready.wait()
+        self._started()
         return self.avg.sent
 
     @property
@@ -121,6 +128,7 @@ class Grace:
         self.finished = False
         self.last = total      # the last sync to take part in (close: where the run stopped)
         self.thread = None
+        self.error = None      # why the stand-in stopped, for the training thread
 
     def start(self, after: int) -> None:
         """The stand-in starts with sync after + 1 (a resumed run's next)."""
@@ -139,7 +147,7 @@ class Grace:
             return True
 
     def hand_in(self, k: int, x: torch.Tensor, weight: float, took: float) -> Met:
-        met = Met(k)
+        met = Met(k, self)
         with self.cond:
             self.handed[k] = (x, weight, took, met)
             self.cond.notify_all()
@@ -192,6 +200,13 @@ class Grace:
     # -- the stand-in --------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as e:  # the training thread raises it where it waits (Met)
+            self.error = e
+            raise
+
+    def _serve(self) -> None:
         k = self.decided + 1
         while k <= self.total:
             arrivals = self._listen(k)
@@ -267,7 +282,8 @@ class Grace:
         tokens (or zeros and 0), and [step time, present]."""
         fragment = (k - 1) % len(self.sizes)
         if mine is None:
-            x, weight, took, met = torch.zeros(self.sizes[fragment], device=self.comm.topo.device), 0.0, 0.0, Met(k)
+            x = torch.zeros(self.sizes[fragment], device=self.comm.topo.device)
+            weight, took, met = 0.0, 0.0, Met(k, self)
             with self.cond:
                 self.missed.append(met)
         else:
@@ -291,8 +307,9 @@ class Graced:
         c = self.config
         if getattr(c, "grace", ""):  # (a stand-in config of a test may not name it)
             self.grace = Grace(self.comm, parse_duration(c.grace), self.pace.total,
-                               self.pace.period, [f.numel for f in self.fragments], c.codec, exchange_block(c),
-                               c.exchange)
+                               self.pace.period, [f.numel for f in self.fragments], c.codec,
+                               exchange_block(c),
+                               "all-gather" if c.exchange == "auto" else c.exchange)
 
     def catch_up(self, before: int | None = None, block: bool = False) -> None:
         """Apply the syncs this replica missed that have landed (before sync `before`, all of

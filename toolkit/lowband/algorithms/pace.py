@@ -38,7 +38,6 @@ from dataclasses import dataclass
 
 import torch
 
-from lowband.comm.wire import exchange_plan
 from lowband.options import ConfigError, Options, option
 from lowband.schedule import lr_at
 from lowband.units import parse_duration
@@ -105,8 +104,8 @@ def check_grace(cfg) -> None:
            (cfg.elastic, "no --elastic (torchft's quorum has its own timeout)"),
            (cfg.time_budget is not None, "no --time-budget (its checks meet every replica)"),
            (cfg.merge_weights != "tokens", "--merge-weights tokens (a late replica weighs 0)"),
-           (exchange_plan(cfg.codec, 1 << 20, cfg.replicas, 64, cfg.exchange)[0] == "two-phase",
-            "--exchange all-gather (the two-phase exchange runs a thread of its own)")]
+           (cfg.exchange == "two-phase", "--exchange all-gather or auto (the two-phase "
+            "exchange runs a thread of its own; auto takes the all-gather with --grace)")]
     for bad, need in why:
         if bad:
             raise ConfigError(f"--grace {cfg.grace} needs {need}.")
@@ -187,7 +186,8 @@ class Pace:
         self.steps_of = None  # every replica's n for the current period (decided at an apply)
         # measured: each replica's steps a period as a fraction (its rate) and what rounding
         # its counts to whole steps has left over (dithered)
-        self.rate, self.carry = [float(self.period)] * cfg.replicas, [0.0] * cfg.replicas
+        replicas = cfg.replicas if self.adaptive else 0
+        self.rate, self.carry = [float(self.period)] * replicas, [0.0] * replicas
         if self.speeds is not None:  # declared: the same from the first period on
             self.steps_of = self.steps_for([1 / x for x in self.speeds])
             self.n = self.steps_of[comm.topo.replica]
@@ -269,7 +269,7 @@ class Pace:
         if times is None:
             return
         got = times.wait()
-        if got and got[0].numel() == 2:  # --elastic: (replica, time) of the quorum's groups;
+        if len(got) and got[0].numel() == 2:  # --elastic: (replica, time) of the quorum's groups;
             per_replica = [-1.0] * self.comm.topo.replicas  # the others keep their counts
             for row in got:
                 per_replica[int(row[0])] = float(row[1])
@@ -376,6 +376,8 @@ class Paced:
         return self.pace.position(step) + 1
 
     def micro_batches(self) -> int:
+        if not getattr(self.config, "replica_accum", ""):
+            return super().micro_batches()
         return accums(self.config)[self.topo.replica]
 
     def quorum_progress(self, step: int) -> int:
