@@ -81,10 +81,11 @@ class Weighted:
     x - sent)."""
 
     def __init__(self, transfer, sent: torch.Tensor, total=None, n: int = 1,
-                 weight: float = 1.0, decoding=None):
+                 weight: float | None = None, decoding=None):
         self.transfer, self.sent, self.total, self.n = transfer, sent, total, n
         self.weight, self.decoding = weight, decoding
-        self.share = None  # this member's share of the summed weights, for the events
+        self.share = None  # this member's share of the summed weights, for the events (where
+        # its weight was given: a uniform elastic mean's events say 1/members, elastic.py)
 
     def done(self) -> bool:
         return self.transfer.done() and (self.total is None or self.total.done())
@@ -97,7 +98,8 @@ class Weighted:
             return result.mul_(self.n / total)
         if self.decoding is None:
             weights = float(result[-1])
-            self.share = self.weight / weights if weights else None
+            if self.weight is not None:
+                self.share = self.weight / weights if weights else None
             return result[:-1] / result[-1]
         numel, codec, block, size = (*self.decoding, 1)[:4]
         total, weights = torch.zeros(numel, device=self.sent.device), 0.0
@@ -107,7 +109,8 @@ class Weighted:
             if w:
                 total += decode(payload[:-size], numel, codec, block).mul_(w)
                 weights += w
-        self.share = self.weight / weights if weights else None
+        if self.weight is not None:
+            self.share = self.weight / weights if weights else None
         return total / weights if weights else torch.full_like(total, float("nan"))
 
 

@@ -322,20 +322,20 @@ class Membership:
         weight (--merge-weights tokens: its tokens, else 1), 0 for a group healed in this
         quorum (its x is a copy of its source's) unless `healed_counts` (ddp: it healed before
         computing x); wait() gives the mean. A failed exchange's error goes to the Manager,
-        never up: commit() then says False. torchft's exchange is an all-reduce or an
-        all-gather (`exchange` does not apply)."""
+        never up: commit() says False. `exchange` does not apply here."""
         from lowband.comm.exchanges import Weighted, encoded
 
         w = 0.0 if self.healed_now and not healed_counts else \
             (1.0 if weight is None else float(weight))
+        share = None if weight is None else w  # (tokens: its share goes in the sync events)
         if codec == "fp32":
             t = torch.cat([x * w, x.new_tensor([w])])
-            return Weighted(self.all_reduce(comm, t, tag), x, weight=w)
+            return Weighted(self.all_reduce(comm, t, tag), x, weight=share)
         payload, sent = encoded(x, codec, block)
         size, tail = (1, payload.new_tensor([int(w)])) if weight is None else \
             (4, torch.tensor([w], dtype=torch.float32).view(torch.uint8))  # 0/1, or tokens
         payload = torch.cat([payload, tail.to(payload.device)])
-        return Weighted(self.all_gather(comm, payload, tag, codec), sent, weight=w,
+        return Weighted(self.all_gather(comm, payload, tag, codec), sent, weight=share,
                         decoding=(x.numel(), codec, block, size))
 
     def all_reduce(self, comm, t: torch.Tensor, tag: str):
