@@ -132,18 +132,25 @@ def test_adaptive_local_steps_heal_a_killed_group_on_the_run_steps(tmp_path):
                       "--sync-every", 8, "--fragments", 2, "--elastic", "--kill", "1:10",
                       "--local-steps", "adaptive", "--straggler", "2:3", *HOLD)
     assert "replica group 1 was killed by SIGKILL" in proc.stderr
-    assert [e["replica"] for e in read_events(run, ("membership",)) if e["healed"]] == [1]
+    healed = [e for e in read_events(run, ("membership",)) if e["healed"]]
+    assert [e["replica"] for e in healed] == [1]
     records = groups(run)
     assert len({r["outer_sha256"] for r in records.values()}) == 1  # bitwise equal
     syncs = read_events(run, ("sync",))
-    for g in (0, 1, 2):  # every group took part in (or healed into) the run's syncs
-        assert {e["step"] for e in syncs if e["replica"] == g} == set(range(4, 41, 4)), g
+    # the survivors applied (or, where the kill broke an exchange, skipped alike) every sync
+    # of the run's schedule; the healed group every one from its heal on
+    skipped = {e["step"] for e in read_events(run, ("skip",)) if e["what"] == "commit"}
+    for g in (0, 2):
+        assert {e["step"] for e in syncs if e["replica"] == g} | skipped == \
+            set(range(4, 41, 4)), g
+    assert set(range(healed[0]["step"] + 4, 41, 4)) <= \
+        {e["step"] for e in syncs if e["replica"] == 1}
     summary = json.loads((run / "summary.json").read_text())
     fast, _, slow = summary["steps_run_per_replica"]  # (group 1's count both its lives)
     assert slow < fast * 0.8, summary["steps_run_per_replica"]
-    late = [e for e in syncs if e["step"] >= 24]  # by then the counts follow the speeds (a
-    # loaded machine's noise may even them out at a sync or two)
-    assert sum(e["steps_of"][2] < e["steps_of"][0] for e in late) >= len(late) * 2 / 3
+    late = [e for e in syncs if e["step"] >= 24]  # by then the counts follow the speeds (three
+    # groups on two cores: the noise moves the others' counts, and may even them out at a sync)
+    assert sum(e["steps_of"][2] < max(e["steps_of"]) for e in late) >= len(late) * 2 / 3
     weights = [e["weight"] for e in late if e["replica"] == 2]
     assert sum(weights) / len(weights) < 1 / 3, weights
 
