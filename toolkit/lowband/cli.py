@@ -48,7 +48,7 @@ def cmd_train(argv: list[str]) -> int:
                     stream.flush()
                 except (OSError, ValueError):
                     pass
-            if code == 0 and dist.is_initialized():
+            if code in (0, DIVERGED) and dist.is_initialized():  # (a finished run)
                 try:
                     dist.barrier()
                 except Exception:  # a peer vanished: this rank's work is done and written
@@ -65,6 +65,9 @@ def cmd_train(argv: list[str]) -> int:
                 print(f"run directory: {cfg.run_dir}\n{one_line(summary)}", file=sys.stderr,
                       flush=True)
                 print(run_report(cfg.run_dir), file=sys.stderr, flush=True)
+                if summary.get("diverged"):
+                    print(diverged(summary), file=sys.stderr, flush=True)
+                    leave(DIVERGED)
         except UserError as e:
             leave(refused(e))
         except KeyboardInterrupt:
@@ -95,7 +98,18 @@ def launch_local(cfg: Config, argv: list[str], resume: bool = False) -> int:
     if line:
         print(line)
     print(run_report(run.root))
+    if summary.get("diverged"):
+        print(diverged(summary), file=sys.stderr)
+        return DIVERGED
     return 0
+
+
+DIVERGED = 4  # the exit status of a run that finished with a diverged loss (summary.json)
+
+
+def diverged(summary: dict) -> str:
+    return (f"lowband: {summary['diverged']}; its model.pt is not a result to use (exit status "
+            f"{DIVERGED}; see docs/faults.md).")
 
 
 COMMANDS = {"train": cmd_train}

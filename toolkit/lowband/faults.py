@@ -21,9 +21,16 @@
                              --local-steps adaptive measures a replica's speed from its steps'
                              compute_s, so a stall does not make it look slower.) A resumed run
                              that takes STEP again pauses again
---corrupt REPLICA:STEP[:SCALE]  after inner step STEP, Gaussian noise of SCALE (default 1) x each
-                             tensor's RMS is added to REPLICA's parameters: a bad update that
-                             gradient clipping cannot undo, so the loss spikes
+--corrupt REPLICA:STEP[-LAST][:HOW]  REPLICA goes bad at inner step STEP (each step STEP..LAST):
+                             HOW is SCALE or noise:SCALE (default 1): after the step, Gaussian
+                             noise of SCALE x each tensor's RMS is added to its parameters, a bad
+                             update that gradient clipping cannot undo, so the loss spikes (a
+                             flipped bit, a failing card); or what it sends at the first sync
+                             that starts after STEP (each sync that starts after a step in
+                             STEP..LAST) is corrupted (once: a marker in RUN/logs/, as --kill's), as a faulty or hostile member's would be:
+                             flip (its pseudo-gradient negated), scale:X (times X, e.g. -10),
+                             nan (NaN in it). diloco and streaming send pseudo-gradients; the
+                             sent kinds are refused for the others. A `fault` event says when
 --crash-checkpoint STEP      every rank dies between writing the checkpoint of STEP and making
                              it current (checkpoint.py), as a crash mid-write would
 --kill REPLICA:STEP[,...]    after inner step STEP every rank of REPLICA kills itself (SIGKILL),
@@ -37,6 +44,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import random
 import signal
@@ -76,15 +84,54 @@ def parse_straggler(text: str, replicas: int) -> dict[int, float]:
     return out
 
 
-def parse_corrupt(text: str, replicas: int, steps: int) -> tuple[int, int, float] | None:
+SENT_CORRUPTIONS = ("flip", "scale", "nan")  # --corrupt kinds of what a replica sends
+
+
+@dataclass(frozen=True)
+class Corruption:
+    """One --corrupt: `replica` is bad at steps first..last; `how` noise (its parameters, value
+    the noise's scale) or one of SENT_CORRUPTIONS (what it sends; value scale's factor)."""
+    replica: int
+    first: int
+    last: int
+    how: str
+    value: float
+
+    @property
+    def sent(self) -> bool:
+        return self.how in SENT_CORRUPTIONS
+
+
+def parse_corrupt(text: str, replicas: int, steps: int) -> Corruption | None:
+    """--corrupt REPLICA:STEP[-LAST][:HOW] (module doc)."""
     if not text:
         return None
-    values = _parse(text, "--corrupt", "REPLICA:STEP[:SCALE], e.g. 1:50:2", (int, int, float), 2)
-    replica, step, scale = (*values, 1.0)[:3]
-    if not 0 <= replica < replicas or not 1 <= step <= steps or not scale > 0:
-        raise ConfigError(f"--corrupt {text}: the replica must be in 0..{replicas - 1}, the step "
-                          f"in 1..{steps} and the scale positive.")
-    return replica, step, scale
+    form = ("REPLICA:STEP[-LAST][:HOW], HOW a noise scale, noise:SCALE, flip, scale:X or nan, "
+            "e.g. 1:50:2 or 1:40-80:scale:-10")
+    parts = text.split(":")
+    try:
+        replica = int(parts[0])
+        first, _, last = parts[1].partition("-")
+        first, last = int(first), int(last or first)
+        how, value = "noise", 1.0
+        rest = parts[2:]
+        if len(rest) == 1 and rest[0] in ("flip", "nan"):
+            how, value = rest[0], -1.0 if rest[0] == "flip" else math.nan
+        elif len(rest) == 2 and rest[0] in ("noise", "scale"):
+            how, value = rest[0], float(rest[1])
+        elif len(rest) == 1:
+            value = float(rest[0])
+        elif rest:
+            raise ValueError
+    except (ValueError, IndexError):
+        raise ConfigError(f"cannot read --corrupt '{text}': write it as {form}.") from None
+    if not 0 <= replica < replicas or not 1 <= first <= last <= steps:
+        raise ConfigError(f"--corrupt {text}: the replica must be in 0..{replicas - 1} and the "
+                          f"step in 1..{steps} (a range's last not before its first).")
+    if how == "noise" and not value > 0 or how == "scale" and not math.isfinite(value):
+        raise ConfigError(f"--corrupt {text}: the {'noise' if how == 'noise' else 'factor'} "
+                          f"must be {'positive' if how == 'noise' else 'a finite number'}.")
+    return Corruption(replica, first, last, how, value)
 
 
 @dataclass(frozen=True)
@@ -186,8 +233,10 @@ class FaultOptions(Options):
                            "times (from --seed) on average GAP apart (default 3 x SECONDS)")
     pause: str = option("", "REPLICA:STEP:SECONDS[,...]: every rank of that replica stalls "
                         "SECONDS after STEP (time lost, not compute)")
-    corrupt: str = option("", "REPLICA:STEP[:SCALE]: noise of SCALE x RMS added to that replica's "
-                          "parameters after STEP")
+    corrupt: str = option("", "REPLICA:STEP[-LAST][:HOW]: that replica goes bad after STEP (or "
+                          "each of STEP..LAST): noise of SCALE x RMS added to its parameters "
+                          "(HOW: SCALE or noise:SCALE), or what it sends at the next sync "
+                          "corrupted (flip, scale:X, nan)")
     crash_checkpoint: int = option(0, "die between writing and renaming the checkpoint of this "
                                    "step (to test that the previous one survives)")
     kill: str = option("", "REPLICA:STEP[,REPLICA:STEP...]: every rank of that replica is killed "
@@ -201,7 +250,10 @@ class FaultOptions(Options):
         parse_straggler(cfg.straggler, cfg.replicas)
         parse_slowdown(cfg.slowdown, cfg.replicas)
         parse_pause(cfg.pause, cfg.replicas, cfg.steps)
-        parse_corrupt(cfg.corrupt, cfg.replicas, cfg.steps)
+        corrupt = parse_corrupt(cfg.corrupt, cfg.replicas, cfg.steps)
+        if corrupt is not None and corrupt.sent and cfg.algo not in ("diloco", "streaming"):
+            raise ConfigError(f"--corrupt {cfg.corrupt}: only diloco and streaming send "
+                              f"pseudo-gradients to corrupt; use noise with --algo {cfg.algo}.")
         parse_kill(cfg.kill, cfg.replicas, cfg.steps, cfg.elastic)
 
 
@@ -217,6 +269,9 @@ class Faults:
         self.pauses = [(step, seconds) for who, step, seconds
                        in parse_pause(cfg.pause, cfg.replicas, cfg.steps) if who == replica]
         self.corrupt = parse_corrupt(cfg.corrupt, cfg.replicas, cfg.steps)
+        self.sent_once = False  # a one-step corruption of what is sent: done (in this process)
+        self.logs: Path | None = None  # RUN/logs, where the trainer has one: a marker says so for
+        # a resumed run too
         self.crash_checkpoint = cfg.crash_checkpoint
         kills = parse_kill(cfg.kill, cfg.replicas, cfg.steps, cfg.elastic)
         self.kill = [k for k in kills if k[0] == replica]
@@ -286,9 +341,37 @@ class Faults:
         return factor
 
     @torch.no_grad()
+    def corrupt_sent(self, step: int, x: torch.Tensor, events) -> bool:
+        """Corrupt `x`, what this replica sends at a sync that starts after inner step `step`,
+        if --corrupt says so (in place; a `fault` event)."""
+        c = self.corrupt
+        if c is None or not c.sent or c.replica != self.replica or step < c.first:
+            return False
+        if c.first == c.last:
+            marker = None if self.logs is None else \
+                self.logs / f"corrupted-replica{c.replica}-step{c.first}-rank{self.rank}"
+            if self.sent_once or marker is not None and marker.exists():
+                return False
+            self.sent_once = True
+            if marker is not None:
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
+        elif step > c.last:
+            return False
+        if c.how == "nan":
+            x.view(-1)[0] = math.nan
+        else:
+            x.mul_(c.value)
+        if events is not None:
+            events.emit("fault", step=step, what="corrupt", how=c.how, scale=c.value)
+        return True
+
+    @torch.no_grad()
     def after_step(self, step: int, model: torch.nn.Module) -> bool:
         """Corrupt this replica's parameters after inner step `step` (1-based) if asked."""
-        if not self.corrupt or self.corrupt[:2] != (self.replica, step):
+        c = self.corrupt
+        if c is None or c.how != "noise" or c.replica != self.replica or \
+                not c.first <= step <= c.last:
             return False
         from torch.distributed.tensor import DTensor, distribute_tensor  # (slow to import)
 
@@ -297,5 +380,5 @@ class Faults:
             noise = torch.randn(p.shape, generator=g).to(p.device, p.dtype)
             if isinstance(p, DTensor):  # sharded (edit, aedit): this rank's piece of the same noise
                 noise = distribute_tensor(noise, p.device_mesh, p.placements, src_data_rank=None)
-            p.add_(noise * self.corrupt[2] * p.float().pow(2).mean().sqrt().to(p.dtype))
+            p.add_(noise * c.value * p.float().pow(2).mean().sqrt().to(p.dtype))
         return True

@@ -78,6 +78,7 @@ class Session:
         self.progress = Progress()
         self.comm = self.algo = self.optimizer = self.ledger = self.clock = None
         self.model = None
+        self.vocab = None  # the tokens' vocabulary where known (summary.py: diverged)
 
     # -- before the loop ---------------------------------------------------------------------
 
@@ -94,6 +95,7 @@ class Session:
         if broadcast:
             _broadcast_init(model, comm)
         self.algo = algo = ALGORITHMS[cfg.algo]()
+        algo.faults = self.faults
         self.optimizer = algo.setup(model, blocks, make_optimizer, topo, comm, cfg)
         comm.membership.register(algo)  # what a live group hands a joining one (base.heal_state)
         if self.user_state:  # the user's objects go with it
@@ -249,6 +251,11 @@ class Session:
                 "outer_wire": totals.wire_bytes["outer"], "inner_wire": totals.wire_bytes["inner"],
                 "peak_outer": totals.peak_outer_payload, "setup_wire": totals.setup_wire_bytes,
                 "outer_sha256": _digest(outer)}
+        if self.vocab:
+            mine["vocab"] = self.vocab
+        guard = getattr(self.algo, "guard", None)
+        if guard is not None and guard.on:  # the updates it left out (summary.json's left_out)
+            mine["guard"] = guard.records
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         weights = _full_weights(self.model, dist.get_rank())

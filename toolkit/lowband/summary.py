@@ -63,7 +63,49 @@ def summarize(cfg, ranks: list[dict]) -> dict:
         len({r["outer_sha256"] for r in ranks}) == 1,
         **({"target": target(ranks[0].get("evals", []), cfg.target_loss)}
            if cfg.target_loss else {}),
+        **guarded(ranks),
     }
+
+
+def guarded(ranks: list[dict]) -> dict:
+    """summary.json's `left_out` (every update the guard left out, or merge it bounded: each
+    once, in step order; algorithms/guard.py), `left_out_updates` (their count), and
+    `diverged` (a sentence) where the validation loss ended non-finite, above 1.5x the loss of a
+    uniform guess over the vocabulary (where known: an untrained model starts near it), or above
+    twice its best."""
+    seen = {}
+    for r in ranks:
+        for rec in r.get("guard") or []:
+            seen.setdefault((rec["step"], rec["fragment"], rec.get("left_out"), rec["why"]), rec)
+    out = {}
+    if any("guard" in r for r in ranks):
+        out["left_out"] = [seen[k] for k in sorted(seen, key=lambda k: (k[0], k[1], str(k[2])))]
+        out["left_out_updates"] = sum(1 for k in seen if k[2] is not None)
+    evals = [e[1] for e in ranks[0].get("evals", [])]
+    final = ranks[0].get("val_loss")
+    if final is None:
+        return out
+    best = min((v for v in evals if math.isfinite(v)), default=math.inf)
+    uniform = math.log(ranks[0]["vocab"]) if ranks[0].get("vocab") else math.inf
+    head = f"the run diverged: its validation loss ended at {final:.4g}"
+    if not math.isfinite(final):
+        out["diverged"] = head
+    elif final > 1.5 * uniform:
+        out["diverged"] = f"{head}, above 1.5x a uniform guess's ({uniform:.4g})"
+    elif final > 2 * best:
+        out["diverged"] = f"{head}, above twice its best ({best:.4g})"
+    return out
+
+
+def guard_text(s: dict) -> str:
+    """The guard's words for the terminal line and the report: "1 update left out (replica 1's
+    update at step 40 was left out: its norm was 35x its usual)"; "" with none."""
+    recs = s.get("left_out") or []
+    if not recs:
+        return ""
+    n = s.get("left_out_updates", 0)
+    first = recs[0]["text"] + (f"; {len(recs) - 1} more in summary.json" if len(recs) > 1 else "")
+    return f"{_count(n, 'update', 'updates')} left out ({first})"
 
 
 def target(evals: list, loss: float) -> dict:
@@ -181,7 +223,8 @@ def one_line(s: dict) -> str:
                "steps, " if "micro_batches_per_step" in s else "") +
             f"outer link {fmt_si(s.get('outer_wire_bytes', 0), 'B')}, "
             f"compute utilization {100 * s.get('compute_utilization', 0):.0f}%"
-            + target_text(s.get("target")) + (f"; {faults}" if (faults := fault_text(s)) else ""))
+            + target_text(s.get("target")) + (f"; {faults}" if (faults := fault_text(s)) else "")
+            + (f"; {guard}" if (guard := guard_text(s)) else ""))
 
 
 def fault_text(s: dict) -> str:

@@ -81,6 +81,7 @@ def train(cfg: Config, model: nn.Module | None = None, blocks: nn.ModuleList | N
     if model is None:  # before the run directory is touched: bad input loses nothing
         check_vocab(cfg, vocab_needed(tokens))
     session = Session(cfg, topo, resume, faults=Faults(cfg, topo.replica, cfg.seed, topo.rank))
+    session.faults.logs = session.run.root / "logs"  # (--corrupt's and --kill's markers)
     try:
         return _train(session, tokens, model, blocks)
     finally:
@@ -97,6 +98,7 @@ def _train(session: Session, tokens, model, blocks):
     user_model = model is not None
     if not user_model:  # built from the seed (or read from files): the same on every rank
         model = build_model(cfg, vocab_needed(tokens))
+    session.vocab = vocab_needed(tokens)  # (summary.json: a loss above a uniform guess diverged)
     model = for_training(model).to(device)
     blocks = blocks if blocks is not None else blocks_of(model)
     if cfg.compile:
@@ -132,7 +134,8 @@ def _train(session: Session, tokens, model, blocks):
                                   "data, or resume from the last checkpoint.")
         faults.maybe_die(step + 1, run.root)
         if faults.after_step(step + 1, model):
-            session.events.emit("fault", step=step + 1, what="corrupt", scale=faults.corrupt[2])
+            session.events.emit("fault", step=step + 1, what="corrupt", how="noise",
+                                scale=faults.corrupt.value)
         stalled = faults.slow_down(step + 1, time.perf_counter() - t0 - comm.wait_s,
                                    clock.seconds(), session.events)  # a stall is no step time
         elapsed = session.stepped(loss, micro_batches * cfg.batch_size * cfg.seq_len,

@@ -82,6 +82,9 @@ class Algorithm:
     # train_step(step, batches, lr) -> (loss, micro-batches used); the trainer then calls it
     # in place of train.standard_step.
     owns_step = False
+    # `lowband train`'s injected faults (faults.py: --corrupt of what a replica sends); None in
+    # a user's loop
+    faults = None
     skips = 0  # consecutive updates skipped for NaN or inf; the trainer stops past --max-skips
     # --elastic: the inner step this replica group was healed to (a live peer's) at a quorum;
     # the trainer continues from there and clears it

@@ -28,42 +28,25 @@ codec, e keeps e - sent, and the outer step is plain SGD, theta_outer_p -= lr me
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from lowband.algorithms.base import AT_STEP_EDGES, Algorithm, PERIODIC
 from lowband.algorithms.ddp import DDP
-from lowband.algorithms.outer import (OuterOptions, Staging, kept_at, nesterov_step, outer_home,
+from lowband.algorithms.outer import (OuterOptions, Staging, nesterov_step, outer_home,
                                       settle, sgd_step)
 from lowband.algorithms.exchange import ExchangeOptions, exchange_block
+from lowband.algorithms.fragments import Fragment, Fragmented
 from lowband.algorithms.grace import Graced
+from lowband.algorithms.guard import Guard, GuardOptions, Guarding, Verdict
 from lowband.algorithms.pace import Pace, Paced, PaceOptions
 from lowband.comm.membership.elastic import lineage_tiebreak
 from lowband.comm.exchanges import Landed
 from lowband.comm.sends import Schedule, average
 from lowband.options import ConfigError, Options, option
-from lowband.params import flatten, split_fragments, write_flat
-
-
-class Fragment:
-    def __init__(self, index: int, params: list, shard: int, shards: int, device):
-        self.index, self.params = index, params
-        self.numel = sum(p.numel() for p in params)
-        self.chunk = math.ceil(self.numel / shards)
-        self.lo = min(shard * self.chunk, self.numel)
-        self.hi = min(self.lo + self.chunk, self.numel)
-        self.outer = kept_at(self.local_slice(), device)  # theta_outer, this rank's slice
-        self.momentum = kept_at(torch.zeros_like(self.outer, device=params[0].device), device)
-        self.residual = None  # error feedback: what quantization left out of the last send
-        self.pending = None  # (apply after step, start step, Average in flight)
-        self.tokens = 0  # this replica's tokens since the fragment's last sync (--merge-weights)
-
-    def local_slice(self) -> torch.Tensor:
-        return flatten(self.params)[self.lo: self.hi]
+from lowband.params import split_fragments, write_flat
 
 
 @dataclass
@@ -96,12 +79,12 @@ class StreamingOptions(Options):
             raise ConfigError(f"--alpha must lie in [0, 1], got {cfg.alpha}.")
 
 
-class Streaming(Graced, Paced, Algorithm):
+class Streaming(Guarding, Graced, Paced, Fragmented, Algorithm):
     name = "streaming"
     user_loop = AT_STEP_EDGES  # (diloco and a registered subclass inherit it)
     kind = PERIODIC
     elastic = True
-    options = (OuterOptions, ExchangeOptions, StreamingOptions, PaceOptions)
+    options = (OuterOptions, ExchangeOptions, StreamingOptions, PaceOptions, GuardOptions)
     # 4 fragments, fewer for a smaller model (--model nano's 2 blocks): a model flag alone is
     # not refused for a fragment count it did not give
     defaults = {"fragments": lambda cfg: min(4, cfg.n_blocks()), "overlap": 1, "alpha": 0.5,
@@ -149,6 +132,7 @@ class Streaming(Graced, Paced, Algorithm):
         # with the state on the model's device.
         self.staging = Staging(device, topology.device)
         self.set_up_grace()  # --grace: the stand-in (algorithms/grace.py)
+        self.guard = Guard(c, comm, topology)  # --guard: every replica's update judged
         return optimizer
 
     def before_backward(self, step, micro, last):
@@ -189,8 +173,10 @@ class Streaming(Graced, Paced, Algorithm):
     def after_step(self, step):
         s = step + 1
         c = self.config
+        lr = self.lr(step) if self.guard.on else 0.0  # (what the guard judges norms by)
         for f in self.fragments:
             f.tokens += self.micro_batches() * c.batch_size * c.seq_len
+            f.lr_sum += lr
         if self.grace is not None:  # the syncs this replica missed, as they land
             self.catch_up()
         for f in self.fragments:
@@ -238,18 +224,26 @@ class Streaming(Graced, Paced, Algorithm):
         if f.residual is not None:  # sparseloco: e <- beta e + delta, beta the outer momentum
             delta.add_(f.residual, alpha=c.outer_momentum if c.outer_rule == "sparseloco" else 1.0)
         weight = f.tokens if c.merge_weights == "tokens" else None
-        f.tokens = 0
+        lr_sum, f.tokens, f.lr_sum = f.lr_sum, 0, 0.0
+        if self.faults is not None:  # --corrupt: what this replica sends, corrupted
+            self.faults.corrupt_sent(s, delta, self.comm.events)
         if self.grace is not None:  # its stand-in sends it, with the step time (pace.start)
             avg = self.grace.hand_in(self.pace.started, delta, weight, self._times)
             self._times = avg.times
         else:
-            avg = self.comm.average(delta, "outer", c.codec, exchange_block(c),
-                                    tag=f"frag{f.index}", exchange=c.exchange, weight=weight)
+            avg = self._average(f, delta, weight)
+            avg = self.guard.wrap(avg, delta, weight, lr_sum, f.index, f"frag{f.index}",
+                                  lambda x, w: self._average(f, x, w, "-again"))
         if c.error_feedback and c.codec != "fp32" and not self.comm.membership.healed_now:
             f.residual = delta - avg.sent
         f.pending = (s + c.overlap, s, avg)
         if c.overlap == 0:
             self._apply(f)
+
+    def _average(self, f: Fragment, x: torch.Tensor, weight, again: str = ""):
+        c = self.config
+        return self.comm.average(x, "outer", c.codec, exchange_block(c),
+                                 tag=f"frag{f.index}{again}", exchange=c.exchange, weight=weight)
 
     @torch.no_grad()
     def _apply(self, f: Fragment) -> None:
@@ -259,22 +253,36 @@ class Streaming(Graced, Paced, Algorithm):
         if self.grace is not None:  # the syncs missed before it first, in order
             self.catch_up(before=getattr(avg, "k", 0), block=True)
         delta = avg.wait().to(self.topo.device)
+        if not isinstance(avg, Landed):
+            self._judged(f, avg)
+        verdict = getattr(avg, "verdict", None)
         self.pace.decide(self._times, applied)  # adaptive: this period's steps, every replica's
         self._times = None
         if not self._vote(avg):
             # the vote failed: the outer state stays as it was
             self._uncommitted(f, self.pace.sync_step(started))
             return
+        at = self.pace.sync_step(started)  # (adaptive: the run's step, not this replica's)
+        self.recorded(verdict, at, f.index)
+        if verdict is not None and verdict.everyone:  # every replica left out
+            self._skip(f, at, "guard")
+            return
         norm = self._norm(delta)
         if not math.isfinite(norm):  # some replica's pseudo-gradient held NaN or inf
-            self._skip(f, self.pace.sync_step(started))
+            self._skip(f, at)
             return
         self.skips = 0
         outer = self.outer_step(f, delta)
-        merged = c.alpha * f.local_slice() + (1 - c.alpha) * outer
+        left = verdict is not None and self.topo.replica in verdict.left_out
+        merged = outer if left else c.alpha * f.local_slice() + (1 - c.alpha) * outer
         write_flat(f.params, self._gather(f, merged))
-        at = self.pace.sync_step(started)  # (adaptive: the run's step, not this replica's)
+        if left:  # this replica restarts from the outer state (algorithms/guard.py)
+            self._restart(f)
         met = self.met(avg, applied, at) if self.grace is not None else {}
+        if verdict is not None:  # each replica's norm over its learning rates, who was left out
+            met["guard_norms"] = [round(n, 6) for n in verdict.norms]
+            if verdict.left_out:
+                met["left_out"] = sorted(verdict.left_out)
         if self.comm.events is not None:
             quorum = self.comm.membership.sync_fields(outer)  # elastic: quorum, outer digest
             if quorum:
@@ -282,7 +290,7 @@ class Streaming(Graced, Paced, Algorithm):
             self.comm.events.emit("sync", step=at, fragment=f.index,
                                   applied_step=at + c.overlap,
                                   pseudo_grad_norm=norm, weight=self._weight(avg),
-                                  anomaly=False, outer_lr=c.outer_lr, **quorum,
+                                  anomaly=left, outer_lr=c.outer_lr, **quorum,
                                   **self.pace.fields(), **met)
 
     def outer_step(self, f: Fragment, delta: torch.Tensor) -> torch.Tensor:
@@ -317,15 +325,18 @@ class Streaming(Graced, Paced, Algorithm):
         if self.comm.events is not None:
             self.comm.events.emit("skip", step=started, what="commit", fragment=f.index)
 
-    def _skip(self, f: Fragment, started: int) -> None:
-        """Every replica sees the same non-finite average, so all skip this outer update alike:
-        the outer parameters and momentum stay, and every replica's fragment restarts from them."""
+    def _skip(self, f: Fragment, started: int, what: str = "pseudo-gradient") -> None:
+        """Every replica sees the same non-finite average (or the guard left every replica out,
+        `what` guard), so all skip this outer update alike: the outer parameters and momentum
+        stay, and every replica's fragment restarts from them."""
         self.skips += 1
         f.residual = None
         write_flat(f.params, self._gather(f, self.staging.get(f.outer)))
         self.staging.drop(f.outer, f.momentum)
+        if what == "guard":
+            self._restart(f)
         if self.comm.events is not None:
-            self.comm.events.emit("skip", step=started, what="pseudo-gradient", fragment=f.index)
+            self.comm.events.emit("skip", step=started, what=what, fragment=f.index)
 
     def state_dict(self) -> dict:
         """This rank's outer state; an exchange in flight is waited for and kept as landed
@@ -336,25 +347,30 @@ class Streaming(Graced, Paced, Algorithm):
             if f.pending is not None and not isinstance(f.pending[2], Landed):
                 apply_at, started, avg = f.pending
                 value = avg.wait()
+                self._judged(f, avg)
                 f.pending = (apply_at, started, Landed(value, self._vote(avg),
                                                        getattr(avg, "share", None),
-                                                       getattr(avg, "absent", None)))
+                                                       getattr(avg, "absent", None),
+                                                       getattr(avg, "verdict", None)))
         frags = [{"outer": f.outer, "momentum": f.momentum, "residual": f.residual,
-                  "pending": self._landed(f), "tokens": f.tokens} for f in self.fragments]
+                  "pending": self._landed(f), "tokens": f.tokens, "lr_sum": f.lr_sum}
+                 for f in self.fragments]
         healing = self.comm.membership.heal_fields({"lineage": list(self.lineage)})
         pace = {}
         if self.pace.adaptive:  # the times sent with the sync in flight, landed too
             times = None if self._times is None else [t.tolist() for t in self._times.wait()]
             self._times = None if times is None else Landed(torch.tensor(times))
             pace = {"pace": {**self.pace.state_dict(), "times": times}}
-        return {"fragments": frags, "skips": self.skips, **healing, **pace}
+        return {"fragments": frags, "skips": self.skips, "guard": self.guard.state_dict(),
+                **healing, **pace}
 
     @staticmethod
     def _landed(f: Fragment) -> list | None:
         if f.pending is None:
             return None
         apply_at, started, landed = f.pending
-        return [apply_at, started, landed.value, landed.committed, landed.share]
+        verdict = None if landed.verdict is None else landed.verdict.state()
+        return [apply_at, started, landed.value, landed.committed, landed.share, verdict]
 
     def load_state_dict(self, state: dict) -> None:
         self.staging.settle()
@@ -365,29 +381,17 @@ class Streaming(Graced, Paced, Algorithm):
             f.momentum.copy_(st["momentum"])
             f.residual = st["residual"]
             f.tokens = st.get("tokens", 0)
+            f.lr_sum = st.get("lr_sum", 0.0)
             p = st["pending"]
-            f.pending = None if p is None else (p[0], p[1], Landed(p[2], *(p + [None, None])[3:5]))
+            f.pending = None if p is None else (p[0], p[1], Landed(
+                p[2], *(p + [None, None])[3:5], verdict=Verdict.from_state((p + [None])[5])))
         self.skips = state["skips"]
+        self.guard.load_state_dict(state.get("guard"))
         self.lineage = list(state.get("lineage", [""] * len(self.fragments)))
         if "pace" in state:
             self.pace.load_state_dict(state["pace"])
             times = state["pace"]["times"]
             self._times = None if times is None else Landed(torch.tensor(times))
-
-    def _gather(self, f: Fragment, piece: torch.Tensor) -> torch.Tensor:
-        """The whole fragment from every shard's slice (over the fast inner link)."""
-        if self.topo.shards == 1:
-            return piece
-        padded = F.pad(piece, (0, f.chunk - piece.numel()))
-        parts = self.comm.all_gather(padded, "inner", tag=f"frag{f.index}").wait()
-        return torch.cat(parts)[: f.numel]
-
-    def _norm(self, delta: torch.Tensor) -> float:
-        """Norm of the averaged pseudo-gradient over the whole fragment (all slices)."""
-        sq = delta.double().pow(2).sum().reshape(1)
-        if self.topo.shards > 1:
-            sq = torch.cat(self.comm.all_gather(sq.to(self.topo.device), "inner", tag="norm").wait())
-        return float(sq.sum().sqrt())
 
     def finish(self):
         """Land the exchanges still in flight, in the order they started."""
@@ -397,35 +401,6 @@ class Streaming(Graced, Paced, Algorithm):
             for met in self.grace.close(self.pace.total if self.pace.over() else
                                         self.pace.started):
                 self._rebase(met)
-
-    def outer_params(self) -> dict[str, torch.Tensor]:
-        """The full outer parameters by name (gathered over the inner group when sharded)."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        out = {}
-        for f in self.fragments:
-            full = self._gather(f, self.staging.get(f.outer, keep=False))
-            offset = 0
-            for p in f.params:
-                out[names[id(p)]] = full[offset: offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
-        return out
-
-    @contextlib.contextmanager
-    def eval_weights(self, which: str):
-        if which != "outer":
-            yield
-            return
-        saved = [flatten(f.params) for f in self.fragments]
-        outer = self.outer_params()
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                p.copy_(outer[name])
-        try:
-            yield
-        finally:
-            for f, flat in zip(self.fragments, saved):
-                write_flat(f.params, flat)
-
 
 class DiLoCo(Streaming):
     name = "diloco"

@@ -119,12 +119,14 @@ class Landed:
     `committed` is the membership's commit vote taken on it then (None: not yet taken, as in a
     plain run's checkpoint from before every run had a membership); `share` this replica's
     weight in it (--merge-weights tokens; None: 1/R); `absent` the replicas that sent nothing
-    (--grace; not kept in a checkpoint)."""
+    (--grace; not kept in a checkpoint); `verdict` the guard's (algorithms/guard.py: who was left
+    out of it; None without the guard)."""
 
     def __init__(self, value: torch.Tensor, committed: bool | None = None,
-                 share: float | None = None, absent: list | None = None):
+                 share: float | None = None, absent: list | None = None, verdict=None):
         self.value, self.committed, self.share = value, committed, share
         self.absent = absent or []
+        self.verdict = verdict
 
     def done(self) -> bool:
         return True

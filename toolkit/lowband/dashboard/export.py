@@ -29,7 +29,7 @@ import os
 from pathlib import Path
 
 from lowband.options import UserError, needs_extra
-from lowband.summary import comparison, fault_text
+from lowband.summary import comparison, fault_text, guard_text
 
 from .bandwidth_figure import bandwidth_spec
 from .comparison import compare_section
@@ -128,7 +128,7 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
     parts += [_headline_section(models)] if any(_headline(m) for m in models) else []
     parts += [
         f'<section id="summary"><h2>Summary</h2><div class="scroll">{summary_table(records)}'
-        f"</div></section>", _replicas_section(models),
+        f"</div>{_guard_notes(models)}</section>", _replicas_section(models),
         f'<section id="loss-section"><h2>Loss</h2><p class="meta">Mean over each replica\'s '
         f"ranks; validation loss, loss spikes (EWMA z-score, z &gt; {models[0].spike_params[0]:g};"
         f" the grey band is {html.escape(warmup_text(models[0].spike_params[2]))})"
@@ -225,6 +225,25 @@ def _replicas_section(models: list[RunModel]) -> str:
             "replica faster than the others waits for them at each sync; with --local-steps "
             "adaptive it runs more steps instead.</p>"
             f'<div class="scroll">{table}</div></section>')
+
+
+def _guard_notes(models: list[RunModel]) -> str:
+    """What the guard on the outer step left out (summary.json's `left_out`, the terminal's
+    words first) and a diverged run's sentence, each run's; "" where there is nothing to say."""
+    notes = []
+    for m in models:
+        s = m.summary or {}
+        who = f"{html.escape(m.name)}: " if len(models) > 1 else ""
+        if s.get("diverged"):
+            notes.append(f'<p class="meta" data-key="diverged">{who}'
+                         f"{html.escape(s['diverged'])}</p>")
+        texts = [r["text"] for r in s.get("left_out") or []]
+        if texts:
+            items = "".join(f"<li>{html.escape(t)}</li>" for t in texts[:50])
+            more = f"<li>and {len(texts) - 50} more</li>" if len(texts) > 50 else ""
+            notes.append(f'<p class="meta" data-key="left_out">{who}{html.escape(guard_text(s))}'
+                         f"</p><ul>{items}{more}</ul>")
+    return "".join(notes)
 
 
 def _membership_section(models: list[RunModel]) -> str:

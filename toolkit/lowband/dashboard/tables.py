@@ -32,7 +32,8 @@ LABELS = {
     "peak_outer_bytes_per_s": "outer peak bandwidth",
     "mean_outer_bytes_per_s": "outer mean bandwidth (busiest link)",
     "link_capacity_bytes_per_s": "outer link capacity", "anomalies": "anomalous syncs",
-    "spikes": "loss spikes", "loss": "loss", "val_loss": "val loss", "final_loss": "final loss",
+    "spikes": "loss spikes", "left_out_updates": "updates left out (guard)",
+    "diverged": "diverged", "loss": "loss", "val_loss": "val loss", "final_loss": "final loss",
     "final_val_loss": "final validation loss", "run_dir": "run directory",
     # summary.json's `elastic` (--elastic runs)
     "elastic.groups_finished": "replica groups finished",
@@ -67,8 +68,8 @@ SUMMARY_ROWS = _labelled(
     "status", "algorithm", "replicas", "shards", "steps", "tokens", "wall_s", "tokens_per_s",
     "compute_utilization", "outer_wire_bytes", "ddp_outer_wire_bytes", "inner_wire_bytes",
     "peak_outer_payload_bytes", "bytes_per_token", "peak_outer_bytes_per_s",
-    "mean_outer_bytes_per_s", "link_capacity_bytes_per_s", "anomalies", "spikes", "final_loss",
-    "final_val_loss")
+    "mean_outer_bytes_per_s", "link_capacity_bytes_per_s", "anomalies", "left_out_updates",
+    "spikes", "final_loss", "final_val_loss")
 # summary.json's `elastic` (--elastic runs), shown as rows of their own when a run has it
 ELASTIC_ROWS = _labelled("elastic.groups_finished", "elastic.restarts", "elastic.participation")
 # summary.json's `target` (--target-loss), rows of their own when a run has it; older runs
@@ -133,6 +134,8 @@ def run_record(m: RunModel) -> dict:
             rec[key] = v
     if not m.finished:
         rec["status"] = f"{stats['status']} (no summary.json yet: live estimates)"
+    elif summary.get("diverged"):
+        rec["status"] = "diverged"
     return rec
 
 
@@ -162,7 +165,7 @@ def summary_table(records: list[dict]) -> str:
     head = "".join(f"<th>{html.escape(n)}</th>" for n in names)
     keys = [k for k, _ in SUMMARY_ROWS]
     extra = sorted({k for r in records for k in r} - set(keys)
-                   - {"name", "loss", "val_loss", "step", "spike_warmup", *NESTED})
+                   - {"name", "loss", "val_loss", "step", "spike_warmup", "left_out", *NESTED})
     nested = [row for name, (rows, _) in NESTED.items()
               if any(isinstance(r.get(name), dict) for r in records) for row in rows]
     rows = []
