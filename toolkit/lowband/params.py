@@ -3,6 +3,7 @@ and the split of a model into fragments of blocks."""
 
 from __future__ import annotations
 
+import hashlib
 import sys
 
 import torch
@@ -86,3 +87,15 @@ def split_fragments(model: nn.Module, blocks: nn.ModuleList, fragments: int,
         else:
             out[owner[-1] if seen_block else owner[0]].append(p)
     return out
+
+
+def digest(tensors: dict | None) -> str | None:
+    """sha256 of a state's tensors' bytes, in key order: equal states, equal digests."""
+    if tensors is None:
+        return None
+    h = hashlib.sha256()
+    for key in sorted(tensors):
+        h.update(key.encode())
+        h.update(tensors[key].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+                 .tobytes())
+    return h.hexdigest()

@@ -23,7 +23,6 @@ the algorithm's state: the progress, the byte totals, the RNG, the user's own ob
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +40,7 @@ from lowband.comm.membership.elastic import membership
 from lowband.config import Config
 from lowband.ledger import Ledger
 from lowband.models import num_params
-from lowband.params import flatten, is_dtensor, write_flat
+from lowband.params import digest, flatten, is_dtensor, write_flat
 from lowband.telemetry import EventWriter, write_json_atomic
 
 
@@ -170,6 +169,7 @@ class Session:
         self.events.emit_eval(step, val_loss, **fields)
         if record is not None:
             done.evals.append(record)
+            self.algo.evaluated(step, record[1])  # (--rollback)
 
     def run_step(self) -> int:
         """Where the steps done stand on the run's schedule (algorithms/base.py run_step: the
@@ -250,11 +250,11 @@ class Session:
                 "replica": topo.replica, "shard": topo.shard, "evals": done.evals,
                 "outer_wire": totals.wire_bytes["outer"], "inner_wire": totals.wire_bytes["inner"],
                 "peak_outer": totals.peak_outer_payload, "setup_wire": totals.setup_wire_bytes,
-                "outer_sha256": _digest(outer)}
+                "outer_sha256": digest(outer)}
         if self.vocab:
             mine["vocab"] = self.vocab
         guard = getattr(self.algo, "guard", None)
-        if guard is not None and guard.on:  # the updates it left out (summary.json's left_out)
+        if guard is not None and (guard.on or guard.records):  # the updates it left out (summary.json's left_out)
             mine["guard"] = guard.records
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
@@ -267,7 +267,7 @@ class Session:
         if cfg.elastic:  # each group's ranks; the launcher writes summary.json from every group's
             if dist.get_rank() == 0:
                 summaries.write_group_record(self.run, topo.replica, everyone, one_step,
-                                             _digest(outer), _digest(weights))
+                                             digest(outer), digest(weights))
             dist.barrier()
             return None
         summary = None
@@ -287,18 +287,6 @@ def _ddp_one_step(model, cfg) -> int:
     """What ddp would send over the outer link in one step of this model and layout."""
     sizes = [p.numel() for p in model.parameters() if p.requires_grad]
     return ddp_outer_wire_bytes(sizes, cfg.replicas, cfg.shards, 1, cfg.bucket_mb)
-
-
-def _digest(tensors: dict | None) -> str | None:
-    """sha256 of a state's tensors' bytes, in key order: equal states, equal digests."""
-    if tensors is None:
-        return None
-    h = hashlib.sha256()
-    for key in sorted(tensors):
-        h.update(key.encode())
-        h.update(tensors[key].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
-                 .tobytes())
-    return h.hexdigest()
 
 
 def _full_weights(model: nn.Module, rank: int) -> dict | None:

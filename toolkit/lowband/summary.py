@@ -79,8 +79,9 @@ def guarded(ranks: list[dict]) -> dict:
             seen.setdefault((rec["step"], rec["fragment"], rec.get("left_out"), rec["why"]), rec)
     out = {}
     if any("guard" in r for r in ranks):
-        out["left_out"] = [seen[k] for k in sorted(seen, key=lambda k: (k[0], k[1], str(k[2])))]
+        out["left_out"] = [seen[k] for k in sorted(seen, key=lambda k: (k[0], str(k[1]), str(k[2])))]
         out["left_out_updates"] = sum(1 for k in seen if k[2] is not None)
+        out["rollbacks"] = sum(1 for k in seen if k[3] == "rollback")
     evals = [e[1] for e in ranks[0].get("evals", [])]
     final = ranks[0].get("val_loss")
     if final is None:
@@ -103,9 +104,11 @@ def guard_text(s: dict) -> str:
     recs = s.get("left_out") or []
     if not recs:
         return ""
-    n = s.get("left_out_updates", 0)
+    n, back = s.get("left_out_updates", 0), s.get("rollbacks", 0)
     first = recs[0]["text"] + (f"; {len(recs) - 1} more in summary.json" if len(recs) > 1 else "")
-    return f"{_count(n, 'update', 'updates')} left out ({first})"
+    counts = ([_count(n, "update", "updates") + " left out"] if n or not back else []) + \
+        ([_count(back, "rollback", "rollbacks")] if back else [])
+    return f"{', '.join(counts)} ({first})"
 
 
 def target(evals: list, loss: float) -> dict:

@@ -49,6 +49,7 @@ import torch
 from lowband.algorithms.edit import EDiT, EditOptions
 from lowband.algorithms.edit_units import sync_schedule
 from lowband.algorithms.exchange import ExchangeOptions
+from lowband.algorithms.guard import GuardOptions
 from lowband.algorithms.outer import OuterOptions
 from lowband.options import (ConfigError, Options, flag, non_negative, option, positive, require,
                              unit_interval)
@@ -102,7 +103,7 @@ class AEDiT(EDiT):
     name = "aedit"
     own_loop_why = ("it shards the model as edit does, and its replicas sync by wall-clock time and "
                     "decide the run's end among themselves, which your loop's length cannot follow")
-    options = (OuterOptions, ExchangeOptions, EditOptions, AEditOptions)
+    options = (OuterOptions, ExchangeOptions, EditOptions, AEditOptions, GuardOptions)
     summary = "A-EDiT: edit with syncs every --sync-seconds of wall-clock time"
     timed = True
 

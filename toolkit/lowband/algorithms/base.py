@@ -182,6 +182,10 @@ class Algorithm:
     def finish(self) -> None:
         pass
 
+    def evaluated(self, step: int, val_loss: float) -> None:
+        """After an evaluation every rank took at `step` (val_loss: the mean over replicas, the
+        same on every rank): diloco and streaming may roll back (--rollback, algorithms/guard.py)."""
+
     def outer_params(self) -> dict[str, torch.Tensor] | None:
         """The outer (synced) parameters by name, for algorithms that keep them."""
         return None

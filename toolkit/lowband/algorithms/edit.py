@@ -53,8 +53,9 @@ import torch
 
 from lowband.algorithms.base import PERIODIC, Algorithm
 from lowband.algorithms.edit_plan import (Plan, clip_scale, decide_sync, event_fields, extras_of,
-                                         new_stats, penalty_config, plan_from_state, plan_state,
-                                         stats_from_state)
+                                         left_out, new_stats, penalty_config, plan_from_state,
+                                         plan_state, stats_from_state)
+from lowband.algorithms.guard import Guard, GuardOptions
 from lowband.comm.exchanges import Landed
 from lowband.algorithms.edit_units import (Summed, Unit, allocated_bytes, outer_memory,
                                           shard_replica, sync_schedule)
@@ -106,8 +107,9 @@ class EDiT(Algorithm):
                     "parameters, so the optimizer you made would step parameters no longer trained")
     kind = PERIODIC
     elastic = True
-    options = (OuterOptions, ExchangeOptions, EditOptions)
+    options = (OuterOptions, ExchangeOptions, EditOptions, GuardOptions)
     defaults = {"codec": "fp32"}
+    guard_default = "edit"  # --guard: its penalty (edit_plan.py), or the guard's norm rules
     summary = ("EDiT: local SGD over FSDP2-sharded replicas, layer-wise sync in the forward pass, "
                "pseudo-gradient penalty")
     timed = False  # aedit: syncs by wall-clock time
@@ -139,6 +141,7 @@ class EDiT(Algorithm):
         for module, u in self.unit_of.items():  # before FSDP's own pre-forward hook
             module.register_forward_pre_hook(functools.partial(self._hook, u), prepend=True)
         self.penalty = penalty_config(c, per_step=self.timed)
+        self.guard = Guard(c, comm, topology)  # the records of the updates left out
         for u in self.units:
             u.ewma = new_stats(self.penalty, topology.replicas)
         self.anchored = False     # outer parameters taken from the replicas after the warm-up
@@ -332,7 +335,18 @@ class EDiT(Algorithm):
             if avg_norm is not None:
                 fields["avg_norm"] = avg_norm
             self.comm.events.emit("sync", **fields)
+        self._left_out(j)
         self._applied_one()
+
+    def _left_out(self, j: int) -> None:
+        """A `guard` record and event for each replica left out of unit j's average."""
+        d, members = self.plan.decisions[j], self.membership.members
+        for i, why in left_out(self.plan, j, self.penalty).items():
+            replica = members[i] if members and len(members) == len(d.flags) else i
+            record = self.guard.note(self.sync_info["step"], self.units[j].name, replica, why,
+                                     d.all_flagged)
+            if self.comm.events is not None:
+                self.comm.events.emit("guard", **record)
 
     def _applied_one(self) -> None:
         if self.applied == len(self.units):

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 from lowband.algorithms import penalty, penalty_reference
+from lowband.algorithms.guard import History, decision_of
 from lowband.algorithms.penalty import EWMA, Decision, PenaltyConfig
 
 
@@ -31,12 +32,17 @@ class Plan:
 
 
 def penalty_config(c, per_step: bool) -> PenaltyConfig:
-    """The penalty's settings from the run's options (per_step: aedit)."""
+    """The penalty's settings from the run's options (per_step: aedit). --guard edit (the
+    default) is the penalty as --edit-* say; --guard norm the guard's rules (algorithms/guard.py:
+    the replicas left out weigh 0, the others equally); --guard off leaves out only what is not
+    finite."""
+    guard = getattr(c, "guard", "edit")
     return PenaltyConfig(
-        anomaly=c.edit_anomaly, rate=c.edit_ewma_rate, z=c.edit_z, warmup=c.edit_anomaly_warmup,
-        weighted=c.edit_weighted, temperature=c.edit_temperature,
-        step_weights=per_step and c.edit_step_weights, clip=c.edit_clip, mode=c.edit_penalty,
-        step_ratio=c.edit_step_weight_ratio)
+        anomaly=c.edit_anomaly and guard != "off", rate=c.edit_ewma_rate, z=c.edit_z,
+        warmup=c.edit_anomaly_warmup, weighted=c.edit_weighted, temperature=c.edit_temperature,
+        step_weights=per_step and c.edit_step_weights, clip=c.edit_clip,
+        mode="norm" if guard == "norm" else c.edit_penalty, step_ratio=c.edit_step_weight_ratio,
+        guard=c if guard == "norm" else None)
 
 
 def _reference(cfg: PenaltyConfig) -> bool:
@@ -44,12 +50,17 @@ def _reference(cfg: PenaltyConfig) -> bool:
 
 
 def new_stats(cfg: PenaltyConfig, replicas: int):
-    """A unit's statistics before its first sync: pooled (lowband) or one detector a replica."""
+    """A unit's statistics before its first sync: pooled (lowband), one detector a replica
+    (reference), or each replica's history (norm: the guard's)."""
+    if cfg.mode == "norm":
+        return History()
     return penalty_reference.Detectors.fresh(replicas) if _reference(cfg) else EWMA()
 
 
 def stats_from_state(cfg: PenaltyConfig, state):
     """A unit's statistics from their `state()` (a checkpoint's)."""
+    if cfg.mode == "norm":
+        return History.from_state(state)
     return (penalty_reference.Detectors if _reference(cfg) else EWMA).from_state(state)
 
 
@@ -79,6 +90,9 @@ def decide_sync(rows: list[list[float]], stats: list, replicas: int, shards: int
         raw_norms.append(norms)
         if per_step and not reference:
             norms = [x / max(e[0], 1.0) for x, e in zip(norms, extras)]
+        if cfg.mode == "norm":
+            decisions.append(decision_of(norms, ewma, cfg.guard, shares))
+            continue
         decisions.append((penalty_reference if reference else penalty).decide(norms, ewma, cfg,
                                                                                shares))
     return Plan(decisions, raw_norms, extras)
@@ -97,12 +111,28 @@ def event_fields(plan: Plan, j: int, replica: int, per_step: bool) -> dict:
 
 def plan_state(plan: Plan) -> list[dict]:
     return [{"z": d.z, "flags": d.flags, "weights": d.weights, "norms": d.norms,
-             "all_flagged": d.all_flagged, "raw_norms": raw}
+             "all_flagged": d.all_flagged, "raw_norms": raw,
+             "why": {str(i): list(w) for i, w in d.why.items()}}
             for d, raw in zip(plan.decisions, plan.raw_norms)]
 
 
 def plan_from_state(state: list[dict]) -> Plan:
     decisions = [Decision(z=list(p["z"]), flags=list(p["flags"]), weights=list(p["weights"]),
-                          all_flagged=bool(p["all_flagged"]), norms=list(p["norms"]))
+                          all_flagged=bool(p["all_flagged"]), norms=list(p["norms"]),
+                          why={int(i): tuple(w) for i, w in p.get("why", {}).items()})
                  for p in state]
     return Plan(decisions, [list(p["raw_norms"]) for p in state], [])
+
+
+def left_out(plan: Plan, j: int, cfg: PenaltyConfig) -> dict:
+    """Unit j's flagged replicas and why each was left out (algorithms/guard.py's words): not
+    finite, the guard's reason (--guard norm), or the penalty's z-score above --edit-z."""
+    d = plan.decisions[j]
+    out = {}
+    for i, flagged in enumerate(d.flags):
+        if not flagged:
+            continue
+        raw = plan.raw_norms[j][i]
+        out[i] = (("non-finite", raw, math.nan) if not math.isfinite(raw) else
+                  tuple(d.why[i]) if i in d.why else ("z-score", d.z[i], cfg.z))
+    return out

@@ -49,12 +49,14 @@ from dataclasses import dataclass, field
 import torch
 
 from lowband.options import ConfigError, Options, option
-from lowband.params import write_flat
+from lowband.params import digest, write_flat
 
 # an honest merge's norm is at most the weighted mean of the norms merged (triangle inequality);
 # what each codec's rounding may add to a sent vector's norm stays under this factor (fp4-e3m0,
 # the coarsest relative to each value: a third)
 BOUND_SLACK = 1.5
+ROLLBACK = 1.5  # --rollback's default: a validation loss above 1.5x the best so far
+ROLLBACKS_IN_A_ROW = 3  # a run still bad after this many rollbacks in a row goes on (diverged)
 
 
 @dataclass
@@ -62,8 +64,10 @@ class GuardOptions(Options):
     title = "guarded outer step"
     guard: str = option(None, "judge every replica's pseudo-gradient before the outer step: norm "
                         "(leave out one that is not finite or whose norm is far above its usual "
-                        "or its peers') or off", ("norm", "off"), kind=str,
-                        shown="norm; off with --grace, whose stand-ins merge without waiting")
+                        "or its peers'), edit (EDiT's penalty, --edit-*: edit and aedit) or off",
+                        ("norm", "edit", "off"), kind=str,
+                        shown="edit for edit and aedit, else norm; off with --grace, whose "
+                        "stand-ins merge without waiting")
     guard_ratio: float = option(2.0, "leave out a pseudo-gradient whose norm rose above this "
                                 "many times its replica's usual one for the fragment, when it "
                                 "also stands --guard-peers above every other replica's")
@@ -72,14 +76,26 @@ class GuardOptions(Options):
                                 "replica's norm when it also rose --guard-ratio above its usual")
     guard_warmup: int = option(1, "syncs of a fragment a replica has behind it before its own "
                                "history judges it")
+    rollback: float = option(None, "the last line of defence (diloco, streaming): when an "
+                             "evaluation's validation loss is above this many times the best so "
+                             "far, the outer state rolls back to the last good evaluation's and "
+                             "every replica restarts from it (0: never)", kind=float,
+                             shown="1.5; 0 with --grace or --guard off")
     guard_rate: float = option(0.5, "how fast a replica's usual norm follows a rise of its "
                                "norms (a share of the distance in logs, a sync; a fall it "
                                "follows at once)")
 
     @classmethod
     def resolve(cls, cfg, algorithm) -> None:
+        own = getattr(algorithm, "guard_default", "norm")  # edit and aedit: their penalty
         if cfg.guard is None:
-            cfg.guard = "off" if getattr(cfg, "grace", 0) else "norm"
+            cfg.guard = "off" if getattr(cfg, "grace", 0) else own
+        if cfg.rollback is None:
+            cfg.rollback = 0.0 if getattr(cfg, "grace", 0) or cfg.guard == "off" or \
+                own == "edit" else ROLLBACK
+        if cfg.guard == "edit" and own != "edit":
+            raise ConfigError(f"--guard edit is EDiT's pseudo-gradient penalty, which --algo "
+                              f"{cfg.algo} does not have: use --guard norm or off.")
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -92,6 +108,15 @@ class GuardOptions(Options):
                               f"{cfg.guard_warmup}.")
         if not 0 < cfg.guard_rate <= 1:
             raise ConfigError(f"--guard-rate must lie in (0, 1], got {cfg.guard_rate}.")
+        if cfg.rollback and not cfg.rollback > 1:
+            raise ConfigError(f"--rollback must be above 1 (a multiple of the best validation "
+                              f"loss) or 0 (never), got {cfg.rollback}.")
+        if cfg.rollback and cfg.algo in ("edit", "aedit"):
+            raise ConfigError(f"--rollback restores diloco's and streaming's outer state; "
+                              f"--algo {cfg.algo} has none to roll back: drop --rollback.")
+        if cfg.rollback and getattr(cfg, "grace", 0):
+            raise ConfigError("--rollback and --grace do not go together (a late replica's "
+                              "syncs are still landing): drop one of them.")
         if cfg.guard == "norm" and getattr(cfg, "grace", 0):
             raise ConfigError("--grace merges without waiting for every replica's norm: use "
                               "--guard off with --grace.")
@@ -106,6 +131,7 @@ class Verdict:
     norms: list = field(default_factory=list)  # their norms over their learning rates' sums
     bound: float = math.inf
     again: bool = False  # averaged again without the left-out replicas
+    mine_lr: float = 0.0  # this rank's learning rates' sum over what it sent (its own check)
     scaled: float = 1.0  # the merge scaled down to the bound (an inconsistent claim)
 
     @property
@@ -116,14 +142,15 @@ class Verdict:
         return {"left_out": {str(r): list(v) for r, v in self.left_out.items()},
                 "weighed": self.weighed, "norms": self.norms, "bound": self.bound,
                 "again": self.again,
-                "scaled": self.scaled}
+                "scaled": self.scaled, "mine_lr": self.mine_lr}
 
     @classmethod
     def from_state(cls, s: dict | None) -> "Verdict | None":
         if s is None:
             return None
         return cls({int(r): tuple(v) for r, v in s["left_out"].items()}, list(s["weighed"]),
-                   list(s["norms"]), float(s["bound"]), bool(s["again"]), float(s["scaled"]))
+                   list(s["norms"]), float(s["bound"]), bool(s["again"]), float(s["scaled"]),
+                   float(s.get("mine_lr", 0.0)))
 
 
 def why_text(replica: int, step: int, why: tuple) -> str:
@@ -132,6 +159,8 @@ def why_text(replica: int, step: int, why: tuple) -> str:
     head = f"replica {replica}'s update at step {step} was left out: "
     if reason == "non-finite":
         return head + "it was not finite"
+    if reason == "z-score":  # EDiT's penalty (--guard edit): its z-score and the threshold
+        return head + f"its norm's z-score was {norm:,.3g}, above {ref:g} (EDiT's penalty)"
     times = norm / ref if ref > 0 else math.inf
     return head + (f"its norm was {times:,.3g}x its usual" if reason == "norm" else
                    f"its norm was {times:,.3g}x the replicas' median")
@@ -176,9 +205,9 @@ class Guarded:
     is bounded by the kept norms (module doc). `verdict` is set once it has landed."""
 
     def __init__(self, guard: "Guard", avg, norms, delta: torch.Tensor, weight, fragment: int,
-                 again):
+                 again, lr_sum: float = 0.0):
         self.guard, self.avg, self.norms, self.delta = guard, avg, norms, delta
-        self.weight, self.fragment, self.again = weight, fragment, again
+        self.weight, self.fragment, self.again, self.lr_sum = weight, fragment, again, lr_sum
         self.sent = avg.sent
         self.verdict: Verdict | None = None
         self.value = None
@@ -199,6 +228,7 @@ class Guarded:
         rows = [(r, math.sqrt(sq) / lr if math.isfinite(sq) and lr > 0 else math.sqrt(sq), w)
                 for r, sq, w, lr in rows]
         v = self.verdict = self.guard.judge(self.fragment, rows)
+        v.mine_lr = self.lr_sum
         if v.left_out and not v.everyone:
             me = self.guard.replica in v.left_out
             x = torch.zeros_like(self.delta) if me else self.delta
@@ -216,16 +246,51 @@ class Guarded:
         return value.clone()
 
 
+class History:
+    """The guard's statistics of one block (edit and aedit with --guard norm, edit_plan.py):
+    {replica: [mean log norm, syncs]}, as a flat list of floats in a checkpoint."""
+
+    def __init__(self, by_replica: dict | None = None):
+        self.by_replica = by_replica or {}
+
+    def state(self) -> list[float]:
+        return [float(x) for r, (m, n) in sorted(self.by_replica.items()) for x in (r, m, n)]
+
+    @classmethod
+    def from_state(cls, s) -> "History":
+        s = [float(x) for x in s]
+        return cls({int(s[i]): [s[i + 1], int(s[i + 2])] for i in range(0, len(s), 3)})
+
+
+def decision_of(norms: list[float], history: History, cfg, shares: list[float] | None):
+    """edit's and aedit's Decision (penalty.py) of one block by the guard's rules: the replicas
+    left out weigh 0, the others equally (times their step shares with --edit-step-weights);
+    `why` says why each was left out; the block's history after it (a copy)."""
+    from lowband.algorithms.penalty import Decision
+
+    after = History({r: list(h) for r, h in history.by_replica.items()})
+    v = judge([(i, n, 1.0) for i, n in enumerate(norms)], after.by_replica, cfg)
+    flags = [i in v.left_out for i in range(len(norms))]
+    base = [0.0 if f else (shares[i] if shares is not None else 1.0) for i, f in enumerate(flags)]
+    total = sum(base)
+    weights = [b / total for b in base] if total > 0 else [0.0] * len(norms)
+    z = [n / math.exp(after.by_replica[i][0]) if i in after.by_replica and n > 0 else 0.0
+         for i, n in enumerate(norms)]
+    return Decision(z=z, flags=flags, weights=weights, all_flagged=all(flags), ewma=after,
+                    norms=list(norms), why=dict(v.left_out))
+
+
 class Guard:
     """This rank's guard over one algorithm's syncs: the history of every replica's norms per
     fragment (the same on every rank), and the verdicts so far (summary.json's `left_out`)."""
 
     def __init__(self, cfg, comm, topo):
         self.cfg, self.comm, self.topo = cfg, comm, topo
-        self.on = getattr(cfg, "guard", "off") == "norm"
+        self.on = getattr(cfg, "guard", "off") != "off"
         self.replica = getattr(topo, "replica", 0)
         self.history: dict[int, dict] = {}  # fragment -> {replica: [mean log norm, syncs]}
-        self.records: list[dict] = []  # one per left-out update or bounded merge
+        self.records: list[dict] = []  # one per left-out update, bounded merge or rollback
+        self.applied = 0  # the outer steps applied (a rollback says how many it undid)
 
     def wrap(self, avg, delta: torch.Tensor, weight, lr_sum: float, fragment: int, tag: str,
              again):
@@ -241,7 +306,7 @@ class Guard:
         row = torch.tensor([float(self.replica), float(sq), w, lr_sum], dtype=torch.float64,
                            device=delta.device)
         norms = self.comm.membership.all_gather(self.comm, row, f"{tag}-norm")
-        return Guarded(self, avg, norms, delta, weight, fragment, again)
+        return Guarded(self, avg, norms, delta, weight, fragment, again, lr_sum)
 
     def judge(self, fragment: int, rows) -> Verdict:
         return judge(rows, self.history.setdefault(fragment, {}), self.cfg)
@@ -255,20 +320,26 @@ class Guard:
     def record(self, verdict: Verdict, step: int, fragment: int) -> list[dict]:
         """The records of one verdict (also kept for summary.json): one per left-out replica,
         and one where the merge was scaled down to its bound."""
-        out = []
-        for r, why in sorted(verdict.left_out.items()):
-            out.append({"step": step, "fragment": fragment, "left_out": r, "why": why[0],
-                        "norm_per_lr": why[1], "usual_per_lr": why[2],
-                        "times": why[1] / why[2] if why[2] > 0 else None,
-                        "everyone": verdict.everyone,
-                        "text": why_text(r, step, why)})
+        out = [self.note(step, fragment, r, why, verdict.everyone)
+               for r, why in sorted(verdict.left_out.items())]
         if verdict.scaled < 1:
             out.append({"step": step, "fragment": fragment, "why": "inconsistent",
                         "scaled": verdict.scaled,
                         "text": f"the merge at step {step} was larger than the norms the replicas "
                                 f"sent allow: scaled by {verdict.scaled:.3g}"})
-        self.records.extend(out)
+        self.records.extend(r for r in out if r not in self.records)
         return out
+
+    def note(self, step: int, fragment, replica: int, why: tuple, everyone: bool) -> dict:
+        """The record of one update left out, kept for summary.json (edit and aedit note their
+        penalty's flags here)."""
+        record = {"step": step, "fragment": fragment, "left_out": replica, "why": why[0],
+                  "norm_per_lr": why[1], "usual_per_lr": why[2],
+                  "times": why[1] / why[2] if why[0] in ("norm", "peers") and why[2] > 0 else None,
+                  "everyone": everyone, "text": why_text(replica, step, why)}
+        if record not in self.records:
+            self.records.append(record)
+        return record
 
     def state_dict(self) -> dict:
         return {"history": {str(f): {str(r): list(h) for r, h in hs.items()}
@@ -304,21 +375,80 @@ class Guarding:
             f.residual = None if left else avg.residual
 
     @torch.no_grad()
-    def _restart(self, f) -> None:
-        """This replica was left out (or everyone was): fragment f restarted from the outer
-        parameters (the caller wrote them), its error feedback and its count of tokens and
-        learning rates since then start afresh; where the replica's weights are no longer
-        finite, every other fragment restarts too, and inner-optimizer state that is no longer
-        finite starts afresh (a replica that stayed bad elsewhere shows at those fragments'
-        syncs, which leave it out in turn)."""
-        broken = not all(torch.isfinite(p).all() for p in self.model.parameters())
+    def _recover(self, f, avg) -> bool:
+        """This replica was left out of fragment f's merge (avg: that exchange; None: everyone
+        was, and the caller restarted f). Its local weights are judged against its own usual
+        norms: a fragment whose weights left them (not finite, or their distance from the outer
+        parameters over the learning rates since above --guard-ratio x the usual) restarts from
+        the outer parameters, its inner-optimizer state, error feedback and counts afresh; one
+        whose weights are fine keeps them (what went bad was what it sent: its work merges at
+        the fragment's next sync). Returns whether f's own weights were off (the caller then
+        writes f's outer parameters). Called before f's outer step."""
+        me, ratio = self.guard.replica, self.config.guard_ratio
+
+        def off(g, lr: float) -> bool:
+            x = self._norm(self.staging.get(g.outer, keep=False) - g.local_slice())
+            h = self.guard.history.get(g.index, {}).get(me)
+            return not math.isfinite(x) or (h is not None and lr > 0 and
+                                            x / lr > ratio * math.exp(h[0]))
+
+        mine = 0.0 if avg is None else getattr(getattr(avg, "verdict", None), "mine_lr", 0.0)
+        broken = avg is None or off(f, mine + f.lr_sum)
         for g in self.fragments:
-            if g is f or broken:
-                g.residual, g.tokens, g.lr_sum = None, 0, 0.0
-            if g is not f and broken:
+            if not (broken if g is f else off(g, g.lr_sum)):
+                continue
+            if g is not f:
                 write_flat(g.params, self._gather(g, self.staging.get(g.outer, keep=False)))
-        for p in self.model.parameters():
-            state = self.optimizer.state.get(p)
-            if state and not all(torch.isfinite(v).all() for v in state.values()
-                                 if torch.is_tensor(v)):
-                self.optimizer.state[p] = {}
+            g.residual, g.tokens, g.lr_sum = None, 0, 0.0
+            for p in g.params:
+                if p in self.optimizer.state:
+                    self.optimizer.state[p] = {}
+        return broken
+
+    def evaluated(self, step: int, val_loss: float) -> None:
+        """--rollback: after an evaluation every rank took (val_loss: the mean over replicas,
+        the same on every rank), keep the outer state as the last good one, or, where the loss
+        jumped above --rollback x the best so far (or is not finite), roll back to it."""
+        factor = getattr(self.config, "rollback", 0.0)
+        if not factor or getattr(self, "finished", False):
+            return
+        good = getattr(self, "_good", None)
+        best = getattr(self, "_best", math.inf)
+        bad = not math.isfinite(val_loss) or val_loss > factor * best
+        if bad and good is not None and self._rollbacks < ROLLBACKS_IN_A_ROW:
+            self._roll_back(step, val_loss, factor)
+            return
+        if bad:
+            return
+        self._best, self._rollbacks = min(best, val_loss), 0
+        self.staging.settle()
+        self._good = (step, self.guard.applied, [(f.outer.clone(), f.momentum.clone())
+                                                 for f in self.fragments])
+
+    @torch.no_grad()
+    def _roll_back(self, step: int, val_loss: float, factor: float) -> None:
+        """The exchanges in flight land as usual, then every fragment's outer parameters and
+        momentum are the last good evaluation's and every replica restarts from them."""
+        to_step, applied, kept = self._good
+        for f in sorted((f for f in self.fragments if f.pending), key=lambda f: f.pending[1]):
+            self._apply(f)
+        self.staging.settle()
+        for f, (outer, momentum) in zip(self.fragments, kept):
+            f.outer.copy_(outer)
+            f.momentum.copy_(momentum)
+            self.staging.drop(f.outer, f.momentum)
+            write_flat(f.params, self._gather(f, self.staging.get(f.outer, keep=False)))
+            f.residual, f.tokens, f.lr_sum = None, 0, 0.0
+        self._rollbacks = getattr(self, "_rollbacks", 0) + 1
+        undone = self.guard.applied - applied
+        record = {"step": step, "fragment": None, "why": "rollback", "to_step": to_step,
+                  "val_loss": val_loss, "best_val_loss": self._best, "syncs_undone": undone,
+                  "outer_sha256": digest(self.outer_params()),  # (as summary.json's)
+                  "text": f"the validation loss at step {step} was {val_loss:.4g}, above "
+                          f"{factor:g}x its best ({self._best:.4g}): the outer state rolled back "
+                          f"to step {to_step}'s, {undone} {'sync' if undone == 1 else 'syncs'} "
+                          "undone"}
+        self.guard.records.append(record)
+        if self.comm.events is not None:
+            self.comm.events.emit("rollback", **{k: v for k, v in record.items()
+                                                 if k not in ("fragment", "why")})

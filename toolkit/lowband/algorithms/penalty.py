@@ -51,7 +51,9 @@ class PenaltyConfig:
     temperature: float = 0.0    # T; 0: the mean of the unflagged norms
     step_weights: bool = False  # multiply by each replica's share of steps since the last sync
     clip: float = 0.0           # 3. max norm of the averaged delta; 0: off
-    mode: str = "lowband"       # or "reference": atorch's math (penalty_reference.py)
+    mode: str = "lowband"       # or "reference": atorch's math (penalty_reference.py); or
+    #                             "norm": the guard's rules (algorithms/guard.py, --guard norm)
+    guard: object = None        # --guard norm: the run's config (its --guard-* thresholds)
     step_ratio: float = 0.5     # reference mode: w <- (1 - r) w + r x step share
 
 
@@ -79,6 +81,7 @@ class Decision:
     all_flagged: bool
     ewma: EWMA = field(default_factory=EWMA)  # the statistics after this sync
     norms: list[float] = field(default_factory=list)
+    why: dict = field(default_factory=dict)  # --guard norm: why each flagged replica was
 
 
 def _std(ewma: EWMA, cfg: PenaltyConfig) -> float:

@@ -133,6 +133,8 @@ class Streaming(Guarding, Graced, Paced, Fragmented, Algorithm):
         self.staging = Staging(device, topology.device)
         self.set_up_grace()  # --grace: the stand-in (algorithms/grace.py)
         self.guard = Guard(c, comm, topology)  # --guard: every replica's update judged
+        self._good, self._best, self._rollbacks = None, math.inf, 0  # --rollback
+        self.finished = False
         return optimizer
 
     def before_backward(self, step, micro, last):
@@ -272,12 +274,12 @@ class Streaming(Guarding, Graced, Paced, Fragmented, Algorithm):
             self._skip(f, at)
             return
         self.skips = 0
-        outer = self.outer_step(f, delta)
+        self.guard.applied += 1
         left = verdict is not None and self.topo.replica in verdict.left_out
-        merged = outer if left else c.alpha * f.local_slice() + (1 - c.alpha) * outer
+        restart = left and self._recover(f, avg)  # its weights went bad: restart from outer
+        outer = self.outer_step(f, delta)
+        merged = outer if restart else c.alpha * f.local_slice() + (1 - c.alpha) * outer
         write_flat(f.params, self._gather(f, merged))
-        if left:  # this replica restarts from the outer state (algorithms/guard.py)
-            self._restart(f)
         met = self.met(avg, applied, at) if self.grace is not None else {}
         if verdict is not None:  # each replica's norm over its learning rates, who was left out
             met["guard_norms"] = [round(n, 6) for n in verdict.norms]
@@ -334,7 +336,7 @@ class Streaming(Guarding, Graced, Paced, Fragmented, Algorithm):
         write_flat(f.params, self._gather(f, self.staging.get(f.outer)))
         self.staging.drop(f.outer, f.momentum)
         if what == "guard":
-            self._restart(f)
+            self._recover(f, None)
         if self.comm.events is not None:
             self.comm.events.emit("skip", step=started, what=what, fragment=f.index)
 
@@ -395,6 +397,7 @@ class Streaming(Guarding, Graced, Paced, Fragmented, Algorithm):
 
     def finish(self):
         """Land the exchanges still in flight, in the order they started."""
+        self.finished = True  # (the final evaluation rolls nothing back)
         for f in sorted((f for f in self.fragments if f.pending), key=lambda f: f.pending[1]):
             self._apply(f)
         if self.grace is not None:  # the syncs left, which this replica took no part in
