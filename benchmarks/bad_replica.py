@@ -9,7 +9,8 @@ link, run one after another with the machine to itself:
   scale        replica R-1 sends -10x its pseudo-gradient once (--corrupt R-1:AT:scale:-10)
   nan          it sends NaN once (nan)
   noise        noise of 100x the RMS is added to its weights once (100: a flipped bit, a card)
-  persistent   it sends -10x at every sync from AT to AT + STEPS/3 (AT-LAST:scale:-10)
+  persistent   it sends -10x at every sync that starts in AT..AT+PERSIST (AT-LAST:scale:-10;
+               PERSIST 40: two of H's periods, 8 fragment syncs of streaming's, 3 of diloco's)
   flip         it sends its pseudo-gradient negated once (flip): a size the guard does not see
 
 Printed per run: the updates left out (and the first sentence), the final validation loss and
@@ -23,7 +24,7 @@ PASS/MISS per goal of issue 44:
 flip is a figure, not a goal (docs/faults.md says why).
 
     python benchmarks/bad_replica.py [--algos streaming,diloco] [--replicas 2,4]
-        [--model micro] [--steps 300] [--at 100] [--dir DIR] [--json out.json]
+        [--model micro] [--steps 300] [--at 100] [--persist 40] [--dir DIR] [--json out.json]
 
 R = 2 and 4, both algorithms, micro, 300 steps: about 25 minutes on 2 cores.
 """
@@ -95,6 +96,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--at", type=int, default=100, help="the step the replica goes bad after "
                    "(a multiple of H: a sync starts there)")
+    p.add_argument("--persist", type=int, default=40, help="steps the persistent corruption "
+                   "lasts")
     p.add_argument("--dir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
@@ -105,7 +108,7 @@ def main() -> int:
     for algo in a.algos.split(","):
         for R in map(int, a.replicas.split(",")):
             case = f"{algo} R={R}"
-            cases = kinds(R - 1, a.at, a.at + a.steps // 3)
+            cases = kinds(R - 1, a.at, a.at + a.persist)
             runs = {k: run(root / f"{algo}-r{R}-{k}", algo, R, a, flags)
                     for k, flags in cases.items()}
             m = {k: measure(out) for k, out in runs.items()}

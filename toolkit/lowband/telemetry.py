@@ -26,6 +26,9 @@ Every event carries v (schema version), t (unix seconds), rank, replica and kind
   skip  step, what, fragment: an update skipped: for NaN or inf (what: gradient,
         pseudo-gradient), or a failed --elastic commit vote (what: commit)
   checkpoint step, path
+  guard step, fragment, left_out, why, text, ...: an update the guard left out of a merge
+        (algorithms/guard.py, docs/faults.md)
+  rollback step, to_step, val_loss, syncs_undone, text, ...: --rollback restored the outer state
   shard state_bytes, unsharded_state_bytes, master_bytes, ...  (zero1/acco, once at set-up)
 Readers skip a torn last line, damaged lines, unknown fields and unknown kinds.
 """
@@ -43,7 +46,8 @@ from lowband.options import ConfigError
 
 SCHEMA_VERSION = 1
 KINDS = ("step", "comm", "sync", "eval", "spike", "run", "fault", "skip", "checkpoint",
-         "shard", "memory", "setup", "membership", "quorum", "late", "rejoin")
+         "shard", "memory", "setup", "membership", "quorum", "late", "rejoin", "guard",
+         "rollback")
 
 
 class RunDir:

@@ -295,16 +295,18 @@ class Guard:
     def wrap(self, avg, delta: torch.Tensor, weight, lr_sum: float, fragment: int, tag: str,
              again):
         """`avg` (an exchange just started) under the guard, its norms sent beside it (lr_sum:
-        the inner learning rates' sum over the steps `delta` trained); again(x, w) starts the
-        fragment's average once more with this replica's x and weight w."""
+        the inner learning rates' sum over the steps `delta` trained, work carried from a sync
+        it was left out of included); again(x, w) starts the fragment's average once more with
+        this replica's x and weight w."""
         if not self.on:
             return avg
         sq = delta.double().pow(2).sum().reshape(1)
         if self.topo.shards > 1:  # the whole fragment's: every slice of this replica summed
             sq = self.comm.all_reduce(sq.to(delta.device), "inner", tag=f"{tag}-norm").wait()
         w = 0.0 if self.comm.membership.healed_now else (1.0 if weight is None else float(weight))
-        row = torch.tensor([float(self.replica), float(sq), w, lr_sum], dtype=torch.float64,
-                           device=delta.device)
+        known = torch.tensor([float(self.replica), w, lr_sum], dtype=torch.float64)
+        row = torch.cat([known[:1].to(delta.device), sq.reshape(1),  # (no wait for the norm)
+                         known[1:].to(delta.device)])
         norms = self.comm.membership.all_gather(self.comm, row, f"{tag}-norm")
         return Guarded(self, avg, norms, delta, weight, fragment, again, lr_sum)
 
@@ -394,15 +396,18 @@ class Guarding:
 
         mine = 0.0 if avg is None else getattr(getattr(avg, "verdict", None), "mine_lr", 0.0)
         broken = avg is None or off(f, mine + f.lr_sum)
+        if not broken:  # its work there stays in its weights (the share the merge keeps) and
+            f.lr_sum += self.config.alpha * mine  # travels with the fragment's next sync
         for g in self.fragments:
             if not (broken if g is f else off(g, g.lr_sum)):
                 continue
             if g is not f:
                 write_flat(g.params, self._gather(g, self.staging.get(g.outer, keep=False)))
             g.residual, g.tokens, g.lr_sum = None, 0, 0.0
-            for p in g.params:
-                if p in self.optimizer.state:
-                    self.optimizer.state[p] = {}
+            for p in g.params:  # moments afresh, the step count kept (no bias-corrected jump)
+                for k, v in self.optimizer.state.get(p, {}).items():
+                    if torch.is_tensor(v) and k != "step":
+                        v.zero_()
         return broken
 
     def evaluated(self, step: int, val_loss: float) -> None:

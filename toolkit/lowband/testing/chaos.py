@@ -25,6 +25,8 @@ run's events and summary.json:
                   page (STATUS_S)
   5 loss          the final validation loss within `tolerance` of a run without failures at
                   equal tokens (compare(), with that run's evaluations)
+  6 no false alarm  the guard on the outer step (algorithms/guard.py) left no update out: kills,
+                  heals and restarts are no bad replica (summary.json's left_out_updates)
 
 It also measures participation: per sync, the groups that took part against the groups alive
 then (membership `alive` where recorded, else the groups started and not yet killed).
@@ -213,7 +215,7 @@ class Report:
 
 
 def check(run_dir, faults: list[Fault] = ()) -> Report:
-    """Invariants 1-4 from a finished chaos run's records (its timeouts from config.json), and
+    """Invariants 1-4 and 6 from a finished chaos run's records (its timeouts from config.json), and
     its figures."""
     run_dir = Path(run_dir)
     rep = Report()
@@ -233,6 +235,10 @@ def check(run_dir, faults: list[Fault] = ()) -> Report:
     _bounded_waits(rep, [e for e in first if e["kind"] == "membership"], cfg,
                    summary.get("elastic", {}).get("lighthouse_down_s", []))
     rep.figures.update(_participation(first, faults, cfg["replicas"]))
+    left = summary.get("left_out_updates", 0)
+    rep.expect("6 no false alarm", not left,
+               f"the guard left {left} updates out of a run whose replicas were all sound: "
+               + "; ".join(r["text"] for r in summary.get("left_out", [])[:3]))
     el = summary.get("elastic", {})
     rep.figures.update({
         "kills": sum(f.what == "group" for f in faults),
