@@ -20,7 +20,10 @@ PASS/MISS per goal of issue 44:
      clean run's validation loss at equal tokens
   2. no update left out in a clean run (no false alarm)
   3. the clean run bitwise equal to --guard off (model.pt and outer.pt)
-  4. the guard's cost under 2% of step time (clean against off, mean step_s of every rank)
+  4. the guard's cost under 2% of step time: its own seconds (summary.json's guard_s: the
+     norms sent and judged, on every rank) over the clean run's training seconds; the mean
+     step time against --guard off's is printed beside it (one run each: on 2 cores it moves
+     by +-3% from run to run, more than the guard costs)
 flip is a figure, not a goal (docs/faults.md says why).
 
     python benchmarks/bad_replica.py [--algos streaming,diloco] [--replicas 2,4]
@@ -76,6 +79,7 @@ def measure(out: Path) -> dict:
     return {"final_val_loss": summary["final_val_loss"], "tokens": summary["tokens"],
             "left_out": len(left), "first": left[0]["text"] if left else "",
             "step_s": statistics.mean(steps), "diverged": summary.get("diverged"),
+            "guard_share": summary.get("guard_s", 0.0) / summary["wall_s"],
             "outer_states_agree": summary["outer_states_agree"]}
 
 
@@ -120,7 +124,8 @@ def main() -> int:
                 print(f"{k:11} {r['left_out']:8d} {r['final_val_loss']:9.4f} "
                       f"{r['vs_clean']:+8.2%} {r['step_s']:8.4f}  {r['first']}")
             worst = max(SEEN, key=lambda k: abs(m[k]["vs_clean"]))
-            cost = m["clean"]["step_s"] / m["off"]["step_s"] - 1
+            cost = m["clean"]["guard_share"]
+            ratio = m["clean"]["step_s"] / m["off"]["step_s"] - 1
             checked += [
                 (f"{case}: every corruption the guard sees within 1% of clean at equal tokens",
                  all(abs(m[k]["vs_clean"]) <= 0.01 and m[k]["left_out"] for k in SEEN),
@@ -131,8 +136,8 @@ def main() -> int:
                 (f"{case}: the clean run bitwise the run with --guard off",
                  same(runs["clean"], runs["off"]), ""),
                 (f"{case}: the guard's cost under 2% of step time", cost < 0.02,
-                 f"{cost:+.2%} (mean step {m['clean']['step_s']:.4f} s against "
-                 f"{m['off']['step_s']:.4f} s)"),
+                 f"{cost:.3%} of the training time (the mean step against --guard off's: "
+                 f"{ratio:+.2%}, {m['clean']['step_s']:.4f} s and {m['off']['step_s']:.4f} s)"),
                 (f"{case}: a sign flip (not seen)", None,
                  f"{m['flip']['vs_clean']:+.2%} against clean, {m['flip']['left_out']} left out"),
             ]

@@ -254,8 +254,8 @@ class Session:
         if self.vocab:
             mine["vocab"] = self.vocab
         guard = getattr(self.algo, "guard", None)
-        if guard is not None and (guard.on or guard.records):  # the updates it left out (summary.json's left_out)
-            mine["guard"] = guard.records
+        if guard is not None and (guard.on or guard.records):  # summary.json's left_out
+            mine["guard"], mine["guard_s"] = guard.records, guard.seconds
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         weights = _full_weights(self.model, dist.get_rank())

@@ -69,7 +69,8 @@ def summarize(cfg, ranks: list[dict]) -> dict:
 
 def guarded(ranks: list[dict]) -> dict:
     """summary.json's `left_out` (every update the guard left out, or merge it bounded: each
-    once, in step order; algorithms/guard.py), `left_out_updates` (their count), and
+    once, in step order; algorithms/guard.py), `left_out_updates` (their count), `guard_s` (the
+    guard's own seconds a rank, on average: its norms sent and judged), and
     `diverged` (a sentence) where the validation loss ended non-finite, above 1.5x the loss of a
     uniform guess over the vocabulary (where known: an untrained model starts near it), or above
     twice its best."""
@@ -82,6 +83,7 @@ def guarded(ranks: list[dict]) -> dict:
         out["left_out"] = [seen[k] for k in sorted(seen, key=lambda k: (k[0], str(k[1]), str(k[2])))]
         out["left_out_updates"] = sum(1 for k in seen if k[2] is not None)
         out["rollbacks"] = sum(1 for k in seen if k[3] == "rollback")
+        out["guard_s"] = sum(r.get("guard_s", 0.0) for r in ranks) / len(ranks)
     evals = [e[1] for e in ranks[0].get("evals", [])]
     final = ranks[0].get("val_loss")
     if final is None:

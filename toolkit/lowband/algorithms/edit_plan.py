@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from lowband.algorithms import penalty, penalty_reference
-from lowband.algorithms.guard import History, decision_of
+from lowband.algorithms.guard import judge
 from lowband.algorithms.penalty import EWMA, Decision, PenaltyConfig
 
 
@@ -29,6 +29,38 @@ class Plan:
     decisions: list[Decision]     # one per unit
     raw_norms: list[list[float]]  # per unit, each replica's ||delta|| over the whole unit
     extras: list[list[float]]     # per replica, the numbers it added to its row
+
+
+class History:
+    """The guard's statistics of one block (edit and aedit with --guard norm, edit_plan.py):
+    {replica: [mean log norm, syncs]}, as a flat list of floats in a checkpoint."""
+
+    def __init__(self, by_replica: dict | None = None):
+        self.by_replica = by_replica or {}
+
+    def state(self) -> list[float]:
+        return [float(x) for r, (m, n) in sorted(self.by_replica.items()) for x in (r, m, n)]
+
+    @classmethod
+    def from_state(cls, s) -> "History":
+        s = [float(x) for x in s]
+        return cls({int(s[i]): [s[i + 1], int(s[i + 2])] for i in range(0, len(s), 3)})
+
+
+def decision_of(norms: list[float], history: History, cfg, shares: list[float] | None):
+    """edit's and aedit's Decision (penalty.py) of one block by the guard's rules: the replicas
+    left out weigh 0, the others equally (times their step shares with --edit-step-weights);
+    `why` says why each was left out; the block's history after it (a copy)."""
+    after = History({r: list(h) for r, h in history.by_replica.items()})
+    v = judge([(i, n, 1.0) for i, n in enumerate(norms)], after.by_replica, cfg)
+    flags = [i in v.left_out for i in range(len(norms))]
+    base = [0.0 if f else (shares[i] if shares is not None else 1.0) for i, f in enumerate(flags)]
+    total = sum(base)
+    weights = [b / total for b in base] if total > 0 else [0.0] * len(norms)
+    z = [n / math.exp(after.by_replica[i][0]) if i in after.by_replica and n > 0 else 0.0
+         for i, n in enumerate(norms)]
+    return Decision(z=z, flags=flags, weights=weights, all_flagged=all(flags), ewma=after,
+                    norms=list(norms), why=dict(v.left_out))
 
 
 def penalty_config(c, per_step: bool) -> PenaltyConfig:

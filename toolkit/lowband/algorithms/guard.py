@@ -26,8 +26,8 @@ Nobody left out: the exchange's own average is the merge, so a clean run's numbe
 a run without the guard, bit for bit. Someone left out: the fragment is averaged again with the
 left-out replicas weighing 0 (their pseudo-gradients never enter the outer state; the others'
 weights renormalized), a blocking exchange the records count as a wait; a left-out replica's
-whole local model restarts from the outer parameters (algorithms/streaming.py), so it rejoins
-clean. Everyone left out: the outer step is skipped and every replica's fragment restarts from
+weights are judged against its own usual norms, and the fragments whose weights left them
+restart from the outer parameters (Guarding._recover), so it rejoins clean. Everyone left out: the outer step is skipped and every replica's fragment restarts from
 the outer parameters. A left-out norm is not folded into its replica's history (a replica that
 stays bad stays left out); the others' are.
 
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -224,11 +225,13 @@ class Guarded:
         if self.value is not None:
             return self.value.clone()
         value = self.avg.wait()
+        t0 = time.perf_counter()
         rows = [tuple(float(x) for x in r.tolist()) for r in self.norms.wait()]
         rows = [(r, math.sqrt(sq) / lr if math.isfinite(sq) and lr > 0 else math.sqrt(sq), w)
                 for r, sq, w, lr in rows]
         v = self.verdict = self.guard.judge(self.fragment, rows)
         v.mine_lr = self.lr_sum
+        self.guard.seconds += time.perf_counter() - t0
         if v.left_out and not v.everyone:
             me = self.guard.replica in v.left_out
             x = torch.zeros_like(self.delta) if me else self.delta
@@ -246,40 +249,6 @@ class Guarded:
         return value.clone()
 
 
-class History:
-    """The guard's statistics of one block (edit and aedit with --guard norm, edit_plan.py):
-    {replica: [mean log norm, syncs]}, as a flat list of floats in a checkpoint."""
-
-    def __init__(self, by_replica: dict | None = None):
-        self.by_replica = by_replica or {}
-
-    def state(self) -> list[float]:
-        return [float(x) for r, (m, n) in sorted(self.by_replica.items()) for x in (r, m, n)]
-
-    @classmethod
-    def from_state(cls, s) -> "History":
-        s = [float(x) for x in s]
-        return cls({int(s[i]): [s[i + 1], int(s[i + 2])] for i in range(0, len(s), 3)})
-
-
-def decision_of(norms: list[float], history: History, cfg, shares: list[float] | None):
-    """edit's and aedit's Decision (penalty.py) of one block by the guard's rules: the replicas
-    left out weigh 0, the others equally (times their step shares with --edit-step-weights);
-    `why` says why each was left out; the block's history after it (a copy)."""
-    from lowband.algorithms.penalty import Decision
-
-    after = History({r: list(h) for r, h in history.by_replica.items()})
-    v = judge([(i, n, 1.0) for i, n in enumerate(norms)], after.by_replica, cfg)
-    flags = [i in v.left_out for i in range(len(norms))]
-    base = [0.0 if f else (shares[i] if shares is not None else 1.0) for i, f in enumerate(flags)]
-    total = sum(base)
-    weights = [b / total for b in base] if total > 0 else [0.0] * len(norms)
-    z = [n / math.exp(after.by_replica[i][0]) if i in after.by_replica and n > 0 else 0.0
-         for i, n in enumerate(norms)]
-    return Decision(z=z, flags=flags, weights=weights, all_flagged=all(flags), ewma=after,
-                    norms=list(norms), why=dict(v.left_out))
-
-
 class Guard:
     """This rank's guard over one algorithm's syncs: the history of every replica's norms per
     fragment (the same on every rank), and the verdicts so far (summary.json's `left_out`)."""
@@ -291,6 +260,7 @@ class Guard:
         self.history: dict[int, dict] = {}  # fragment -> {replica: [mean log norm, syncs]}
         self.records: list[dict] = []  # one per left-out update, bounded merge or rollback
         self.applied = 0  # the outer steps applied (a rollback says how many it undid)
+        self.seconds = 0.0  # the guard's own work on this rank: the norms sent, their verdicts
 
     def wrap(self, avg, delta: torch.Tensor, weight, lr_sum: float, fragment: int, tag: str,
              again):
@@ -300,6 +270,7 @@ class Guard:
         this replica's x and weight w."""
         if not self.on:
             return avg
+        t0 = time.perf_counter()
         sq = delta.double().pow(2).sum().reshape(1)
         if self.topo.shards > 1:  # the whole fragment's: every slice of this replica summed
             sq = self.comm.all_reduce(sq.to(delta.device), "inner", tag=f"{tag}-norm").wait()
@@ -308,6 +279,7 @@ class Guard:
         row = torch.cat([known[:1].to(delta.device), sq.reshape(1),  # (no wait for the norm)
                          known[1:].to(delta.device)])
         norms = self.comm.membership.all_gather(self.comm, row, f"{tag}-norm")
+        self.seconds += time.perf_counter() - t0
         return Guarded(self, avg, norms, delta, weight, fragment, again, lr_sum)
 
     def judge(self, fragment: int, rows) -> Verdict:

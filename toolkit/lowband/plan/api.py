@@ -188,6 +188,8 @@ def variants(cfg: "Config", algorithms) -> dict:
             setattr(other, key, None)
         if cfg.local_steps != "fixed":  # resolved to tokens for cfg's steps: resolved again
             other.merge_weights = None  # for the other's (edit weighs by its penalty)
+        other.guard = other.rollback = None  # each its own guard (edit: its penalty; no plan
+        # figure reads them)
         try:
             out[name] = config_of(other)
         except PlanError as e:
