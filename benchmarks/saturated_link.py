@@ -166,7 +166,8 @@ def figures(run_dir: Path, heartbeats: Path, heartbeat_timeout: float) -> dict:
     the half second before each exchange began (when that sync's quorum was decided), and the
     largest over the whole run (start-up and the end, when a finished group stops, included)."""
     events = read_events(RunDir(run_dir), ("comm", "membership"))
-    exchanges = [e for e in events if e["kind"] == "comm" and e["group"] == "outer"]
+    exchanges = [e for e in events if e["kind"] == "comm" and e["group"] == "outer"
+                 and not e["tag"].endswith("-norm")]  # (the guard's 32 bytes beside each)
     spans = sorted((e["start"], e["end"]) for e in exchanges)
     members = [e for e in events if e["kind"] == "membership"]
     polls = [json.loads(line) for line in heartbeats.read_text().splitlines() if line.strip()] \

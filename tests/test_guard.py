@@ -199,15 +199,19 @@ def test_a_sign_flip_is_not_a_size_the_guard_sees(r2_runs):
 
 
 @pytest.mark.slow
-def test_at_r4_diloco_leaves_out_a_scaled_and_a_non_finite_replica(tmp_path):
+def test_at_r4_diloco_leaves_out_a_scaled_a_non_finite_and_a_noisy_replica(tmp_path):
     base = ["--no-progress", "--algo", "diloco", "--model", "nano", "--replicas", 4, "--steps",
             24, "--sync-every", 6, "--link-bandwidth", "none", "--eval-every", 0,
             "--eval-batches", 1]
-    runs = {"scale": ["--corrupt", "2:6:scale:-10"], "nan": ["--corrupt", "3:12-18:nan"]}
+    runs = {"scale": ["--corrupt", "2:6:scale:-10"], "nan": ["--corrupt", "3:12-18:nan"],
+            "noise": ["--corrupt", "1:6:100"]}
     train_in_one_job(*[[*base, "--run-dir", tmp_path / n, *f] for n, f in runs.items()])
     # the peers' median judges from the first sync
     assert _left_out(RunDir(tmp_path / "scale")) == [(2, 6, "peers")]
     assert _left_out(RunDir(tmp_path / "nan")) == [(3, 12, "non-finite"), (3, 18, "non-finite")]
+    # noise in its weights after step 6 (the sync of step 6 had started): out at the next, and
+    # restarted from the outer parameters then, so never again
+    assert _left_out(RunDir(tmp_path / "noise")) == [(1, 12, "peers")]
     for n in runs:
         summary = json.loads(RunDir(tmp_path / n).summary.read_text())
         assert summary["outer_states_agree"] and "diverged" not in summary

@@ -114,9 +114,10 @@ def test_trainer_trains_streaming_replicas_apart(llama, tmp_path, monkeypatch, l
     w0, w1 = ((tmp_path / "out" / f"one{r}.txt").read_text().split() for r in (0, 1))
     assert len(w0) == len(w1) == 8 and all(a != b for a, b in zip(w0, w1))
     # the outer link: each of the 2 fragments synced every 2 steps, 4 times, an fp32 all-reduce
-    # of 2 ranks sending its 4 bytes a parameter; nothing inside a replica
+    # of 2 ranks sending its 4 bytes a parameter, and beside each of those 8 syncs the guard's
+    # norms (algorithms/guard.py: 4 float64s a rank, sent to the other); nothing inside a replica
     n_params = json.loads((tmp_path / "run" / "config.json").read_text())["meta"]["n_params"]
-    assert summary["outer_wire_bytes"] == 2 * 4 * 4 * n_params
+    assert summary["outer_wire_bytes"] == 2 * 4 * 4 * n_params + 2 * 8 * 32
     assert summary["inner_wire_bytes"] == 0
     steps = [e for e in read_events(tmp_path / "run", ("step",)) if e["rank"] == 0]
     assert [e["step"] for e in steps] == list(range(1, 9))

@@ -124,7 +124,12 @@ def test_matches_float64_reference(train_run, case):
         assert started == list(range((p + 1) * period, steps + 1, H))
         assert len(started) >= 3
     outer_comm = [e for e in read_events(run, ("comm",)) if e["group"] == "outer" and e["rank"] == 0 and e["tag"] != "init"]
-    assert sorted(e["tag"] for e in outer_comm) == sorted(f"frag{p}" for p, s in per_fragment.items() for _ in s)
+    expected = sorted(f"frag{p}" for p, s in per_fragment.items() for _ in s)
+    assert sorted(e["tag"] for e in outer_comm if not e["tag"].endswith("-norm")) == expected
+    # beside each exchange, the guard's norms (algorithms/guard.py): 4 float64s from each rank
+    norms = [e for e in outer_comm if e["tag"].endswith("-norm")]
+    assert sorted(e["tag"] for e in norms) == sorted(f"{t}-norm" for t in expected)
+    assert {(e["op"], e["payload_bytes"]) for e in norms} == {("all_gather", 32)}
 
 
 def test_outer_state_on_the_cpu_is_bitwise_the_same(train_runs):
