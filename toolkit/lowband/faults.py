@@ -27,7 +27,8 @@
                              update that gradient clipping cannot undo, so the loss spikes (a
                              flipped bit, a failing card); or what it sends at the first sync
                              that starts after STEP (each sync that starts after a step in
-                             STEP..LAST) is corrupted (once: a marker in RUN/logs/, as --kill's), as a faulty or hostile member's would be:
+                             STEP..LAST) is corrupted, as a faulty or hostile member's would be
+                             (once: a marker in RUN/logs/, as --kill's):
                              flip (its pseudo-gradient negated), scale:X (times X, e.g. -10),
                              nan (NaN in it). diloco and streaming send pseudo-gradients; the
                              sent kinds are refused for the others. A `fault` event says when

@@ -134,6 +134,7 @@ class Verdict:
     again: bool = False  # averaged again without the left-out replicas
     mine_lr: float = 0.0  # this rank's learning rates' sum over what it sent (its own check)
     scaled: float = 1.0  # the merge scaled down to the bound (an inconsistent claim)
+    norm: float | None = None  # the merge's norm, as it is applied (the sync event's)
 
     @property
     def everyone(self) -> bool:
@@ -143,7 +144,7 @@ class Verdict:
         return {"left_out": {str(r): list(v) for r, v in self.left_out.items()},
                 "weighed": self.weighed, "norms": self.norms, "bound": self.bound,
                 "again": self.again,
-                "scaled": self.scaled, "mine_lr": self.mine_lr}
+                "scaled": self.scaled, "mine_lr": self.mine_lr, "norm": self.norm}
 
     @classmethod
     def from_state(cls, s: dict | None) -> "Verdict | None":
@@ -151,7 +152,7 @@ class Verdict:
             return None
         return cls({int(r): tuple(v) for r, v in s["left_out"].items()}, list(s["weighed"]),
                    list(s["norms"]), float(s["bound"]), bool(s["again"]), float(s["scaled"]),
-                   float(s.get("mine_lr", 0.0)))
+                   float(s.get("mine_lr", 0.0)), s.get("norm"))
 
 
 def why_text(replica: int, step: int, why: tuple) -> str:
@@ -240,10 +241,11 @@ class Guarded:
             self.share, self.sent = redo.share, redo.sent
             self.residual = None if me else self.delta - redo.sent  # (error feedback's)
         if not v.everyone and math.isfinite(v.bound):
-            norm = self.guard.norm(value)
-            if norm > BOUND_SLACK * v.bound:
-                v.scaled = BOUND_SLACK * v.bound / norm
+            v.norm = self.guard.norm(value)
+            if v.norm > BOUND_SLACK * v.bound:
+                v.scaled = BOUND_SLACK * v.bound / v.norm
                 value.mul_(v.scaled)
+                v.norm = self.guard.norm(value)
         self.delta = None
         self.value = value
         return value.clone()
@@ -253,8 +255,10 @@ class Guard:
     """This rank's guard over one algorithm's syncs: the history of every replica's norms per
     fragment (the same on every rank), and the verdicts so far (summary.json's `left_out`)."""
 
-    def __init__(self, cfg, comm, topo):
-        self.cfg, self.comm, self.topo = cfg, comm, topo
+    def __init__(self, cfg, comm, topo, norm=None):
+        """norm: the algorithm's norm of a merged value over the whole fragment (every shard's
+        slice: Fragmented._norm), for the bound (wrap's exchanges only)."""
+        self.cfg, self.comm, self.topo, self.norm = cfg, comm, topo, norm
         self.on = getattr(cfg, "guard", "off") != "off"
         self.replica = getattr(topo, "replica", 0)
         self.history: dict[int, dict] = {}  # fragment -> {replica: [mean log norm, syncs]}
@@ -285,12 +289,6 @@ class Guard:
     def judge(self, fragment: int, rows) -> Verdict:
         return judge(rows, self.history.setdefault(fragment, {}), self.cfg)
 
-    def norm(self, value: torch.Tensor) -> float:
-        sq = value.double().pow(2).sum().reshape(1)
-        if self.topo.shards > 1:
-            sq = self.comm.all_reduce(sq, "inner", tag="bound").wait()
-        return math.sqrt(float(sq))
-
     def record(self, verdict: Verdict, step: int, fragment: int) -> list[dict]:
         """The records of one verdict (also kept for summary.json): one per left-out replica,
         and one where the merge was scaled down to its bound."""
@@ -301,7 +299,7 @@ class Guard:
                         "scaled": verdict.scaled,
                         "text": f"the merge at step {step} was larger than the norms the replicas "
                                 f"sent allow: scaled by {verdict.scaled:.3g}"})
-        self.records.extend(r for r in out if r not in self.records)
+            self.records.append(out[-1])
         return out
 
     def note(self, step: int, fragment, replica: int, why: tuple, everyone: bool) -> dict:

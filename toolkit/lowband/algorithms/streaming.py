@@ -132,7 +132,7 @@ class Streaming(Guarding, Graced, Paced, Fragmented, Algorithm):
         # with the state on the model's device.
         self.staging = Staging(device, topology.device)
         self.set_up_grace()  # --grace: the stand-in (algorithms/grace.py)
-        self.guard = Guard(c, comm, topology)  # --guard: every replica's update judged
+        self.guard = Guard(c, comm, topology, self._norm)  # --guard: every update judged
         self._good, self._best, self._rollbacks = None, math.inf, 0  # --rollback
         self.finished = False
         return optimizer
@@ -269,7 +269,8 @@ class Streaming(Guarding, Graced, Paced, Fragmented, Algorithm):
         if verdict is not None and verdict.everyone:  # every replica left out
             self._skip(f, at, "guard")
             return
-        norm = self._norm(delta)
+        norm = verdict.norm if verdict is not None and verdict.norm is not None else \
+            self._norm(delta)  # (the guard's bound took it)
         if not math.isfinite(norm):  # some replica's pseudo-gradient held NaN or inf
             self._skip(f, at)
             return
