@@ -193,6 +193,9 @@ def test_killed_worker_stops_the_job(tmp_path):
     assert time.time() - t0 < 15
     assert parent.returncode != 0
     assert "worker rank 1 was killed by SIGKILL" in err
+    # rank 0 (this terminal's) outlived it: no traceback of its failed collective, the sentence first
+    assert "Traceback" not in err and err.startswith(
+        "lowband: run directory r; its logs: r/logs\nlowband: error: worker rank 1"), err
     assert _workers_of(tmp_path) == []
 
 

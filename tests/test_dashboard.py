@@ -768,6 +768,29 @@ def test_export_html_is_offline_and_names_the_run(tmp_path):
     assert 'id="lowband-loss"' in text
 
 
+def test_the_report_names_one_peak_bandwidth_a_run(tmp_path):
+    """The summary table's "outer peak bandwidth" and the bandwidth figure's peak marker are one
+    figure (the highest bin of one link, on the same bins), with one run and with several."""
+    from lowband.dashboard.bandwidth_figure import bandwidth_spec
+    from lowband.dashboard.export import render_report
+    from lowband.dashboard.style import fmt_rate
+
+    # 200 steps: a run whose peak an earlier report gave as 1.25 MB/s in its table (200 bins),
+    # 2.5 MB/s in its figure (300) and 2.43 MB/s beside another run (its mean over its links)
+    runs = [small_run(tmp_path / "a", steps=200).root,
+            small_run(tmp_path / "b", steps=200, link_bandwidth=5e7, seed=3, step_s=0.05).root]
+    models = [RunModel(r).load() for r in runs]
+    peaks = [m.stats()["peak_outer_bytes_per_s"] for m in models]
+    assert peaks[0] > 0 and fmt_rate(peaks[0]) != fmt_rate(peaks[1])
+    for shown in ([models[0]], models):
+        marks = [t for t in bandwidth_spec(shown)[0] if t.get("mode") == "markers"]
+        assert [t["y"][0] for t in marks] == pytest.approx(peaks[:len(shown)])
+        assert all(f"peak {fmt_rate(p)}" in t["name"] for t, p in zip(marks, peaks))
+    page = render_report(runs)
+    cells = re.findall(r'<td data-key="peak_outer_bytes_per_s">([^<]*)', page)
+    assert [c.strip() for c in cells] == [fmt_rate(p) for p in peaks]
+
+
 def test_the_planned_error_is_formatted_by_the_shared_helper():
     from lowband.dashboard.comparison import cell
     from lowband.dashboard.style import fmt_value

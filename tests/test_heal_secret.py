@@ -8,7 +8,6 @@ one sentence naming it, and it meets nobody. In-process: torchft's Lighthouse an
 gloo on loopback."""
 
 import io
-import os
 import secrets
 import stat
 import threading

@@ -204,8 +204,8 @@ def test_a_sentence_stopping_every_rank_is_told_from_rank_0_though_rank_1_stoppe
         def poll(self):
             return self.code if time.monotonic() >= self.at else None
 
-        def terminate(self):
-            self.code, self.at = -15, 0
+        def kill(self):
+            self.code, self.at = -9, 0
 
         def wait(self, timeout=None):
             return self.poll()

@@ -7,7 +7,6 @@ import io
 import os
 import re
 import sys
-from pathlib import Path
 
 import pytest
 

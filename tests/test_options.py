@@ -173,7 +173,7 @@ def test_one_set_of_what_a_resume_may_change(tmp_path):
     saved = Config(model="nano", steps=8, algo="diloco").validate()
     (run / "config.json").write_text(json.dumps({**saved.to_dict(), "run_dir": str(run)}))
     changed = {"steps": 9, "stop_after": 3, "crash_checkpoint": 2, "progress": True,
-               "auto_resume": True, "overwrite": True, "run_dir": str(run)}
+               "auto_resume": True, "overwrite": True, "oversubscribe": True, "run_dir": str(run)}
     assert set(changed) == set(RESUME_MAY_CHANGE)
     flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}")
              for k, v in changed.items() if k != "run_dir"]

@@ -3,6 +3,7 @@ the recommendation of H and codec, and the probe of a step's compute."""
 
 import json
 import math
+import os
 
 import pytest
 
@@ -107,3 +108,23 @@ def test_the_probe_measures_a_step_here(capsys):
                  "--compare", "none"]) == 0
     row = json.loads(capsys.readouterr().out)["algorithms"]["ddp"]
     assert 0 < row["inputs"]["step_time"] < 5
+
+
+def test_plan_alone_probes_the_main_job_and_names_a_finished_run(capsys, tmp_path, monkeypatch):
+    """`lowband plan` with no flags: the main job, its step probed here (said on stderr before
+    the probe), and at the end how to plan a finished run: the newest under ./runs if any."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("ddp-1", "streaming-2"):  # two finished runs, streaming-2 the newer
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "summary.json").write_text("{}")
+    (tmp_path / "runs" / "unfinished").mkdir()
+    older = (tmp_path / "runs" / "ddp-1").stat().st_mtime - 60
+    os.utime(tmp_path / "runs" / "ddp-1", (older, older))
+    assert main([]) == 0
+    out, err = capsys.readouterr()
+    assert err.startswith("lowband plan: no --step-time given: probing the main job's step on "
+                          "this machine (7 steps"), err
+    header, last = out.splitlines()[0], out.rstrip().splitlines()[-1]
+    assert header.startswith("837k params, 4 blocks, step ") and "R=2 S=1" in header
+    assert "streaming (this config)" in out
+    assert last == "to plan from a finished run: lowband plan --config runs/streaming-2"

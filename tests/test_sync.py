@@ -135,13 +135,25 @@ BAD = textwrap.dedent('''
     said(lambda: Sync(m, opt, "ddp", fragments=2, run_dir="r3"))
     said(lambda: Sync(m, opt, "ddp", sync_every=5, run_dir="r4"))
     said(lambda: Sync(m, opt, "streaming", lr=0.1, run_dir="r5"))
+    said(lambda: Sync(m, opt, "diloco", sync_evry=10, run_dir="r6"))
+    said(lambda: Sync(m, opt, "diloco", link_latency="10", run_dir="r7"))
     print("DIRS", sorted(d for d in os.listdir(".") if d.startswith("r")))
     sync = Sync(m, opt, "diloco", sync_every=2, link_bandwidth="", run_dir="ok")
-    said(lambda: Sync(m, opt, "diloco", run_dir="again"))
-    said(lambda: sync.step(loss=1.0))
-    print("SAME", all(torch.equal(a, b) for a, b in zip(before, m.parameters())))
     print("EVENTS", sorted({e.split('"kind":"')[1].split('"')[0]
                             for e in open("ok/events/rank0.jsonl")}))
+    said(lambda: Sync(m, opt, "diloco", run_dir="again"))
+    said(lambda: sync.step(loss=1.0))
+    print("GONE", sorted(os.listdir(".")))  # refused at its first step: its directory removed
+    print("SAME", all(torch.equal(a, b) for a, b in zip(before, m.parameters())))
+    sync = Sync(m, opt, "diloco", sync_every=2, link_bandwidth="", run_dir="twice")  # free again
+    for skipped in (False, True):  # a step AMP's scaler skipped has its backward, no update
+        sum(p.sum() for p in m.parameters()).backward()
+        if not skipped:
+            opt.step()
+        opt.zero_grad()
+        sync.step(loss=1.0)
+    said(lambda: sync.step(loss=1.0))
+    print("STEPS", sync.done.step)
 ''')
 
 
@@ -153,18 +165,22 @@ def test_bad_input_gets_one_sentence_and_changes_nothing(tmp_path):
                           timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = [line[5:] for line in proc.stdout.splitlines() if line.startswith("SAID ")]
-    assert len(said) == 7 and "nothing" not in said, proc.stdout
+    assert len(said) == 10 and "nothing" not in said, proc.stdout
     assert said[0].startswith("the optimizer does not own 5 of the model's 7 trainable parameters")
     assert said[1].startswith("lowband.Sync cannot run algo='acco': it owns the inner step")
     assert said[2].startswith("--fragments applies only to --algo")
     assert said[3].startswith("sync_every= is read only by algo diloco or streaming") and \
         said[3].endswith("so algo='ddp' would ignore it: remove it from lowband.Sync."), said[3]
     assert said[4].startswith("lr= is an option of `lowband train`'s own loop (--lr)")
-    assert said[5].startswith("this model is already wrapped by a lowband.Sync")
-    assert said[6].startswith("sync.step() was called before the optimizer's step")
+    assert said[5].startswith("unknown option sync_evry: did you mean sync_every? ")
+    assert said[6].startswith("--link-latency 10 has no unit: did you mean 10ms? ")
+    assert said[7].startswith("this model is already wrapped by a lowband.Sync")
+    assert said[8].startswith("sync.step() was called before the optimizer's step")
+    assert said[9].startswith("sync.step() was called twice in step 2, with no backward pass")
     assert all(s.endswith(".") and s.count(". ") == 0 for s in said), said
     assert "DIRS []" in proc.stdout  # refused before the run directory was made
     assert "SAME True" in proc.stdout and "EVENTS ['run']" in proc.stdout, proc.stdout
+    assert "GONE ['bad.py']" in proc.stdout and "STEPS 2\n" in proc.stdout, proc.stdout
 
 
 def test_each_algorithm_says_how_it_fits_your_loop(monkeypatch):

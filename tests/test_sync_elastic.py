@@ -9,7 +9,6 @@ elastic options reach the script's Sync from its environment, and what is refuse
 import json
 import os
 import signal
-import sys
 import textwrap
 import time
 

@@ -12,7 +12,7 @@ import sys
 
 from lowband.config import Config
 from lowband.flags import parse_train
-from lowband.options import WORKER_ENV, UserError
+from lowband.options import WORKER_ENV, UserError, filesystem_error
 from lowband.summary import comparison, one_line
 
 
@@ -20,6 +20,10 @@ def refused(e: UserError) -> int:
     """Every command's end on an error a user can fix or must know of (a UserError): its one
     sentence on stderr, no traceback; the exit status it names (2: bad input)."""
     print(f"lowband: {e.label}{e}", file=sys.stderr)
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:  # a worker under torchrun: its summary says it
+        from lowband.launch.local import tell_agent
+
+        tell_agent(f"lowband: {e.label}{e}")
     return e.code
 
 
@@ -33,7 +37,10 @@ def cmd_train(argv: list[str]) -> int:
     if is_worker():
         import torch.distributed as dist
 
+        from lowband.checkpoint.preempt import HANDLER
         from lowband.train import train
+
+        HANDLER.install()  # SIGTERM, SIGUSR1: every rank stops at one step, checkpointed (exit 5)
 
         def leave(code: int):
             """Flush what this process wrote, wait for the other ranks when it finished
@@ -56,6 +63,11 @@ def cmd_train(argv: list[str]) -> int:
             os._exit(code)
 
         try:
+            if os.environ["RANK"] == "0" and not os.environ.get(WORKER_ENV):  # torchrun's: this
+                from lowband.launch.fits import fit_here  # node's ranks against its machine
+
+                fit_here(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
+                         notes=False)
             summary = train(cfg, resume=resume)  # its files (events, summary, weights) are closed
             if summary and not os.environ.get(WORKER_ENV):  # not `lowband train`'s own
                 # a launched job's log (stderr: the stream schedulers keep) ends with the result
@@ -72,7 +84,14 @@ def cmd_train(argv: list[str]) -> int:
             leave(refused(e))
         except KeyboardInterrupt:
             leave(130)
-        except BaseException:  # a bug: its traceback, then the same direct exit
+        except BaseException as e:  # a bug: its traceback, then the same direct exit
+            fault = filesystem_error(e, cfg.run_dir, code=3)  # a full disk, a run directory gone
+            if fault is not None:
+                leave(refused(fault))
+            from lowband.launch.local import peer_lost, quiet_end
+
+            if peer_lost(e):  # not a bug: another worker died first, and is the one named
+                leave(quiet_end(e))
             import traceback
 
             traceback.print_exc()
@@ -105,6 +124,8 @@ def launch_local(cfg: Config, argv: list[str], resume: bool = False) -> int:
 
 
 DIVERGED = 4  # the exit status of a run that finished with a diverged loss (summary.json)
+# PREEMPTED (lowband.options), 5: a run SIGTERM or SIGUSR1 stopped after writing a checkpoint,
+# which `lowband train --resume RUN` continues (checkpoint/preempt.py, docs/faults.md)
 
 
 def diverged(summary: dict) -> str:
@@ -175,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
         return refused(e)
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # a full disk, a read-only directory, a file where a directory goes
+        fault = filesystem_error(e)
+        if fault is None:
+            raise
+        return refused(fault)
 
 
 if __name__ == "__main__":

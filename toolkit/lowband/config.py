@@ -27,9 +27,10 @@ from types import MappingProxyType
 
 from lowband.algorithms import ALGORITHMS, option_groups, registry, users
 from lowband.comm.membership.elastic import ElasticOptions
-from lowband.comm.link import LinkOptions
+from lowband.comm.link import LinkOptions, with_units
 from lowband.faults import FaultOptions
-from lowband.options import ArgParser, ConfigError, Options, flag, option  # noqa: F401 (re-exported)
+from lowband.options import (ArgParser, ConfigError, Options, close_match, flag,  # noqa: F401
+                             option)  # (ArgParser, ConfigError re-exported)
 from lowband import models
 from lowband.models import ModelOptions
 
@@ -105,6 +106,9 @@ class RunOptions(Options):
     compile: bool = _f(False, "torch.compile each block's forward (hooks and communication stay "
                        "eager)")
     progress: bool = _f(True, "show a progress bar on rank 0 (when its stderr is a terminal)")
+    oversubscribe: bool = _f(False, "start the workers even where the ranks far outnumber this "
+                             "machine's cores or their memory estimate exceeds its available "
+                             "memory (launch/fits.py), which is refused before any worker starts")
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -157,7 +161,7 @@ GROUPS = [*COMMON_GROUPS, *option_groups(builtin=True)]
 # relaunch into a directory whose run differs in any other is not continued (flags.py,
 # checkpoint/lifecycle.py), both with RESUME_RULE.
 RESUME_MAY_CHANGE = ("steps", "stop_after", "crash_checkpoint", "progress", "auto_resume",
-                     "overwrite", "run_dir")
+                     "overwrite", "oversubscribe", "run_dir")
 _MAY = [flag(n) for n in RESUME_MAY_CHANGE if n != "run_dir"]
 RESUME_RULE = (f"a continued run keeps its own config: only {', '.join(_MAY[:-1])} and "
                f"{_MAY[-1]} may change")
@@ -233,8 +237,11 @@ class Config(*reversed(GROUPS)):
         known = {f.name for f in dataclasses.fields(cls)}
         for key in values:
             if key.replace("-", "_") not in known:
-                raise ConfigError(f"unknown key '{key}' in {source}: remove it or use one of the "
-                                  "`lowband train --help` options.")
+                meant = close_match(key.replace("-", "_"), known)
+                spelled = meant and (meant.replace("_", "-") if "-" in key else meant)
+                hint = (f"did you mean {spelled}? (or remove it)" if meant else
+                        "remove it or use one of the `lowband train --help` options")
+                raise ConfigError(f"unknown key '{key}' in {source}: {hint}.")
         cfg = cls()
         for key, value in values.items():
             name = key.replace("-", "_")
@@ -273,7 +280,8 @@ class Config(*reversed(GROUPS)):
             values.pop("meta", None)  # what the run measured about itself, not options
             values.pop("run_dir", None)  # a repeat gets its own directory
             values.pop("overwrite", None)
-            return cls.from_dict(values, source=str(file))
+            values.pop("oversubscribe", None)  # (this machine's to decide)
+            return cls.from_dict(with_units(values), source=str(file))
         try:
             values = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:

@@ -30,7 +30,7 @@ from lowband import models
 from lowband.config import Config
 from lowband.models import SIZES, load_weights
 from lowband.options import ArgParser, ConfigError, needs_extra
-from lowband.telemetry import RunDir
+from lowband.telemetry import RunDir, os_fault
 
 NEEDS = ("hf", "lowband export", "transformers")  # needs_extra's: asked before anything is read
 
@@ -96,16 +96,22 @@ def export(run_dir, output, which: str = "local", overwrite: bool = False) -> Pa
         load_weights(net, outer, "outer.pt", partial=True)
     model = source.to_hf(net, meta)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
+    tmp = None
+    try:  # written beside, then renamed: a fault (a full disk) leaves no half a model
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
         model.save_pretrained(tmp)
         _tokenizer(run.root, meta, tmp)
         if out.exists():  # empty, or --overwrite
             shutil.rmtree(out)
         tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        fault = os_fault(e, out)  # named as the output (lowband prints it in one sentence)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if fault is not None:
+            raise fault from e
+        raise
     return out
 
 

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import importlib.util
+import os
 from dataclasses import field
 from typing import ClassVar
 
@@ -63,10 +65,16 @@ NODE_ENV = _variable("LOWBAND_NODE", "a node's name: its log is RUN_DIR/logs/<na
 NODE_LOG_ENV = _variable("LOWBAND_NODE_LOG", "set for a node agent's own process, under its tee")
 WORKER_ENV = _variable("LOWBAND_WORKER", "1: a worker `lowband train` started itself "
                        "(launch/local.py)")
+REQUEUE_ENV = _variable("LOWBAND_REQUEUE", "1: a Slurm job that requeues itself when SIGUSR1 "
+                        "stops it (lowband launch --requeue; checkpoint/preempt.py)")
 # the user's
 ALGORITHMS_ENV = _variable("LOWBAND_ALGORITHMS", "algorithm modules or .py files to import, "
                            "separated by os.pathsep")
 CACHE_ENV = _variable("LOWBAND_CACHE", "the cache directory (default ~/.cache/lowband)")
+
+
+PREEMPTED = 5  # the exit status of a run SIGTERM or SIGUSR1 stopped after a checkpoint (docs/faults.md)
+PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1")  # what stops a run that way (checkpoint/preempt.py)
 
 
 class UserError(Exception):
@@ -80,6 +88,78 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """Input a user can fix; its message is one sentence naming the fix."""
+
+
+class FilesystemError(UserError):
+    """A filesystem fault (a full disk, a read-only filesystem, a directory removed, a file
+    where a directory should be) told in one sentence naming the path and the fix
+    (filesystem_error). code: 2 before a run starts, 3 for a run it stopped mid-way."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_FS_FAULTS = (*_FULL, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EEXIST,
+              errno.ENOTDIR, errno.EISDIR)
+
+
+def filesystem_error(e: BaseException, where=None, code: int = 2) -> FilesystemError | None:
+    """The one sentence for a filesystem fault in `e` or in an error it was raised from (torch.save
+    raises a RuntimeError from a full disk's OSError); None for any other error. where: the
+    directory being written (a run directory), named with the file the error names, or alone
+    where it names none. code: 2 for a command refused before it started, 3 for a run stopped
+    mid-way (whose result files are whole or absent, and whose last checkpoint is intact)."""
+    seen = set()
+    while e is not None and id(e) not in seen and not (
+            isinstance(e, OSError) and e.errno in _FS_FAULTS):
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    if e is None or id(e) in seen:
+        return None
+    path = os.fspath(e.filename) if e.filename else None
+    subject = path or (os.fspath(where) if where else "the output")
+    inside = where and (not path or os.path.abspath(path).startswith(
+        os.path.abspath(where) + os.sep))  # a file of the run directory
+    if path and inside:
+        subject = f"{os.fspath(where)} (writing {os.path.relpath(path, where)})"
+    if e.errno in _FULL:
+        what = "no space left" if e.errno == errno.ENOSPC else "the disk quota is used up"
+        kept = ("; results are written whole or not at all, and the run's last checkpoint, if "
+                "any, is intact" if code == 3 else "")
+        other = "give --run-dir on another disk" if code == 3 else "write on another disk"
+        text = f"{what} on the device of {subject}: free space, or {other}{kept}"
+    elif e.errno == errno.EROFS:
+        text = (f"{subject} is on a read-only filesystem: give a path on a writable one "
+                "(--run-dir, --dir, -o), or run from a writable directory")
+    elif e.errno in (errno.EACCES, errno.EPERM):
+        text = (f"permission denied on {subject}: give a path you may write to, or change its "
+                "permissions")
+    elif e.errno == errno.ENOENT and code == 3 and inside:
+        text = (f"cannot write {subject}: its directory was removed while the run was writing to "
+                "it, so the run stopped; start it again in a directory that stays")
+    elif e.errno == errno.ENOENT:
+        text = f"{subject} does not exist: give another path, or create it"
+    elif e.errno == errno.EISDIR:
+        text = f"{path or subject} is a directory where a file should be: give a file name"
+    else:  # EEXIST, ENOTDIR: the file in the way (the deepest part of the path that exists)
+        parts = [p for p in [path, *_parents(path)] if p and os.path.lexists(p)]
+        if parts and not os.path.isdir(parts[0]):
+            text = (f"{parts[0]} is a file where a directory should be: give another path, or "
+                    "move the file away")
+        else:
+            text = f"cannot write {subject} ({e.strerror}): give another path"
+    return FilesystemError(text + ".", code)
+
+
+def _parents(path: str | None) -> list[str]:
+    """path's parents, nearest first."""
+    out = []
+    while path and os.path.dirname(path) not in ("", path):
+        path = os.path.dirname(path)
+        out.append(path)
+    return out
 
 
 def missing_extra(extra: str, what: str, module: str) -> ConfigError:
@@ -119,8 +199,6 @@ class ArgParser(argparse.ArgumentParser):
     def meant(self, message: str) -> list[str]:
         """The options an unrecognized flag in `message` may stand for: those it begins (an
         abbreviation), else the closest spelling."""
-        import difflib
-
         if not message.startswith("unrecognized arguments:"):
             return []
         known = [s for s in self._option_string_actions if s.startswith("--")]
@@ -129,8 +207,17 @@ class ArgParser(argparse.ArgumentParser):
             if not given.startswith("--") or given in known:
                 continue
             started = sorted((s for s in known if s.startswith(given)), key=len)[:3]
-            return started or difflib.get_close_matches(given, known, n=1, cutoff=0.75)
+            return started or [m for m in [close_match(given, known)] if m]
         return []
+
+
+def close_match(given: str, known, cutoff: float = 0.75) -> str | None:
+    """The one of `known` that `given` most likely misspells (difflib's closest, None when none
+    is close): the did-you-mean of a flag, an option of lowband.Sync, a config key, a recipe."""
+    import difflib
+
+    found = difflib.get_close_matches(given, list(known), n=1, cutoff=cutoff)
+    return found[0] if found else None
 
 
 def option(default, help: str, choices=None, kind=None, shown=None):

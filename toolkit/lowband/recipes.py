@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lowband.config import Config, ConfigError
+from lowband.options import close_match
 
 
 @dataclass(frozen=True)
@@ -115,8 +116,10 @@ RECIPES = {r.name: r for r in (main, ddp, quickstart, diloco_paper, streaming_pa
 
 def get(name: str) -> Recipe:
     if name not in RECIPES:
-        raise ConfigError(f"unknown recipe '{name}': use one of {', '.join(RECIPES)} "
-                          "(`lowband recipes` lists them).")
+        meant = close_match(name, RECIPES)
+        raise ConfigError(f"unknown recipe '{name}': " + (
+            f"did you mean {meant}? (`lowband recipes` lists them)" if meant else
+            f"use one of {', '.join(RECIPES)} (`lowband recipes` lists them)") + ".")
     return RECIPES[name]
 
 

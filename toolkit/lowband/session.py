@@ -41,7 +41,7 @@ from lowband.config import Config
 from lowband.ledger import Ledger
 from lowband.models import num_params
 from lowband.params import digest, flatten, is_dtensor, write_flat
-from lowband.telemetry import EventWriter, write_json_atomic
+from lowband.telemetry import EventWriter, atomic_path, write_json_atomic
 
 
 @dataclass
@@ -186,11 +186,12 @@ class Session:
         if val_loss is not None:
             self.evaluated(val_loss, elapsed, outer, everyone, step)
 
-    def maybe_checkpoint(self, step: int, last: bool) -> None:
+    def maybe_checkpoint(self, step: int, last: bool, now: bool = False) -> None:
         """The checkpoint rule, after inner step `step` (1-based; last: the run's last step):
-        every --checkpoint-every steps of the run's schedule and at the end."""
+        every --checkpoint-every steps of the run's schedule and at the end; `now`: here in
+        any case (a run a signal stopped: checkpoint/preempt.py)."""
         every, at = self.cfg.checkpoint_every, self.algo.run_step(step)
-        if every and (last or at is not None and at % every == 0):
+        if now or every and (last or at is not None and at % every == 0):
             self.checkpoint()
 
     def checkpoint(self) -> None:
@@ -260,9 +261,12 @@ class Session:
         dist.all_gather_object(everyone, mine)
         weights = _full_weights(self.model, dist.get_rank())
         if dist.get_rank() == 0 and topo.replica == self._first_group():
-            torch.save(weights, self.run.root / "model.pt")
+            # whole or not at all: a full disk leaves no truncated model.pt (telemetry.atomic_path)
+            with atomic_path(self.run.root / "model.pt") as tmp, open(tmp, "wb") as f:
+                torch.save(weights, f)
             if outer is not None:
-                torch.save({k: v.cpu() for k, v in outer.items()}, self.run.root / "outer.pt")
+                with atomic_path(self.run.root / "outer.pt") as tmp, open(tmp, "wb") as f:
+                    torch.save({k: v.cpu() for k, v in outer.items()}, f)
         one_step = _ddp_one_step(self.model, cfg)
         if cfg.elastic:  # each group's ranks; the launcher writes summary.json from every group's
             if dist.get_rank() == 0:

@@ -8,7 +8,8 @@ runs/<name>/model.pt, outer.pt     final weights; checkpoints/ with --checkpoint
 
 A directory holds a run once it has a config, a summary, weights, an event file or a
 checkpoint; a new run starts only in one that holds none (RunDir.claim), so two runs never
-share event files.
+share event files. Its result files (config.json, summary.json, model.pt, outer.pt, report.html)
+are written whole or not at all (atomic_path): a full disk or a crash leaves no truncated one.
 
 Every event carries v (schema version), t (unix seconds), rank, replica and kind. Kinds:
   step  step, loss, lr, tokens (cumulative, this rank), step_s, compute_s, elapsed_s
@@ -35,8 +36,11 @@ Readers skip a torn last line, damaged lines, unknown fields and unknown kinds.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -142,10 +146,20 @@ class RunDir:
                 or any(self.events.glob("rank*.jsonl"))
                 or (self.checkpoints.is_dir() and any(self.checkpoints.iterdir())))
 
+    def trained(self) -> bool:
+        """Whether a run took a step here (a step event, a checkpoint or a result): a directory
+        made for a run refused before its first step holds none, and its launcher removes it."""
+        return (any((self.root / n).exists() for n in self.RUN_FILES if n != "config.json")
+                or (self.checkpoints.is_dir() and any(self.checkpoints.iterdir()))
+                or any(self.count_events(int(p.stem[len("rank"):]), "step")
+                       for p in self.events.glob("rank*.jsonl")))
+
     def clear(self) -> None:
         """Remove what a run left here: its files, events, checkpoints and workers' logs."""
         for name in self.RUN_FILES:
             (self.root / name).unlink(missing_ok=True)
+            for tmp in self.root.glob(f"{name}.tmp*"):  # a write killed mid-way (atomic_path)
+                tmp.unlink(missing_ok=True)
         for d in (self.events, self.checkpoints, self.groups):
             shutil.rmtree(d, ignore_errors=True)
         for log in [*self.logs.glob("rank*.log"), *self.logs.glob("replica*.log"),
@@ -169,6 +183,40 @@ class RunDir:
             return None
 
 
+def to_make(path: Path) -> list[Path]:
+    """path and those of its parents that do not exist yet, deepest first: the directories
+    making it creates, which a refused run removes again (unmake)."""
+    made = []
+    for p in [Path(path), *Path(path).parents]:
+        if p.exists() or p.is_symlink():
+            break
+        made.append(p)
+    return made
+
+
+def unmake(run: RunDir, made: list[Path]) -> None:
+    """A run refused before its first step leaves no directory it made: unless a step was taken
+    in it (RunDir.trained), the run directory goes whole where it was made for the run (`made`,
+    deepest first, from to_make), else what the run wrote in it (RunDir.clear); then the new
+    parents, while empty (another run may have started in one meanwhile)."""
+    if run.trained():
+        return
+    if made and made[0] == run.root:
+        shutil.rmtree(run.root, ignore_errors=True)
+        made = made[1:]
+    else:
+        run.clear()
+        made = [run.logs, run.events, run.checkpoints, *made]
+    for d in made:
+        try:
+            d.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError:  # not empty: another run's, or the user's own files
+            if d not in (run.logs, run.events, run.checkpoints):
+                return
+
+
 def new_run_dir(algo: str) -> RunDir:
     """A fresh runs/<algo>-<time> (with -2, -3, ... when that name is taken), created at once
     so that two runs started in the same second never share it."""
@@ -183,11 +231,70 @@ def new_run_dir(algo: str) -> RunDir:
     raise ConfigError(f"runs/ has no free name like {base}: pass --run-dir.")
 
 
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike):
+    """A temporary name beside `path` for a result file written whole: the block writes it,
+    then it is synced to disk and renamed onto `path`, so a reader, a crash or a full disk
+    finds the old file or the new one, never half of one. On failure the temporary file is
+    removed and the OSError (also one torch.save raised a RuntimeError from) names `path`."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        yield tmp
+        _fsync(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        fault = os_fault(e, path)  # (before the removal frees the disk)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if fault is not None:
+            raise fault from e
+        raise
+    with contextlib.suppress(OSError):  # the rename itself outlives a power cut
+        _fsync(path.parent)
+
+
+def os_fault(e: BaseException, path: str | os.PathLike) -> OSError | None:
+    """The filesystem's fault under a failed write of `path`, as an OSError naming `path`
+    (lowband tells it in one sentence: options.filesystem_error), or None: `e` itself, an error
+    it was raised from (torch.save raises a RuntimeError from a full disk's OSError), a failed
+    DCP save's ranks' (CheckpointException.failures), or Rust's words for one ("(os error 28)":
+    safetensors); where the writer lost it (DCP's writers), a full disk is told by its free
+    blocks."""
+    if isinstance(e, (KeyboardInterrupt, SystemExit)):
+        return None
+    for err in [f[0] for f in getattr(e, "failures", {}).values()] or [e]:
+        seen = set()
+        while err is not None and id(err) not in seen:
+            seen.add(id(err))
+            if isinstance(err, OSError) and err.errno is not None:
+                return OSError(err.errno, err.strerror, os.fspath(path))
+            rust = re.search(r"\(os error (\d+)\)", str(err))
+            if rust:
+                code = int(rust.group(1))
+                return OSError(code, os.strerror(code), os.fspath(path))
+            err = err.__cause__ or err.__context__
+    try:
+        if os.statvfs(Path(path).parent).f_bavail == 0:
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
+    except OSError:
+        pass
+    return None
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_json_atomic(path: Path, obj) -> None:
-    """Write beside, then rename: a reader sees the old file or the new one, never half."""
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    """Write beside, then rename (atomic_path): a reader sees the old file or the new one,
+    never half."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 class EventWriter:

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from lowband.algorithms.pace import accums
+from lowband.checkpoint.preempt import HANDLER as preempt, stopped
 from lowband.clock import RunClock
 from lowband.comm import topology as topo_mod
 from lowband.comm.membership.elastic import replica_of_env
@@ -117,6 +118,8 @@ def _train(session: Session, tokens, model, blocks):
     bar = _progress(cfg, topo.rank, _bar_at(cfg, algo, clock, done.step - 1) if done.step else 0)
     # a resumed run whose budget was spent ends at once
     time_up = clock.ends_after(session.run_step())
+    preempt.start(cfg, algo)  # SIGTERM, SIGUSR1: every rank stops after one step, checkpointed
+    signalled = 0
     while not time_up:
         t0 = time.perf_counter()
         if algo.should_stop(done.step):  # after --steps by default; aedit decides (and syncs)
@@ -144,16 +147,21 @@ def _train(session: Session, tokens, model, blocks):
         # --time-budget: decided where every rank is (after the event: it moves the lr's fraction)
         time_up = at is not None and clock.ends_after(at)
         ends = algo.ends_after(step + 1) or time_up  # the final evaluation follows the loop
+        signalled = preempt.stops(at, ends)  # (a collective every few steps, where noted)
         with clock.paused():
             if cfg.eval_every and at is not None and at % cfg.eval_every == 0 and not ends:
                 session.evaluate(lambda: _val_loss(session, batches), elapsed, lockstep, at)
-            session.maybe_checkpoint(step + 1, ends or at == cfg.stop_after)
+            session.maybe_checkpoint(step + 1, ends or at == cfg.stop_after, now=bool(signalled))
         if bar is not None:
             tok_s = done.tokens * topo.world / max(clock.seconds(), 1e-9)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:.0f}")
             bar.update(max(min(_bar_at(cfg, algo, clock, step), bar.total) - bar.n, 0))
-        if at == cfg.stop_after:
+        if at == cfg.stop_after or signalled:
             break
+    if signalled:  # one sentence and exit status 5: where it stopped, how it continues
+        if bar is not None:
+            bar.close()
+        raise stopped(session, signalled, at)
     # exchanges still in flight land before the final evaluation
     summary = session.finish(lambda: _val_loss(session, batches),
                              sum(accums(cfg)) * cfg.shards * cfg.batch_size * cfg.seq_len)

@@ -10,8 +10,9 @@ runs/<name>/checkpoints/step-00000040/
 
 A checkpoint is written into step-XXXXXXXX.tmp and made current by one rename on rank 0, so a
 crash mid-write leaves the previous checkpoint as the latest loadable one; a leftover .tmp is
-ignored and cleared by the next save. The last `keep` checkpoints are kept. Everything is
-loaded with weights_only=True (DCP's own non-tensor items too, see _WeightsOnlyPlanner).
+ignored and cleared by the next save (a save that fails, on a full disk say, removes it). The
+last `keep` checkpoints are kept. Everything is loaded with weights_only=True (DCP's own
+non-tensor items too, see _WeightsOnlyPlanner).
 
 Before a resume, `newest_intact` checks each checkpoint's files against its manifest, newest
 first, and passes over damaged ones; checkpoints written before manifests existed are taken as
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from lowband.options import ConfigError
-from lowband.telemetry import RunDir
+from lowband.telemetry import RunDir, os_fault
 
 
 def _weights_only_planner():
@@ -136,13 +137,23 @@ def save(run: RunDir, step: int, model, optimizer, algo, replica: int, extra,
     dist.barrier()
     state = {"algorithm": algo.state_dict()}  # drains exchanges in flight first
     state.update(extra())
-    dcp.save(_model_state(model, optimizer, replica), checkpoint_id=tmp)
-    torch.save(state, tmp / f"rank{rank}.pt")
-    dist.barrier()
-    if crash_before_rename:  # --crash-checkpoint: the fault the atomic rename protects against
-        os._exit(17)
+    try:
+        dcp.save(_model_state(model, optimizer, replica), checkpoint_id=tmp)
+        with open(tmp / f"rank{rank}.pt", "wb") as f:  # (a file: a full disk's OSError is kept)
+            torch.save(state, f)
+        dist.barrier()
+        if crash_before_rename:  # --crash-checkpoint: what the atomic rename protects against
+            os._exit(17)
+        if rank == 0:
+            _write_manifest(tmp)  # every rank's files are complete after the barrier
+    except BaseException as e:
+        fault = os_fault(e, final)  # (before the removal frees the disk)
+        if rank == 0:  # no half-written checkpoint is left behind
+            shutil.rmtree(tmp, ignore_errors=True)
+        if fault is not None:
+            raise fault from e
+        raise
     if rank == 0:
-        _write_manifest(tmp)  # every rank's files are complete after the barrier
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in sorted(p for p in final.parent.glob("step-*") if p.is_dir())[:-keep]:

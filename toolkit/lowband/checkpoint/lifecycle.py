@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from lowband import checkpoint
 from lowband.config import RESUME_MAY_CHANGE, RESUME_RULE, Config, ConfigError
+from lowband.options import filesystem_error
 from lowband.telemetry import RunDir, new_run_dir
 
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # torchrun's count of a worker group's restarts
@@ -72,11 +73,17 @@ def resolve_run_dir(cfg: Config, resume: bool) -> RunDir:
     others."""
 
     def pick():
-        if not cfg.run_dir:
-            return str(new_run_dir(cfg.algo).root)
-        if not resume and not cfg.elastic:  # an elastic run's launcher claimed it for every group
-            RunDir(cfg.run_dir).claim(cfg.overwrite)
-        return cfg.run_dir
+        try:
+            if not cfg.run_dir:
+                return str(new_run_dir(cfg.algo).root)
+            if not resume and not cfg.elastic:  # an elastic run's launcher claimed it for all
+                RunDir(cfg.run_dir).claim(cfg.overwrite)
+            return cfg.run_dir
+        except OSError as e:  # a read-only disk, a file in the way: every rank stops with it
+            fault = filesystem_error(e)
+            if fault is None:
+                raise
+            raise ConfigError(str(fault)) from None
 
     cfg.run_dir = decided_by_rank0(pick)
     return RunDir(cfg.run_dir).create()
@@ -168,6 +175,8 @@ def resume_point(run: RunDir, group: int | None, required: bool = True) -> Path 
         for bad, why in damaged:
             print(f"lowband: checkpoint {bad} is damaged ({why}), so the run resumes from "
                   f"{path.name}.", file=sys.stderr, flush=True)
+        print(f"lowband: resuming {run.root} from step {int(path.name.split('-')[1])} "
+              f"(checkpoint {path.name})", file=sys.stderr, flush=True)
         return str(path)
 
     path = decided_by_rank0(pick)

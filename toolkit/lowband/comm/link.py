@@ -16,16 +16,18 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from lowband.options import ConfigError, Options, option
-from lowband.units import parse_bandwidth, parse_duration
+from lowband.options import ConfigError, Options, flag, option
+from lowband.units import missing_unit, parse_bandwidth, parse_duration
 
 
 @dataclass
 class LinkOptions(Options):
     title = "emulated outer link (every algorithm)"
-    link_bandwidth: str = option("100Mbit", "emulate the outer link's bandwidth, e.g. 100Mbit or "
-                                 "1Gbit; none: no emulated link (nor its latency)")
-    link_latency: str = option("10ms", "emulated outer link latency, e.g. 20ms")
+    link_bandwidth: str = option("100Mbit", "emulate the outer link's bandwidth, with its unit: "
+                                 "100Mbit, 1Gbit, 500kbit; none: no emulated link (nor its "
+                                 "latency)")
+    link_latency: str = option("10ms", "emulated outer link latency, with its unit: 20ms, 150us, "
+                               "1s (0: none)")
 
     @classmethod
     def resolve(cls, cfg, algorithm) -> None:
@@ -35,6 +37,13 @@ class LinkOptions(Options):
 
     @classmethod
     def check(cls, cfg) -> None:
+        """Each value readable, and written with its unit when it is text (units.missing_unit:
+        --link-latency 10 would be 10 s, --link-bandwidth 1000 1000 bit/s); a number given as a
+        number (Python's 1e8: bit/s) is taken as it is."""
+        for name, kind in (("link_bandwidth", "bandwidth"), ("link_latency", "latency")):
+            why = missing_unit(getattr(cfg, name), kind)
+            if why:
+                raise ConfigError(f"{flag(name)} {str(getattr(cfg, name)).strip()} {why}")
         try:
             bits = parse_bandwidth(cfg.link_bandwidth or 0)
         except ValueError as e:
@@ -56,6 +65,19 @@ class LinkOptions(Options):
 
 
 NONE = ("", "none")  # --link-bandwidth values that mean no emulated link
+
+
+def with_units(values: dict) -> dict:
+    """A run's saved options (its config.json) with a bare-number link_bandwidth or link_latency
+    (text, or a number a Python caller gave) written in the units it ran with (bit/s, seconds):
+    runs saved before LinkOptions.check refused them are resumed and repeated as they ran."""
+    values = dict(values)
+    for name, kind, unit in (("link_bandwidth", "bandwidth", "bit"),
+                             ("link_latency", "latency", "s")):
+        value = values.get(name)
+        if missing_unit(value, kind) or type(value) in (int, float):
+            values[name] = f"{str(value).strip()}{unit}"
+    return values
 
 
 class Link:

@@ -7,15 +7,21 @@ they ran (the reference's final validation loss is known only then): each run's 
 are rebuilt from its `eval` events as the trainer keeps them for summary.json's `target`
 ([step, val_loss (mean over replicas), elapsed_s, tokens, outer_bytes], only those every rank
 took), and lowband.summary.target reads them as it reads them there.
+
+The terminal's text (text) names the target, fits its table into 100 columns and ends with one
+line (target_answer) saying which run reached the target soonest, or that runs tied: reached it
+less than an evaluation interval apart (target_eval_interval_s, each row's).
 """
 
 from __future__ import annotations
 
 import math
+import textwrap
 
-from lowband.dashboard.comparison import COLUMNS, cell
+from lowband.dashboard.comparison import cell
 from lowband.dashboard.model import RunModel
 from lowband.dashboard.replicas import setup_text
+from lowband.dashboard.style import fmt_value
 from lowband.summary import target
 from lowband.telemetry import RunDir, read_events
 
@@ -115,15 +121,107 @@ def rows(runs: list[tuple[str, str, dict]], loss: float, reference: str,
             else plan["measured"], "planned_compute_utilization": plan["cu"],
             "planned_time_to_target_s": plan["seconds"], "planned_fit": plan["fit"],
             "planned_error": plan["seconds"] / measured - 1 if plan["seconds"] and measured
-            else None, **replicas(d)})
+            else None, "target_eval_interval_s": eval_interval(evals[label], reached),
+            **replicas(d)})
     return out, equal_s
 
 
+def eval_interval(evals: list[list], reached: dict) -> float | None:
+    """The seconds between the evaluation that reached the target and the one before it (the
+    start, for the first): the run crossed the target somewhere in them. None if not reached."""
+    if not reached.get("reached"):
+        return None
+    times = [e[2] for e in evals if e[0] <= reached["step"]]
+    return times[-1] - (times[-2] if len(times) > 1 else 0.0)
+
+
+WIDTH = 100  # the terminal's table fits this many columns; compare.json and the report hold all
+TERMINAL = [("target.elapsed_s", "time to", "target"), ("planned_time_to_target_s", "planned",
+            "time"), ("target.tokens", "tokens to", "target"), ("target.outer_bytes", "bytes to",
+            "target"), ("val_loss_at_equal_time", "loss at", "equal time"),
+            ("compute_utilization", "CU", "measured"), ("planned_compute_utilization", "CU",
+            "planned"), ("tokens_per_s", "", "tokens/s")]
+WORDS = ("name", "algorithm", "heterogeneity")  # left-aligned
+UNEVEN = [("heterogeneity", "replicas", "differ"),  # where some run's replicas differ
+          ("lowest_replica_compute_utilization", "CU least", "busy replica")]
+
+
 def text(result: dict) -> str:
-    """The table as the terminal shows it, a line per run."""
-    head = [label for _, label in COLUMNS]
-    body = [[cell(key, row, result) for key, _ in COLUMNS] for row in result["runs"]]
-    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
-    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
-                                   for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-    return "\n".join([line(head), *map(line, body)])
+    """The comparison as the terminal shows it: the target, the table (a line per run, in two
+    tables where one would be wider than WIDTH) and a line answering which run reached the
+    target soonest (target_answer)."""
+    runs = result["runs"]
+    cols = [("name", "", "run")]
+    if any(not r["name"].startswith(str(r.get("algorithm"))) for r in runs):
+        cols.append(("algorithm", "", "algorithm"))  # where the names do not say it
+    cols += TERMINAL + (UNEVEN if any(r.get("heterogeneity") for r in runs) else [])
+    grid = {key: [top, label, *(_cell(key, r, result) for r in runs)] for key, top, label in cols}
+    width = {key: max(map(len, column)) for key, column in grid.items()}
+    tables, keys = [], ["name"]
+    for key, *_ in cols[1:]:
+        if sum(width[k] + 2 for k in keys) + width[key] > WIDTH:
+            tables.append(keys)
+            keys = ["name"]
+        keys.append(key)
+    at = result.get("equal_time_s")
+    lines = textwrap.wrap(f"target: validation loss {fmt_value('loss', result.get('target_loss'))}"
+                          f" ({str(result.get('target_from')).removesuffix(' validation loss')})"
+                          + ("" if at is None else f"; equal time: {fmt_value('wall_s', at)} of "
+                             "training, the shortest run's"), WIDTH)
+    for keys in [*tables, keys]:
+        lines += [""] + ["  ".join(grid[k][i].ljust(width[k]) if k in WORDS else
+                                   grid[k][i].rjust(width[k]) for k in keys).rstrip()
+                         for i in range(len(runs) + 2)]
+    return "\n".join(lines + [""] + textwrap.wrap(target_answer(result), WIDTH))
+
+
+def _cell(key: str, row: dict, result: dict) -> str:
+    """The terminal's cell: the report's (dashboard/comparison.py's), shorter; at most 60
+    characters (a run's name 24), so that a table of a name and one column fits WIDTH."""
+    if key == "name":
+        shown = row["name"]
+    elif key == "target.elapsed_s" and not (row.get("target") or {}).get("reached"):
+        shown = "not reached"
+    else:
+        shown = cell(key, row, result)
+    most = 24 if key == "name" else 60
+    return shown if len(shown) <= most else shown[:most - 1] + "…"
+
+
+def target_answer(result: dict) -> str:
+    """One line: the run that reached the target soonest and how much sooner than the reference
+    (or, where the reference is that run or did not reach it, the next run); runs whose times
+    to the target differ by less than the slower one's evaluation interval there
+    (target_eval_interval_s) reached it "within one evaluation", a tie."""
+    runs, loss = result["runs"], fmt_value("loss", result.get("target_loss"))
+
+    def took(r: dict) -> float:
+        return r["target"]["elapsed_s"]
+
+    reached = sorted((r for r in runs if (r.get("target") or {}).get("reached")), key=took)
+    if not reached:
+        at = [r for r in runs if isinstance(r.get("val_loss_at_equal_time"), (int, float))]
+        best = min(at, key=lambda r: r["val_loss_at_equal_time"]) if at else None
+        return f"no run reached {loss}" + ("." if best is None else (
+            f"; the lowest validation loss at equal time: {best['name']}'s "
+            f"{fmt_value('loss', best['val_loss_at_equal_time'])}."))
+    lead = reached[0]
+    tied = [lead] + [r for r in reached[1:] if r.get("target_eval_interval_s") is not None
+                     and took(r) - took(lead) < r["target_eval_interval_s"]]
+    later = [r for r in reached if r not in tied]
+    other = next((r for r in later if r["name"] == result.get("reference")), None)
+    other = other or (later[0] if later else None)
+    t = lambda r: fmt_value("wall_s", took(r))  # noqa: E731
+    if len(tied) == 1:
+        said = f"{lead['name']} reached {loss} in {t(lead)}"
+    else:
+        names = ", ".join(r["name"] for r in tied[:-1]) + f" and {tied[-1]['name']}"
+        said = (f"{names} reached {loss} within one evaluation "
+                f"({', '.join(t(r) for r in tied)})")
+    if other is not None and took(lead) > 0:
+        x = took(other) / took(lead)
+        said += f", {x:.2f}x" if x < 1.1 else f", {x:.1f}x" if x < 10 else f", {x:.0f}x"
+        said += f" sooner than {other['name']} ({t(other)})"
+    elif len(reached) < len(runs):
+        said += "; the other runs did not reach it"
+    return said + "."

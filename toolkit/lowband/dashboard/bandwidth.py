@@ -17,10 +17,13 @@ from lowband import units
 from .records import _natural
 
 
+BINS = 300  # the bins of the figure and of the summary's peak, so that both name one peak
+
+
 class OuterTraffic:
     """RunModel's outer-link traffic (a mixin: reads outer, t0, t_last, config; calls _cached)."""
 
-    def bandwidth(self, max_bins: int = 300, by: str = "link") -> dict:
+    def bandwidth(self, max_bins: int = BINS, by: str = "link") -> dict:
         """Outer-link traffic binned over time (seconds since t0).
 
         Each rank's outgoing outer bytes share one link (the comm layer's emulated link is per
@@ -30,7 +33,8 @@ class OuterTraffic:
         transmission window (see transmission_windows).
 
         Returns {"edges": bin edges (s), "width": s, "series": {name: bytes/s per bin},
-        "links": links that carried bytes, "peak": highest binned rate of one series,
+        "links": links that carried bytes, "peak": highest binned rate of one series (by
+        "link": the run's peak bandwidth, as the summary table and the figure give it),
         "mean": mean rate of the busiest link over the run, "capacity": bytes/s or None}.
         """
         return self._cached((max_bins, by), lambda: self._binned(max_bins, by))

@@ -1,16 +1,19 @@
 """The outer-link bandwidth figure: bytes per second over time (RunModel.bandwidth binned),
-its peak and mean, and the emulated link's capacity."""
+its peak and mean, and the emulated link's capacity. A run's peak is the highest bin of one of
+its links, as the summary table's "outer peak bandwidth" gives it (the same bins), with one
+run or several."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from .bandwidth import BINS
 from .model import RunModel
 from .style import (ANOMALY_COLOR, BASE_LAYOUT, PALETTE, Spec, empty_note, figure_title,
                     fmt_bits, fmt_rate)
 
 
-def bandwidth_spec(models: list[RunModel], max_bins: int = 300) -> Spec:
+def bandwidth_spec(models: list[RunModel], max_bins: int = BINS) -> Spec:
     """Bytes per second on the outer link over time, its mean and peak and the capacity: a
     line per link for one run, a line per run (its mean per link) for several."""
     multi = len(models) > 1
@@ -25,7 +28,8 @@ def bandwidth_spec(models: list[RunModel], max_bins: int = 300) -> Spec:
             continue
         any_data = True
         if multi:
-            traces += _run_traces(m.name, bw, PALETTE[ri % len(PALETTE)])
+            traces += _run_traces(m.name, bw, m.bandwidth(max_bins=max_bins),
+                                  PALETTE[ri % len(PALETTE)])
         else:
             traces += _link_traces(bw)
     if any_data:
@@ -41,18 +45,27 @@ def bandwidth_spec(models: list[RunModel], max_bins: int = 300) -> Spec:
     return traces, layout
 
 
-def _run_traces(name: str, bw: dict, color: str) -> list[dict]:
-    """One run among several: its mean rate per link, and its peak."""
+def peak(by_link: dict) -> tuple[float, float, str]:
+    """(the middle of its bin, the rate, the link) of the highest bin of one link: a run's peak
+    (by_link: RunModel.bandwidth by link, whose "peak" it is)."""
+    key = max(by_link["series"], key=lambda k: by_link["series"][k].max())
+    i = int(np.argmax(by_link["series"][key]))
+    return by_link["edges"][i] + by_link["width"] / 2, by_link["series"][key][i], key
+
+
+def _run_traces(name: str, bw: dict, by_link: dict, color: str) -> list[dict]:
+    """One run among several: its mean rate per link, and its peak (its busiest link's highest
+    bin, which can lie above the mean over its links)."""
     edges = bw["edges"]
     rate = bw["series"]["all links"] / max(bw["links"], 1)
-    i = int(np.argmax(rate))
+    x, top, key = peak(by_link)
     return [
         dict(type="scatter", mode="lines", line_shape="hv", name=f"{name} (mean per link)",
              legendgroup=name, x=edges, y=np.append(rate, rate[-1]),
              line=dict(color=color, width=1.5)),
-        dict(type="scatter", mode="markers", legendgroup=name,
-             name=f"{name} peak {fmt_rate(rate[i])}", x=[edges[i] + bw["width"] / 2],
-             y=[rate[i]], marker=dict(color=color, size=9, symbol="triangle-up")),
+        dict(type="scatter", mode="markers", legendgroup=name, name=f"{name} peak {fmt_rate(top)}",
+             x=[x], y=[top], text=[f"{name} peak {fmt_rate(top)} ({key}, {bw['width']:g} s bins)"],
+             hoverinfo="text", marker=dict(color=color, size=9, symbol="triangle-up")),
     ]
 
 
@@ -65,12 +78,10 @@ def _link_traces(bw: dict) -> list[dict]:
                            x=edges, y=np.append(rate, rate[-1]),
                            fill="tozeroy" if len(bw["series"]) == 1 else None,
                            line=dict(color=PALETTE[k % len(PALETTE)], width=1.5)))
-    best_key = max(bw["series"], key=lambda k: bw["series"][k].max())
-    rate = bw["series"][best_key]
-    i = int(np.argmax(rate))
-    traces.append(dict(type="scatter", mode="markers", name=f"peak {fmt_rate(rate[i])}",
-                       x=[edges[i] + bw["width"] / 2], y=[rate[i]],
-                       text=[f"peak {fmt_rate(rate[i])} ({best_key}, {bw['width']:g} s bins)"],
+    x, top, key = peak(bw)
+    traces.append(dict(type="scatter", mode="markers", name=f"peak {fmt_rate(top)}",
+                       x=[x], y=[top],
+                       text=[f"peak {fmt_rate(top)} ({key}, {bw['width']:g} s bins)"],
                        hoverinfo="text", marker=dict(color="#333", size=9, symbol="triangle-up")))
     traces.append(dict(type="scatter", mode="lines", x=[edges[0], edges[-1]],
                        y=[bw["mean"], bw["mean"]],

@@ -28,8 +28,9 @@ import math
 import os
 from pathlib import Path
 
-from lowband.options import UserError, needs_extra
+from lowband.options import UserError, filesystem_error, needs_extra
 from lowband.summary import comparison, fault_text, guard_text
+from lowband.telemetry import atomic_path
 
 from .bandwidth_figure import bandwidth_spec
 from .comparison import compare_section
@@ -275,7 +276,7 @@ def _membership_section(models: list[RunModel]) -> str:
             + f'</p><div class="scroll">{membership_table(models)}</div>'
             "<style>table.grid.membership td,table.grid.membership thead th{text-align:left}"
             "table.grid.membership tr.healed td{background:#f4ecf7}</style>"
-            + (f'<h3 id="participation">Participation</h3><p class="meta">Per sync (ddp: per '
+            + ('<h3 id="participation">Participation</h3><p class="meta">Per sync (ddp: per '
                "step), the replica groups alive (heartbeating to the Lighthouse) and those that "
                "took part; a group healed in a sync takes part with weight 0. "
                + html.escape(". ".join(shares)) + ".</p>"
@@ -343,10 +344,11 @@ def write_report(run_dirs, path, *, title: str | None = None, window_s: float | 
         raise ReportError(f"cannot write {path}: the directory {path.parent} does not exist.")
     text = render_report(run_dirs, title=title, window_s=window_s, max_points=max_points,
                          max_spans=max_spans, compare=compare)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+    try:  # whole or not at all: a full disk leaves no half a page
+        with atomic_path(path) as tmp:
+            tmp.write_text(text, encoding="utf-8")
     except OSError as e:
-        raise ReportError(f"cannot write {path}: {e.strerror or e}.") from None
+        fault = filesystem_error(e)
+        raise ReportError(str(fault) if fault else f"cannot write {path}: {e.strerror or e}."
+                          ) from None
     return path

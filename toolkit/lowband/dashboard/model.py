@@ -382,7 +382,7 @@ class RunModel(SyncMarks, OuterTraffic, MembershipChanges, FailedCommits, Restar
         world = len(self.ranks) or 1
         compute = sum(r.compute_s for r in self.ranks.values())
         outer = _num(s.get("outer_wire_bytes"), self.outer_wire_bytes)
-        bw = self.bandwidth(max_bins=200) if self.outer else None
+        bw = self.bandwidth() if self.outer else None  # the figure's bins: the figure's peak
         last_losses = [rs.loss[-1] for rs in self.replicas.values() if rs.loss]
         val_steps, vals, _, _ = self.val_series()
         return {

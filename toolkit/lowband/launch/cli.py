@@ -76,6 +76,10 @@ def launch_parser() -> argparse.ArgumentParser:
                    "local_cwd; never every interface)")
     p.add_argument("--name", default="lowband", help="job name (default: lowband)")
     p.add_argument("--max-retries", type=int, default=0)
+    p.add_argument("--requeue", type=int, nargs="?", const=300, metavar="SECONDS",
+                   help="slurm: SECONDS (default 300) before the job's time limit, every rank "
+                   "stops at one step and writes a checkpoint, and the job requeues itself to "
+                   "continue from it (docs/faults.md)")
     p.add_argument("--dryrun", action="store_true", help="print the request; submit nothing")
     p.add_argument("--wait", action="store_true", help="remote schedulers: wait for the end")
     return p
@@ -119,7 +123,7 @@ def main(argv: list[str]) -> int:
                     h=args.h, cpu=args.cpu, gpu=args.gpu, memMB=args.memMB,
                     env=_pairs(args.env, "--env"), mounts=mounts, rdzv_port=args.rdzv_port,
                     rdzv_timeout=args.rdzv_timeout, max_retries=args.max_retries,
-                    bind=args.bind, start=False, **elastic)
+                    bind=args.bind, requeue=args.requeue, start=False, **elastic)
     if args.dryrun:
         print(handle.dryrun_info)
         return 0

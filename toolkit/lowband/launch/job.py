@@ -25,7 +25,7 @@ from lowband.flags import parse_train
 from lowband.launch.env import ELASTIC_VARS
 from lowband.launch.handle import (LOCAL_SCHEDULERS, TORCHX, LaunchHandle, _get_runner,
                                    _keep_signals)
-from lowband.options import SECRET_ENV, needs_extra
+from lowband.options import REQUEUE_ENV, SECRET_ENV, needs_extra
 
 # -- the component ---------------------------------------------------------------------------------
 
@@ -111,7 +111,7 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
            gpu: int = 0, memMB: int = 4096, env: dict | None = None,
            mounts: Sequence[str] | None = None, rdzv_port: int = 0, rdzv_timeout: int = 300,
            max_retries: int = 0, progress: bool = False, bind: str | None = None,
-           start: bool = True, **options) -> LaunchHandle:
+           requeue: int | None = None, start: bool = True, **options) -> LaunchHandle:
     """Run `lowband train` (or your own training script) as a TorchX job; return its LaunchHandle
     at once.
 
@@ -132,9 +132,11 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
     lowband/launch/component.py): by default one replica group per node. rdzv_port 0 picks a
     free port for local schedulers, 29500 elsewhere. bind: the interface (eth0) or address
     the job's listeners bind on each node (default: the interface that routes to the first
-    node; loopback for local_cwd; never every interface: comm/membership/bind.py). start=False returns
-    the handle unsubmitted: inspect .dryrun_info, then start(). Bad input raises ConfigError
-    with one sentence, before anything is submitted.
+    node; loopback for local_cwd; never every interface: comm/membership/bind.py).
+    requeue=SECONDS (Slurm): that long before the job's time limit every rank stops at one step,
+    writes a checkpoint and requeues the job, which continues from it (checkpoint/preempt.py).
+    start=False returns the handle unsubmitted: inspect .dryrun_info, then start(). Bad input
+    raises ConfigError with one sentence, before anything is submitted.
     """
     needs_extra(*TORCHX)
     if scheduler == "kubernetes":
@@ -169,6 +171,9 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
     elif scheduler == "local_cwd":  # one machine, no containers: every listener on loopback
         bind = LOOPBACK
     env = dict(env or {})
+    if requeue is not None:
+        _check_requeue(requeue, scheduler, script, layout)
+        env[REQUEUE_ENV] = "1"
     # the file, not the bytes: the job's spec (its dry run, a batch script) never holds them
     env[SECRET_ENV] = os.path.join(run_dir, FILE)
     if local:  # the nodes run this interpreter's python3 and torchrun, as the agent expects
@@ -207,8 +212,25 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
         from lowband.launch.slurm import elastic_request
 
         info.request = elastic_request(info.request)
+    if requeue is not None:  # SIGUSR1 to every node's agent before the time limit (slurm.py)
+        from lowband.launch.slurm import signal_before_limit
+
+        signal_before_limit(info.request, requeue)
     handle = LaunchHandle(runner, info, local_run_dir, scheduler, app.roles[0].num_replicas)
     return handle.start() if start else handle
+
+
+def _check_requeue(seconds, scheduler: str, script, layout: dict) -> None:
+    """--requeue: Slurm's, for `lowband train` without --elastic, a whole number of seconds."""
+    if scheduler != "slurm":
+        raise ConfigError("--requeue asks Slurm for a signal before the job's time limit: give "
+                          "-s slurm, or leave it out.")
+    if script is not None or layout.get("elastic"):
+        raise ConfigError("--requeue stops `lowband train`'s own workers at one step; a script "
+                          "and --elastic groups stop their own way: leave it out.")
+    if isinstance(seconds, bool) or not isinstance(seconds, int) or seconds <= 0:
+        raise ConfigError(f"--requeue takes the seconds before the time limit, got {seconds!r}: "
+                          "give a positive whole number (e.g. 300).")
 
 
 def _default_run_dir(label: str) -> str:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from lowband.comm.membership.bind import bind_host, bound_store_type
-from lowband.options import BIND_ENV, NODE_ENV, NODE_LOG_ENV, RUN_DIR_ENV, ConfigError
+from lowband.options import BIND_ENV, NODE_ENV, NODE_LOG_ENV, PREEMPTED, RUN_DIR_ENV, ConfigError
 
 
 def _is_this_host(host: str, conf: dict) -> bool:
@@ -139,6 +139,11 @@ def _agent(argv: list[str]) -> int:
         return 2
     if args.local_addr is None:
         argv = ["--local-addr", address, *argv]
+    # SIGUSR1 too (Slurm's warning before a time limit) is passed on to the workers, which stop
+    # at one step after a checkpoint (checkpoint/preempt.py); torchrun gives them its
+    # --shutdown_timeout (30 s) before it kills them
+    if getattr(args, "signals_to_handle", None) == "SIGTERM,SIGINT,SIGHUP,SIGQUIT":
+        argv = ["--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", *argv]
     bound = bound_store_type()
     for module in (dist, c10d_rendezvous_backend, static_tcp_rendezvous):
         module.TCPStore = bound  # (this agent process only: its workers are processes of their own)
@@ -161,6 +166,8 @@ def _agent(argv: list[str]) -> int:
     except ChildFailedError as e:
         if all(f.exitcode == 2 for f in e.failures.values()):
             return 2  # lowband's bad-input status: the workers said why in one sentence
+        if all(f.exitcode == PREEMPTED for f in e.failures.values()):
+            return PREEMPTED  # stopped by a signal after a checkpoint, as rank 0 said
         print(e, file=sys.stderr, flush=True)
         print(failure_sentence(e.failures, me), file=sys.stderr, flush=True)
         return 1

@@ -51,6 +51,16 @@ def elastic_request(request):
                                job_dir=request.job_dir, max_retries=request.max_retries)
 
 
+def signal_before_limit(request, seconds: int) -> None:
+    """`lowband launch -s slurm --requeue SECONDS`: Slurm sends SIGUSR1 to every task of the
+    job (each node's agent, launch/node.py, which passes it on to its workers) `seconds` before
+    its time limit (`sbatch --signal=USR1@SECONDS`, up to a minute earlier, as Slurm's event
+    timer goes); the workers stop at one step, write a checkpoint, and rank 0 requeues the job
+    (checkpoint/preempt.py; TorchX submits it with --requeue), which then continues by itself."""
+    for replica in request.replicas.values():
+        replica.sbatch_opts["signal"] = f"USR1@{seconds}"
+
+
 def _header(sbatch: list[str]) -> str:
     import torchx
 

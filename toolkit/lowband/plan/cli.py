@@ -227,15 +227,33 @@ def table(result: dict) -> str:
     return "\n".join(lines + [""] + notes if notes else lines)
 
 
+def newest_run(runs: Path = Path("runs")) -> Path | None:
+    """The newest finished run under ./runs (where `lowband train` writes them), if any."""
+    done = [s.parent for s in runs.glob("*/summary.json")]
+    return max(done, key=lambda run: run.stat().st_mtime) if done else None
+
+
 def main(argv: list[str] | None = None) -> int:
     """`lowband plan ...`: 0 on success; bad input raises a UserError (PlanError, ConfigError),
-    which `lowband`'s handler (cli.py) prints as one sentence, exit status 2."""
+    which `lowband`'s handler (cli.py) prints as one sentence, exit status 2. Alone, `lowband
+    plan` plans the main job with its step's compute probed here (said as such, on stderr), and
+    ends with how to plan a finished run instead."""
+    argv = sys.argv[1:] if argv is None else argv
+    bare = not argv
+    if bare:
+        print(f"lowband plan: no --step-time given: probing the main job's step on this machine "
+              f"({probe.WARMUP + probe.TIMED} steps of its model without communication, about "
+              "a second)...", file=sys.stderr, flush=True)
+        argv = ["--step-time", "probe"]
     try:
-        result, as_json = run_plan(sys.argv[1:] if argv is None else argv)
+        result, as_json = run_plan(argv)
     except SystemExit as e:  # --help
         return int(e.code or 0)
     try:
         print(json.dumps(result, indent=2) if as_json else table(result), flush=True)
+        if bare:
+            print(f"\nto plan from a finished run: lowband plan --config "
+                  f"{newest_run() or 'runs/<run>'}", flush=True)
     except BrokenPipeError:  # `lowband plan ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0

@@ -132,7 +132,8 @@ def _run(params, layers, step_time, *, model=None, flops_per_step=None, flops=No
         raise PlanError(f"--params must be positive (e.g. --params 1e9), got {params:g}.")
     if step_time is None:
         if flops_per_step is None or flops is None:
-            raise PlanError("give the step time with --step-time SECONDS, or --flops-per-step "
+            raise PlanError("give the step time with --step-time SECONDS (or probe: measured "
+                            "here), --config RUN_DIR of a finished run, or --flops-per-step "
                             "together with --flops (achieved FLOP/s).")
         fps, rate = _number(flops_per_step, "flops-per-step"), _number(flops, "flops")
         if not (fps > 0 and rate > 0):

@@ -1,4 +1,5 @@
-"""The compute of one step, measured here: `lowband plan --step-time probe`.
+"""The compute of one step, measured here: `lowband plan --step-time probe`, and `lowband plan`
+alone (the main job's step, on this machine).
 
 A short probe in this process on the config's device: the config's model (built as `lowband
 train` builds it, from --seed), --grad-accum micro-batches of --batch-size x --seq-len random
@@ -24,7 +25,10 @@ def device_of(cfg) -> torch.device:
     return torch.device(cfg.device)
 
 
-def step_time(cfg, steps: int = 5, warmup: int = 2) -> float:
+WARMUP, TIMED = 2, 5  # the probe's steps: untimed first, then those whose median it takes
+
+
+def step_time(cfg, steps: int = TIMED, warmup: int = WARMUP) -> float:
     """Median seconds of compute of one inner step of cfg's model on this machine."""
     device = device_of(cfg)
     vocab = cfg.vocab_size or models.spec(cfg.model).vocab_size  # the model's whole vocabulary

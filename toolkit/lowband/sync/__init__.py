@@ -34,7 +34,10 @@ objects with the model, the optimizer and the algorithm's state.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+import torch.distributed as dist
 
 from lowband.algorithms import ALGORITHMS
 from lowband.algorithms.base import IN_BACKWARD, OWN_LOOP
@@ -42,8 +45,10 @@ from lowband.comm import topology as topo_mod
 from lowband.comm.membership.elastic import replica_of_env
 from lowband.config import ConfigError
 from lowband.models import blocks_of
+from lowband.options import UserError
 from lowband.session import Session
 from lowband.sync.options import config_of
+from lowband.telemetry import to_make, unmake
 
 WRAPPED = "_lowband_sync"  # the attribute that marks a model already wrapped
 
@@ -105,17 +110,28 @@ class Sync:
         if topo.device.type != device.type:
             raise ConfigError(f"the model is on {device.type} but this rank trains on "
                               f"{topo.device.type}: move it there (or pass device=) first.")
+        # rank 0: the directories making the run directory creates, which a refusal removes
+        made = None if dist.get_rank() else to_make(Path(cfg.run_dir or "runs"))
+        named = bool(cfg.run_dir)
         self.session = session = Session(cfg, topo, resume, user_state=self.state)
-        inner = session.set_up(model, self.blocks, lambda params: optimizer, broadcast=True,
-                               meta={"loop": "lowband.Sync"})
-        if inner is not optimizer:  # (not for the algorithms above; a registered one may)
-            raise ConfigError(f"algo={algo!r} builds its own inner optimizer, so it cannot step "
-                              "yours: run it with `lowband train`.")
-        self.algo = session.algo
-        setattr(model, WRAPPED, self)
-        session.begin()
+        self._made = made if made is None or named else [session.run.root, *made]
+        try:
+            inner = session.set_up(model, self.blocks, lambda params: optimizer, broadcast=True,
+                                   meta={"loop": "lowband.Sync"})
+            if inner is not optimizer:  # (not for the algorithms above; a registered one may)
+                raise ConfigError(f"algo={algo!r} builds its own inner optimizer, so it cannot "
+                                  "step yours: run it with `lowband train`.")
+            self.algo = session.algo
+            setattr(model, WRAPPED, self)
+            session.begin()
+        except UserError:
+            self._discard()
+            raise
         self._stepped = 0  # the optimizer's steps since the last sync.step()
-        self._hook = optimizer.register_step_post_hook(self._optimizer_stepped)
+        self._backward_ran = False  # a gradient arrived since the last sync.step()
+        self._hooks = [optimizer.register_step_post_hook(self._optimizer_stepped), *(
+            p.register_post_accumulate_grad_hook(self._gradient_arrived)
+            for p in model.parameters() if p.requires_grad)]
         # gradients averaged in the backward pass: ddp's buckets, a replica's shards
         self._backward_needed = self.algo.user_loop == IN_BACKWARD or cfg.shards > 1
         self._backward_done = False
@@ -191,12 +207,17 @@ class Sync:
         self._check_open()
         step = self.done.step
         if self._stepped == 0 and not self._counted:
-            raise ConfigError("sync.step() was called before the optimizer's step: call "
-                              "optimizer.step() first, then sync.step(), once a step.")
+            raise self._refused("sync.step() was called before the optimizer's step: call "
+                                "optimizer.step() first, then sync.step(), once a step.")
+        if self._stepped == 0 and not self._backward_ran:  # (a step AMP skipped had one)
+            raise ConfigError(f"sync.step() was called twice in step {step}, with no backward "
+                              "pass nor optimizer step since the first call: call it once a "
+                              "step, after the optimizer's step (with val_loss= for that "
+                              "step's evaluation, or sync.evaluated(val_loss) after it).")
         if self._backward_needed and not self._backward_done:
-            raise ConfigError(f"algo={self.config.algo!r} with shards={self.config.shards} "
-                              "averages gradients in sync.backward(loss): call it in place of "
-                              "loss.backward(), before the optimizer's step.")
+            raise self._refused(f"algo={self.config.algo!r} with shards={self.config.shards} "
+                                "averages gradients in sync.backward(loss): call it in place "
+                                "of loss.backward(), before the optimizer's step.")
         if step >= self.config.steps:
             raise ConfigError(f"step {step + 1} is past steps={self.config.steps} given to "
                               "lowband.Sync: pass your loop's length as steps=.")
@@ -215,7 +236,7 @@ class Sync:
             if val_loss is not None:
                 session.evaluated(float(val_loss), elapsed)
             session.maybe_checkpoint(step + 1, self.algo.ends_after(step + 1))
-        self._stepped, self._counted = 0, True
+        self._stepped, self._counted, self._backward_ran = 0, True, False
         self._begin_step()
 
     def evaluated(self, val_loss: float) -> None:
@@ -258,15 +279,37 @@ class Sync:
     def _release(self) -> None:
         """The event files closed, the model and optimizer free for another Sync."""
         self.session.close()
-        self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
         setattr(self.model, WRAPPED, None)
+
+    def _refused(self, why: str) -> ConfigError:
+        """The refusal of a call; at the first step, whose run has nothing to keep, the run
+        is discarded first (_discard): refused input leaves no run directory."""
+        if not self._counted:
+            self.finished = True
+            self._discard()
+        return ConfigError(why)
+
+    def _discard(self) -> None:
+        """A run refused before its first step leaves nothing: the model free again, and on
+        rank 0 what the run wrote (RunDir.clear) and the directories made for it, while empty,
+        removed. A run that trained (a resumed one) is kept as it is."""
+        self._release()
+        if self._made is not None:
+            unmake(self.session.run, self._made)
 
     # -- inside ----------------------------------------------------------------------------
 
     _counted = False  # whether a sync.step() was taken by this process
 
+    _hooks: tuple = ()  # the optimizer's step hook, then each parameter's gradient hook
+
     def _optimizer_stepped(self, optimizer, args, kwargs) -> None:
         self._stepped += 1
+
+    def _gradient_arrived(self, param) -> None:
+        self._backward_ran = True
 
     def _begin_step(self) -> None:
         """The set-up of the next step, as the trainer does it before the step reads its data:

@@ -14,14 +14,15 @@ from lowband.config import Config, ConfigError, RunOptions
 from lowband.faults import FaultOptions
 from lowband.launch.env import job_layout
 from lowband.models import ModelOptions
-from lowband.options import flag
+from lowband.options import close_match, flag
 
 # RunOptions fields that only lowband's own loop reads
 LOOP_ONLY = ("data", "tokenizer", "val_fraction", "lr", "min_lr_ratio", "warmup_steps",
              "weight_decay", "beta1", "beta2", "grad_clip", "eval_every", "eval_batches",
              "time_budget", "compile", "precision", "progress", "max_skips", "stop_after",
-             "grace", "replica_accum")  # (a replica's batch is your loop's; --grace's
-# rejoin is tested in lowband's own loop only)
+             "grace", "replica_accum", "oversubscribe")  # (a replica's batch is your loop's;
+# --grace's rejoin is tested in lowband's own loop only; whether a run fits the machine is
+# asked by `lowband train`'s launcher, launch/fits.py)
 
 
 def loop_only() -> set[str]:
@@ -32,7 +33,14 @@ def loop_only() -> set[str]:
 def config_of(algo: str, recipe: str | None, options: dict, n_blocks: int) -> Config:
     """The validated Config of a lowband.Sync (module doc); n_blocks: the wrapped model's."""
     theirs = loop_only()
+    known = {f.name for f in dataclasses.fields(Config)} - theirs
     for key in options:
+        if key not in known and key not in theirs:
+            meant = close_match(key, known)
+            raise ConfigError(f"unknown option {key}: " + (
+                f"did you mean {meant}? (" if meant else "remove it: ") + "lowband.Sync takes "
+                "`lowband train`'s options by their Python names, sync_every=20 for "
+                "--sync-every 20" + (")." if meant else "."))
         if key in theirs:
             raise ConfigError(f"{key}= is an option of `lowband train`'s own loop ({flag(key)}): "
                               "in your loop, your model, data, optimizer and schedule decide it; "
