@@ -798,3 +798,21 @@ def test_the_planned_error_is_formatted_by_the_shared_helper():
     assert fmt_value("planned_error", -0.239) == "-24%" == cell("planned_error",
                                                                 {"planned_error": -0.239}, {})
     assert cell("planned_error", {"planned_error": None}, {}) == "–"
+
+
+def test_a_sync_runs_config_says_its_loop_decided_what_lowband_train_would_have(tmp_path):
+    """A lowband.Sync run's report does not list `lowband train`'s defaults its loop never used:
+    the options its own loop decides say so; the ones lowband used keep their value."""
+    from lowband.dashboard.tables import YOUR_LOOP, config_table
+    from lowband.sync.options import loop_only
+
+    mine, theirs = small_run(tmp_path / "sync"), small_run(tmp_path / "train")
+    for run, meta in ((mine, {"loop": "lowband.Sync", "your_loop": sorted(loop_only())}),
+                      (theirs, {})):
+        write_json_atomic(run.config, {**json.loads(run.config.read_text()), "lr": 0.001,
+                                       "meta": {"world": 4, **meta}})
+    table = config_table([RunModel(mine.root).load(), RunModel(theirs.root).load()])
+    lr_row = re.search(r"<tr[^>]*><th>lr</th>(.*?)</tr>", table).group(1)
+    assert lr_row.count(YOUR_LOOP) == 1  # the Sync run's cell only
+    sync_row = re.search(r"<tr[^>]*><th>sync_every</th>(.*?)</tr>", table).group(1)
+    assert YOUR_LOOP not in sync_row and "your_loop" not in table

@@ -122,6 +122,30 @@ def test_a_worker_refusal_removes_the_directories_its_launcher_made(tmp_path, mo
     assert code == 2 and RunDir(tmp_path / "a" / "run").trained()  # a step taken: kept
 
 
+@pytest.mark.slow
+def test_a_run_directory_removed_mid_run_stops_in_one_sentence(tmp_path):
+    """The run directory removed while the run trains (its events still go to the files it
+    holds open): the run stops at its next write there with one sentence, exit status 3."""
+    import shutil
+    import sys
+    import time
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "lowband.cli", *DDP, "--steps", "3", "--pause",
+                             "0:1:2", "--run-dir", str(run)], cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (run / "events" / "rank0.jsonl").exists() or \
+            b'"kind":"fault"' not in (run / "events" / "rank0.jsonl").read_bytes():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    shutil.rmtree(run)  # during step 1's pause
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, err
+    assert "its directory was removed while the run was writing to it" in one_sentence(err)
+    assert not run.exists()
+
+
 @pytest.mark.root
 def test_a_read_only_directory(tmp_path, lowband_fd):
     from lowband.testing.synthetic import make_run

@@ -333,7 +333,7 @@ def config_table(models: list[RunModel]) -> str:
     option group: the groups every algorithm reads, those of the runs' algorithms, and the
     options of other algorithms a run changed; the other algorithms' options left at their
     defaults are folded away below. Rows that differ between runs are marked."""
-    flat = [_flatten(m.config) for m in models]
+    flat = [_yours(_flatten(m.config)) for m in models]
     if not any(flat):
         return (f'<table class="grid"><tbody><tr><td colspan="{len(models) + 1}">no config.json'
                 "</td></tr></tbody></table>")
@@ -347,6 +347,17 @@ def config_table(models: list[RunModel]) -> str:
                   f'defaults</summary><table class="grid config"><tbody>'
                   f"{_config_rows('', folded, flat)}</tbody></table></details>")
     return table
+
+
+YOUR_LOOP = "set by your loop"  # a lowband.Sync run's cell of an option its own loop decides
+
+
+def _yours(flat: dict) -> dict:
+    """A run's flattened config; where a lowband.Sync run's loop decided an option (its
+    `meta.your_loop`: the model, data, learning rate and schedule, the evaluation), that
+    option's cell says so instead of `lowband train`'s default, which that loop never used."""
+    owned = flat.pop("meta.your_loop", None) or ()
+    return {k: YOUR_LOOP if k in owned else v for k, v in flat.items()}
 
 
 def _config_sections(models: list[RunModel], flat: list[dict]) -> tuple[list, list]:

@@ -47,7 +47,7 @@ from lowband.config import ConfigError
 from lowband.models import blocks_of
 from lowband.options import UserError
 from lowband.session import Session
-from lowband.sync.options import config_of
+from lowband.sync.options import config_of, loop_only
 from lowband.telemetry import to_make, unmake
 
 WRAPPED = "_lowband_sync"  # the attribute that marks a model already wrapped
@@ -117,7 +117,8 @@ class Sync:
         self._made = made if made is None or named else [session.run.root, *made]
         try:
             inner = session.set_up(model, self.blocks, lambda params: optimizer, broadcast=True,
-                                   meta={"loop": "lowband.Sync"})
+                                   meta={"loop": "lowband.Sync",
+                                         "your_loop": sorted(loop_only())})
             if inner is not optimizer:  # (not for the algorithms above; a registered one may)
                 raise ConfigError(f"algo={algo!r} builds its own inner optimizer, so it cannot "
                                   "step yours: run it with `lowband train`.")
