@@ -156,7 +156,11 @@ def test_a_requeued_job_resumes_from_its_checkpoint(cluster, finished):
     runs = [e for e in read_events(h.run_dir, ("run",)) if e["rank"] == 0]
     resumed = [e for e in runs if e["phase"] == "resume"]
     assert [e["attempt"] for e in resumed] == [1] and resumed[0]["slurm_restart"] == 1
-    assert resumed[0]["step"] in (20, 30) and resumed[0]["superseded_to"] >= 24
+    # Slurm's requeue sends SIGTERM: the workers stop together with a checkpoint where the
+    # check read after the next period's first step says so (checkpoint/preempt.py), or, if
+    # the signal came in the run's last period, finish as planned (their final checkpoint)
+    at = resumed[0]["step"]
+    assert at in (20, 30, 31, 40) and resumed[0].get("superseded_to", at) >= max(at, 24), resumed
     kept = [e["step"] for e in read_events(h.run_dir, ("step",)) if e["rank"] == 0]
     assert kept == list(range(1, 41))  # readers see one history, the lost attempt dropped
     plain, _, _ = finished

@@ -7,10 +7,10 @@ sends before a time limit (`sbatch --signal=USR1@SECS`, which `lowband launch -s
 signal. The ranks agree at checks every rank reaches: every `period` steps of the run's schedule
 (every step for the algorithms that use the outer link every step; every H/P steps for the
 periodic ones, where the replicas meet at a sync anyway), each an asynchronous 1-element
-all-reduce (MAX) of the noted signal over a gloo group of its own, read at the next check, so
-that no replica waits for another between its syncs. A signal that reached one rank only, or
-ranks at different steps, stops every rank after the same step: the second check after it at
-the latest. The loop writes a checkpoint there (with or without --checkpoint-every) and ends
+all-reduce (MAX) of the noted signal over a gloo group of its own, read after the step that
+follows (where the replicas meet anyway: a fragment's merge), so that no replica waits for
+another between its syncs. A signal that reached one rank only, or ranks at different steps,
+stops every rank after the same step: at most a period and a step after it. The loop writes a checkpoint there (with or without --checkpoint-every) and ends
 with `Preempted`: its sentence on stderr and exit status PREEMPTED (5, lowband.options).
 
 On Slurm with LOWBAND_REQUEUE (`lowband launch --requeue`) rank 0 then requeues the job after
@@ -84,16 +84,23 @@ class Preemption:
 
     def stops(self, at: int | None, ends: bool) -> int:
         """After a step whose run step is `at` (None: between syncs, no common point): the
-        signal on which every rank stops here (0: none). A collective at the checks."""
-        if not self.period or at is None or at % self.period or ends:
+        signal on which every rank stops here (0: none). A check's all-reduce starts at a step
+        that is a multiple of the period and is read after the next step with a run step (where
+        the replicas meet anyway: a streaming fragment's merge, tau = 1); the run's last step
+        ends it as planned instead (every rank alike)."""
+        if not self.period or at is None:
             return 0
-        flag = torch.tensor([float(self.signum)])
-        pending, self.pending = self.pending, (flag, dist.all_reduce(
-            flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
-        if pending is None:
-            return 0
-        pending[1].wait()
-        return int(pending[0].item())
+        signalled = 0
+        if self.pending is not None:
+            flag, work = self.pending
+            self.pending = None
+            work.wait()
+            signalled = 0 if ends else int(flag.item())
+        if not signalled and not ends and at % self.period == 0:
+            flag = torch.tensor([float(self.signum)])
+            self.pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group,
+                                                  async_op=True))
+        return signalled
 
 
 HANDLER = Preemption()
