@@ -185,6 +185,13 @@ def test_one_set_of_what_a_resume_may_change(tmp_path):
 
     again = Config.from_dict({**saved.to_dict(), **changed, "overwrite": False})
     assert relaunched(again) == "auto"
+    older = {k: v for k, v in saved.to_dict().items() if k != "max_skips"}  # before an option
+    (run / "config.json").write_text(json.dumps({**older, "run_dir": str(run)}))
+    assert relaunched(again) == "auto"  # it ran at that option's default
+    again.max_skips += 1
+    with pytest.raises(ConfigError, match=r"\(--max-skips "):
+        relaunched(again)
+    again.max_skips -= 1
     again.lr = 0.1
     with pytest.raises(ConfigError) as refused:
         relaunched(again)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from lowband import checkpoint
-from lowband.config import RESUME_MAY_CHANGE, RESUME_RULE, Config, ConfigError
+from lowband.config import RESUME_MAY_CHANGE, RESUME_RULE, Config, ConfigError, fields
 from lowband.options import filesystem_error
 from lowband.telemetry import RunDir, new_run_dir
 
@@ -106,7 +106,9 @@ def relaunched(cfg: Config) -> str | bool:
         return "auto" if run.holds_run() else False  # stopped before its config: start over
     saved.pop("meta", None)
     mine = {k: v for k, v in cfg.to_dict().items() if k not in RESUME_MAY_CHANGE}
-    theirs = {k: v for k, v in saved.items() if k not in RESUME_MAY_CHANGE}
+    # an option newer than the saved run ran at its default there (as a --resume reads it)
+    theirs = {**{f.name: f.default for f in fields() if f.name not in saved},
+              **{k: v for k, v in saved.items() if k not in RESUME_MAY_CHANGE}}
     differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
     if differ:
         raise ConfigError(f"{run.root} holds a run with other options (--{differ[0].replace('_', '-')}"
