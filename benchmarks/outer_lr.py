@@ -40,14 +40,20 @@ def train(run_dir: Path, replicas: int, a, outer_lr: float | None) -> dict:
            str(replicas), "--steps", str(a.steps), "--eval-every", "0", "--eval-batches",
            str(a.eval_batches), "--seed", str(a.seed), "--no-progress", "--run-dir", str(run_dir),
            "--overwrite", *(["--outer-lr", str(outer_lr)] if outer_lr is not None else [])]
+    summary, config, wall_s = finished(cmd, run_dir)
+    return {"outer_lr": config["outer_lr"], "default": outer_lr is None,
+            "final_val_loss": summary["final_val_loss"], "wall_s": wall_s}
+
+
+def finished(cmd: list[str], run_dir: Path) -> tuple[dict, dict, float]:
+    """Run `lowband train` (cmd) into run_dir: its summary.json, its config.json and the
+    seconds it took; a failed run ends the benchmark with its command and stderr."""
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"run failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    config = json.loads((run_dir / "config.json").read_text())
-    return {"outer_lr": config["outer_lr"], "default": outer_lr is None,
-            "final_val_loss": summary["final_val_loss"], "wall_s": round(time.monotonic() - t0, 1)}
+    return (json.loads((run_dir / "summary.json").read_text()),
+            json.loads((run_dir / "config.json").read_text()), round(time.monotonic() - t0, 1))
 
 
 def sweep(replicas: int, a, root: Path) -> dict:

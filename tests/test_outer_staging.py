@@ -122,7 +122,7 @@ class OneRank:
 
 def drive(device=CPU, home="same", force_copies=False, rule="nesterov", P=4, H=8, tau=1,
           codec="fp4-e3m0", steps=40, width=16, blocks=4, resume_at=None, eval_at=(),
-          poison_at=(), heal_at=None, busy=None):
+          poison_at=(), heal_at=None, busy=None, update="delayed"):
     """Streaming's outer loop on a small model through `steps` inner steps (each a seeded
     random update of every weight; `busy(step)` may queue work on the device first), with a
     checkpoint's round trip into a fresh instance after step `resume_at`, evaluations with the
@@ -136,7 +136,7 @@ def drive(device=CPU, home="same", force_copies=False, rule="nesterov", P=4, H=8
         fragment_pattern="strided", outer_rule=rule, outer_lr=0.7, outer_momentum=0.9,
         outer_state_device=home, codec=codec, codec_block=64, exchange="auto",
         merge_weights="uniform", error_feedback=True, grad_accum=1, batch_size=1, seq_len=1,
-        local_steps="fixed")
+        local_steps="fixed", outer_update=update)
     topo = SimpleNamespace(device=device, shard=0, shards=1, replicas=1)
     comm = OneRank(poison_at)
 
@@ -213,6 +213,8 @@ CASES = {
     "streaming-tau2-resume-eval-skip": dict(P=2, tau=2, resume_at=13, eval_at=(6, 13, 18),
                                             poison_at=(3,)),
     "streaming-heal": dict(P=2, tau=1, heal_at=12, eval_at=(12, 14)),
+    "streaming-eager-resume-eval-skip": dict(P=2, tau=2, update="eager", resume_at=13,
+                                             eval_at=(6, 13, 18), poison_at=(3,)),
     "sparseloco": dict(rule="sparseloco", resume_at=9, eval_at=(9,)),
     "diloco": dict(P=1, H=4, tau=0, codec="fp32", resume_at=10, eval_at=(8, 10),
                    poison_at=(2,)),

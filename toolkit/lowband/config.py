@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from lowband.algorithms import ALGORITHMS, option_groups, registry, users
+from lowband.algorithms import ALGORITHMS, inner, option_groups, registry, users
 from lowband.comm.membership.elastic import ElasticOptions
 from lowband.comm.link import LinkOptions, with_units
 from lowband.faults import FaultOptions
@@ -67,10 +67,16 @@ class RunOptions(Options):
                             "stop step and the learning rate then follow the clock, so two runs "
                             "differ (without it nothing depends on time). Unset: no limit",
                             kind=float)
-    lr: float = _f(3e-3, "peak learning rate of the inner AdamW")
+    optimizer: str = _f("adamw", "inner optimizer (algorithms/inner.py): adamw, or muon: "
+                        "torch's Muon (momentum 0.95, Nesterov) on the 2-D weight matrices "
+                        "inside the blocks and AdamW on the rest (embeddings, output head, "
+                        "norms, biases); Muon scales --lr per matrix to match AdamW's update "
+                        "size (adjust_lr_fn match_rms_adamw), so --lr and --weight-decay "
+                        "carry over from AdamW", ("adamw", "muon"))
+    lr: float = _f(3e-3, "peak learning rate of the inner optimizer")
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak (cosine decay)")
     warmup_steps: int = _f(10, "linear learning-rate warm-up steps")
-    weight_decay: float = _f(0.1, "AdamW weight decay")
+    weight_decay: float = _f(0.1, "decoupled weight decay (AdamW's; Muon's too)")
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")
     grad_clip: float = _f(1.0, "clip the gradient norm to this value (0 disables)")
@@ -148,6 +154,7 @@ class RunOptions(Options):
         if cfg.tokenizer and not Path(cfg.tokenizer).exists():
             raise ConfigError(f"tokenizer '{cfg.tokenizer}' does not exist: give a tokenizer.json "
                               "file or a directory saved with save_pretrained.")
+        inner.check(cfg, ALGORITHMS[cfg.algo])  # --optimizer muon where it cannot run
 
 
 # the groups every algorithm reads, then each algorithm's own (in registry order)

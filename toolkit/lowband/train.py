@@ -20,6 +20,7 @@ import time
 import torch
 import torch.nn as nn
 
+from lowband.algorithms.inner import make_optimizer_factory
 from lowband.algorithms.pace import accums
 from lowband.checkpoint.preempt import HANDLER as preempt, stopped
 from lowband.clock import RunClock
@@ -34,21 +35,6 @@ from lowband.options import UserError
 from lowband.params import is_dtensor
 from lowband.session import Session
 from lowband.telemetry import EventWriter
-
-
-def make_optimizer_factory(cfg: Config, device: torch.device):
-    """AdamW with weight decay on matrices and embeddings only (not on norms' scales)."""
-
-    def make(params):
-        params = [p for p in params if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        rest = [p for p in params if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-                  {"params": rest, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                 fused=device.type == "cuda")
-
-    return make
 
 
 def _set_threads() -> None:
@@ -104,7 +90,7 @@ def _train(session: Session, tokens, model, blocks):
     blocks = blocks if blocks is not None else blocks_of(model)
     if cfg.compile:
         compile_blocks(blocks)
-    optimizer = session.set_up(model, blocks, make_optimizer_factory(cfg, device),
+    optimizer = session.set_up(model, blocks, make_optimizer_factory(cfg, device, blocks),
                                broadcast=user_model,
                                meta={"tokenizer": record_tokenizer(tokens, run.root)})
     algo, comm, faults = session.algo, session.comm, session.faults

@@ -60,7 +60,8 @@ from lowband.comm.exchanges import Landed
 from lowband.algorithms.edit_units import (Summed, Unit, allocated_bytes, outer_memory,
                                           shard_replica, sync_schedule)
 from lowband.algorithms.exchange import ExchangeOptions, exchange_block
-from lowband.algorithms.outer import OuterOptions, nesterov_step, outer_home, settle, sgd_step
+from lowband.algorithms.outer import (OuterOptions, nesterov_step, outer_home, outer_momentum_at,
+                                      settle, sgd_step)
 from lowband.options import ConfigError, Options, non_negative, option, positive, require
 from lowband.params import local_piece
 
@@ -323,7 +324,8 @@ class EDiT(Algorithm):
             if c.outer_rule == "sparseloco":  # the momentum is in the error feedback
                 u.write(sgd_step(u.outer, avg, c.outer_lr))
             else:
-                u.write(nesterov_step(u.outer, u.momentum, avg, c.outer_lr, c.outer_momentum))
+                mu = outer_momentum_at(c, self.syncs - 1)  # (--outer-warmup: the k-th sync's)
+                u.write(nesterov_step(u.outer, u.momentum, avg, c.outer_lr, mu))
         else:
             u.write(u.outer.to(self.device, non_blocking=True))
         if self.comm.events is not None:

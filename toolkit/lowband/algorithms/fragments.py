@@ -26,9 +26,11 @@ class Fragment:
         self.outer = kept_at(self.local_slice(), device)  # theta_outer, this rank's slice
         self.momentum = kept_at(torch.zeros_like(self.outer, device=params[0].device), device)
         self.residual = None  # error feedback: what quantization left out of the last send
+        self.rest = None  # --outer-update eager: the averages' part not applied yet (eager.py)
         self.pending = None  # (apply after step, start step, Average in flight)
         self.tokens = 0  # this replica's tokens since the fragment's last sync (--merge-weights)
         self.lr_sum = 0.0  # the inner learning rates' sum over those steps (--guard)
+        self.outer_steps = 0  # Nesterov outer steps taken (--outer-warmup's k)
 
     def local_slice(self) -> torch.Tensor:
         return flatten(self.params)[self.lo: self.hi]

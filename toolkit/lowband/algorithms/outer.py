@@ -6,7 +6,14 @@ when the model is on a GPU); the arithmetic always runs on the model's device.
 
 --outer-lr, unless set, follows the replicas R and H (default_outer_lr): the best outer learning
 rates Charles et al. 2025 (Scaling Laws for DiLoCo, arXiv 2503.09799) read at H = 30 for R = 1,
-2, 4, 8, rising with H by a guessed gentle slope; docs/fidelity.md says what rests on what."""
+2, 4, 8, rising with H by a guessed gentle slope, times a factor per outer rule and codec kind
+(OUTER_LR_FACTOR, all 1 today: benchmarks/outer_lr_sweep.py measures them); docs/fidelity.md
+says what rests on what.
+
+--outer-warmup N (0, off, by default): the Nesterov momentum of a fragment's (edit, aedit: a
+sync's) k-th outer step, k = 0, 1, ..., is mu min(1, k / N), mu = --outer-momentum: the first
+step is plain SGD on the pseudo-gradient, the (N+1)-th and later take mu (outer_momentum_at;
+Pier, arXiv 2511.17849, warms the outer momentum up). The outer lr is not ramped."""
 
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lowband.comm.codecs import SPARSE
 from lowband.options import ConfigError, Options, option
 
 
@@ -28,6 +36,9 @@ class OuterOptions(Options):
                              "found: 0.4/0.6/0.6/0.8 for R=1/2/4/8 at H=30, +0.05 a doubling "
                              "of H, within [0.2, 1]; see docs/fidelity.md")
     outer_momentum: float = option(0.9, "outer SGD Nesterov momentum")
+    outer_warmup: int = option(0, "N: the outer momentum ramps linearly from 0 over each "
+                               "fragment's first N outer steps (edit, aedit: the first N syncs): "
+                               "--outer-momentum x k/N at the k-th, k from 0 (0: off)")
     outer_state_device: str = option("same", "where the outer parameters and momentum live: same "
                                      "(the model's device) or cpu (pinned host memory: frees GPU "
                                      "memory, costs a PCIe round trip a sync)", ("same", "cpu"))
@@ -39,7 +50,8 @@ class OuterOptions(Options):
         """--outer-lr left unset: default_outer_lr of the run's replicas and H (an algorithm
         syncing by time, aedit, has no H in steps: the H = 30 value)."""
         if cfg.outer_lr is None and cfg.sync_every > 0:  # else check() names --sync-every
-            cfg.outer_lr = default_outer_lr(cfg.replicas, None if algorithm.timed else cfg.sync_every)
+            cfg.outer_lr = outer_lr_for(cfg.replicas, None if algorithm.timed else cfg.sync_every,
+                                        cfg.outer_rule, cfg.codec)
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -49,6 +61,13 @@ class OuterOptions(Options):
             raise ConfigError(f"--outer-lr must be positive, got {cfg.outer_lr}.")
         if not 0 <= cfg.outer_momentum < 1:
             raise ConfigError(f"--outer-momentum must lie in [0, 1), got {cfg.outer_momentum}.")
+        if not (isinstance(cfg.outer_warmup, int) and cfg.outer_warmup >= 0):
+            raise ConfigError(f"--outer-warmup must be 0 (off) or a positive number of outer "
+                              f"steps, got {cfg.outer_warmup}.")
+        if cfg.outer_warmup and cfg.outer_rule == "sparseloco":
+            raise ConfigError("--outer-warmup ramps the Nesterov outer momentum, which --outer-rule "
+                              "sparseloco does not have (its --outer-momentum decays the error "
+                              "feedback): drop one of them.")
 
 
 # The best outer learning rate at H = 30 for R = 1, 2, 4, 8 replicas (M in the paper), read from
@@ -73,6 +92,32 @@ def default_outer_lr(replicas: int, sync_every: int | None) -> float:
     if sync_every is not None:
         lr += OUTER_LR_PER_DOUBLING_OF_H * math.log2(sync_every / 30)
     return round(min(max(lr, OUTER_LR_BOUNDS[0]), OUTER_LR_BOUNDS[1]), 3)
+
+
+# The default outer lr's factor on default_outer_lr(R, H) by (outer rule, codec kind): dense is
+# fp32, bf16, int8 and the fp4 codecs, sparse the topk codecs (with error feedback). All 1 today,
+# the scaling-law fit for every set-up; benchmarks/outer_lr_sweep.py measures each set-up's best
+# outer lr against the fit's, and a factor a sweep on a quiet machine supports is set here.
+OUTER_LR_FACTOR = {("nesterov", "dense"): 1.0, ("nesterov", "sparse"): 1.0,
+                   ("sparseloco", "dense"): 1.0, ("sparseloco", "sparse"): 1.0}
+
+
+def outer_lr_for(replicas: int, sync_every: int | None, rule: str = "nesterov",
+                 codec: str = "fp32") -> float:
+    """The default outer lr of a run (--outer-lr unset): default_outer_lr(R, H) times
+    OUTER_LR_FACTOR of its outer rule and codec kind, rounded to 3 decimals; a factor of 1 is
+    default_outer_lr's value unchanged."""
+    lr = default_outer_lr(replicas, sync_every)
+    factor = OUTER_LR_FACTOR[(rule, "sparse" if codec in SPARSE else "dense")]
+    return lr if factor == 1.0 else round(lr * factor, 3)
+
+
+def outer_momentum_at(config, k: int) -> float:
+    """The Nesterov momentum of the k-th outer step (k = 0, 1, ...) of a fragment (edit: of a
+    sync): --outer-momentum, ramped linearly from 0 over the first --outer-warmup N steps,
+    mu k / N while k < N; mu itself with N = 0 (off, or a config without the option)."""
+    mu, n = config.outer_momentum, getattr(config, "outer_warmup", 0)
+    return mu if k >= n else mu * k / n
 
 
 def outer_home(config, device: torch.device) -> torch.device:

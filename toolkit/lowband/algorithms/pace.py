@@ -29,6 +29,13 @@ k x period on every replica, which names evaluations, checkpoints and the learni
 (a slow replica's step i of a period of n_r steps is at run step (k - 1) x period + i x
 period / n_r). Pseudo-gradients merge weighted by the tokens each replica trained
 (--merge-weights tokens): a fast replica's longer walk counts for more, in proportion.
+
+--sync-every-warmup H0 (diloco, fixed steps; 0, off, by default): the first syncs come after H0,
+2 H0, 4 H0, ... inner steps, doubling while below H, then every H (warm_syncs): a run's first
+outer steps, when the replicas' weights move fastest, come more often, for log2(H / H0) more
+syncs than H alone. Doubling rather than a linear ramp: H is reached in a few syncs, so the
+warm-up costs little communication. Streaming's fragments keep a fixed rotation every H/P steps
+with tau < H/P, which a growing H would reshuffle: it is refused there.
 """
 
 from __future__ import annotations
@@ -60,9 +67,14 @@ class PaceOptions(Options):
     grace: str = option("", "with adaptive local steps: the longest a sync waits for a late "
                         "replica after the last one that reached it, e.g. 2s; the late one's "
                         "work merges at a later sync (algorithms/grace.py). Empty: wait for all")
+    sync_every_warmup: int = option(0, "H0 (diloco): the first syncs after H0, 2 H0, 4 H0, ... "
+                                    "inner steps, doubling while below --sync-every, then every "
+                                    "H (0: off)")
 
     @classmethod
     def check(cls, cfg) -> None:
+        if cfg.sync_every_warmup:
+            check_warmup(cfg)
         if cfg.grace:
             check_grace(cfg)
         if cfg.replica_accum:
@@ -89,6 +101,31 @@ class PaceOptions(Options):
                 raise ConfigError(f"--{name} {value} is not a multiple of H/P = {period}: with "
                                   f"--local-steps {cfg.local_steps} replicas meet only at syncs, "
                                   "so runs end, evaluate and checkpoint there.")
+
+
+def check_warmup(cfg) -> None:
+    """--sync-every-warmup: below H, for diloco with fixed local steps."""
+    h0, H = cfg.sync_every_warmup, cfg.sync_every
+    if not (isinstance(h0, int) and 0 < h0 < H):
+        raise ConfigError(f"--sync-every-warmup must be 0 (off) or a number of steps below "
+                          f"--sync-every {H}, got {h0}.")
+    if cfg.fragments != 1 or cfg.overlap != 0:
+        raise ConfigError("--sync-every-warmup works with --algo diloco only: streaming's "
+                          "fragments sync in turn every H/P steps with an overlap below H/P, a "
+                          "rotation that a growing H would break.")
+    if cfg.local_steps != "fixed":
+        raise ConfigError(f"--sync-every-warmup needs --local-steps fixed: --local-steps "
+                          f"{cfg.local_steps} sets each period's steps by speed.")
+
+
+def warm_syncs(h0: int, H: int) -> list[int]:
+    """The inner steps after which the syncs of --sync-every-warmup H0 start: H0, H0 + 2 H0,
+    ..., the gap doubling while below H (the syncs after the last come every H)."""
+    out, gap = [], h0
+    while 0 < gap < H:
+        out.append((out[-1] if out else 0) + gap)
+        gap *= 2
+    return out
 
 
 def check_grace(cfg) -> None:
@@ -176,6 +213,7 @@ class Pace:
         else:
             self.speeds = self.total = None
         self.comm, self.measured = comm, measured
+        self.warm = warm_syncs(getattr(cfg, "sync_every_warmup", 0), self.period)
         self.grace = bool(getattr(cfg, "grace", ""))  # run steps where every replica met
         self.elastic = bool(getattr(cfg, "elastic", False))  # times through torchft's group
         self.met_at = None  # (--grace) the inner step and run step of the last sync all met
@@ -202,6 +240,9 @@ class Pace:
 
     def due(self, s: int) -> int | None:
         """The fragment whose sync starts after inner step s (1-based), if any."""
+        if self.warm:  # (diloco: one fragment) --sync-every-warmup's syncs, then every H
+            last = self.warm[-1]
+            return 0 if s in self.warm or (s > last and (s - last) % self.period == 0) else None
         if not self.adaptive:
             return None if s % self.period else (s // self.period - 1) % self.fragments
         return self.started % self.fragments if s == self.last_start + self.n else None

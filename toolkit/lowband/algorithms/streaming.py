@@ -9,7 +9,8 @@ each one every H steps. A sync of fragment p:
                            through the outer link in the codec, asynchronously
   apply (after step s+tau) m = mu m + delta;  theta_outer_p -= lr (delta + mu m)   (Nesterov)
                            theta_p <- alpha theta_p + (1 - alpha) theta_outer_p
-With P=1, tau=0, alpha=0 and fp32 this is DiLoCo.
+With P=1, tau=0, alpha=0 and fp32 this is DiLoCo. --outer-update eager (tau >= 1, eager.py):
+the outer step at the start, with this replica's own share and the others' of the last sync.
 
 With S > 1 ranks per replica, the replica is data-parallel inside (gradients averaged over the
 inner group by ddp's buckets) and the outer work is split: shard k of the replica owns slice k
@@ -35,8 +36,9 @@ import torch
 
 from lowband.algorithms.base import AT_STEP_EDGES, Algorithm, PERIODIC
 from lowband.algorithms.ddp import DDP
+from lowband.algorithms.eager import Eager, EagerOptions
 from lowband.algorithms.outer import (OuterOptions, Staging, nesterov_step, outer_home,
-                                      settle, sgd_step)
+                                      outer_momentum_at, settle, sgd_step)
 from lowband.algorithms.exchange import ExchangeOptions, exchange_block
 from lowband.algorithms.fragments import Fragment, Fragmented
 from lowband.algorithms.grace import Graced
@@ -79,12 +81,13 @@ class StreamingOptions(Options):
             raise ConfigError(f"--alpha must lie in [0, 1], got {cfg.alpha}.")
 
 
-class Streaming(Guarding, Graced, Paced, Fragmented, Algorithm):
+class Streaming(Eager, Guarding, Graced, Paced, Fragmented, Algorithm):
     name = "streaming"
     user_loop = AT_STEP_EDGES  # (diloco and a registered subclass inherit it)
     kind = PERIODIC
     elastic = True
-    options = (OuterOptions, ExchangeOptions, StreamingOptions, PaceOptions, GuardOptions)
+    options = (OuterOptions, ExchangeOptions, StreamingOptions, PaceOptions, GuardOptions,
+               EagerOptions)
     # 4 fragments, fewer for a smaller model (--model nano's 2 blocks): a model flag alone is
     # not refused for a fragment count it did not give
     defaults = {"fragments": lambda cfg: min(4, cfg.n_blocks()), "overlap": 1, "alpha": 0.5,
@@ -160,8 +163,8 @@ class Streaming(Guarding, Graced, Paced, Fragmented, Algorithm):
         if p is not None:
             self.staging.fetch(self.fragments[p].outer)
         if self.config.outer_rule != "sparseloco":
-            for f in self.fragments:
-                if f.pending is not None and f.pending[0] == s:
+            for f in self.fragments:  # (eager: the one whose outer step follows its start)
+                if f.index == p if self.eager else f.pending is not None and f.pending[0] == s:
                     self.staging.fetch(f.momentum)
 
     def after_backward(self, step):
@@ -241,6 +244,8 @@ class Streaming(Guarding, Graced, Paced, Fragmented, Algorithm):
         f.pending = (s + c.overlap, s, avg)
         if c.overlap == 0:
             self._apply(f)
+        elif self.eager:
+            self.eager_start(f, avg)
 
     def _average(self, f: Fragment, x: torch.Tensor, weight, again: str = ""):
         c = self.config
@@ -277,10 +282,15 @@ class Streaming(Guarding, Graced, Paced, Fragmented, Algorithm):
         self.skips = 0
         self.guard.applied += 1
         left = verdict is not None and self.topo.replica in verdict.left_out
+        if left and self.eager:  # its own share, applied at the start, taken back
+            self.eager_undo(f)
         restart = left and self._recover(f, avg)  # its weights went bad: restart from outer
-        outer = self.outer_step(f, delta)
-        merged = outer if restart else c.alpha * f.local_slice() + (1 - c.alpha) * outer
-        write_flat(f.params, self._gather(f, merged))
+        if self.eager:  # the others' share, for the fragment's next outer step
+            outer = self.eager_landed(f, delta, restart)
+        else:
+            outer = self.outer_step(f, delta)
+            merged = outer if restart else c.alpha * f.local_slice() + (1 - c.alpha) * outer
+            write_flat(f.params, self._gather(f, merged))
         met = self.met(avg, applied, at) if self.grace is not None else {}
         if verdict is not None:  # each replica's norm over its learning rates, who was left out
             met["guard_norms"] = [round(n, 6) for n in verdict.norms]
@@ -303,8 +313,9 @@ class Streaming(Guarding, Graced, Paced, Fragmented, Algorithm):
         c = self.config
         if c.outer_rule == "sparseloco":
             return sgd_step(f.outer, delta, c.outer_lr, self.staging)
-        return nesterov_step(f.outer, f.momentum, delta, c.outer_lr, c.outer_momentum,
-                             self.staging)
+        mu = outer_momentum_at(c, f.outer_steps)  # (--outer-warmup: ramped over the first)
+        f.outer_steps += 1
+        return nesterov_step(f.outer, f.momentum, delta, c.outer_lr, mu, self.staging)
 
     def _vote(self, avg) -> bool:
         """The commit vote on an exchange that has landed (taken at most once: a checkpoint
@@ -334,6 +345,8 @@ class Streaming(Guarding, Graced, Paced, Fragmented, Algorithm):
         stay, and every replica's fragment restarts from them."""
         self.skips += 1
         f.residual = None
+        if self.eager:  # its own share, applied at the start, taken back
+            self.eager_undo(f)
         write_flat(f.params, self._gather(f, self.staging.get(f.outer)))
         self.staging.drop(f.outer, f.momentum)
         if what == "guard":
@@ -355,8 +368,9 @@ class Streaming(Guarding, Graced, Paced, Fragmented, Algorithm):
                                                        getattr(avg, "share", None),
                                                        getattr(avg, "absent", None),
                                                        getattr(avg, "verdict", None)))
-        frags = [{"outer": f.outer, "momentum": f.momentum, "residual": f.residual,
-                  "pending": self._landed(f), "tokens": f.tokens, "lr_sum": f.lr_sum}
+        frags = [{"outer": f.outer, "momentum": f.momentum, "residual": f.residual, "rest": f.rest,
+                  "pending": self._landed(f), "tokens": f.tokens, "lr_sum": f.lr_sum,
+                  "outer_steps": f.outer_steps}
                  for f in self.fragments]
         healing = self.comm.membership.heal_fields({"lineage": list(self.lineage)})
         pace = {}
@@ -383,8 +397,10 @@ class Streaming(Guarding, Graced, Paced, Fragmented, Algorithm):
             f.outer.copy_(st["outer"])
             f.momentum.copy_(st["momentum"])
             f.residual = st["residual"]
+            f.rest = st.get("rest")  # (--outer-update eager)
             f.tokens = st.get("tokens", 0)
             f.lr_sum = st.get("lr_sum", 0.0)
+            f.outer_steps = st.get("outer_steps", 0)
             p = st["pending"]
             f.pending = None if p is None else (p[0], p[1], Landed(
                 p[2], *(p + [None, None])[3:5], verdict=Verdict.from_state((p + [None])[5])))
@@ -401,6 +417,8 @@ class Streaming(Guarding, Graced, Paced, Fragmented, Algorithm):
         self.finished = True  # (the final evaluation rolls nothing back)
         for f in sorted((f for f in self.fragments if f.pending), key=lambda f: f.pending[1]):
             self._apply(f)
+        if self.eager:
+            self.eager_finish()
         if self.grace is not None:  # the syncs left, which this replica took no part in
             for met in self.grace.close(self.pace.total if self.pace.over() else
                                         self.pace.started):

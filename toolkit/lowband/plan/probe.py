@@ -3,7 +3,8 @@ alone (the main job's step, on this machine).
 
 A short probe in this process on the config's device: the config's model (built as `lowband
 train` builds it, from --seed), --grad-accum micro-batches of --batch-size x --seq-len random
-token ids, forward and backward, the gradient clip and an AdamW step: what ddp's step computes
+token ids, forward and backward, the gradient clip and a step of the run's inner optimizer
+(--optimizer: AdamW, or Muon with AdamW, algorithms/inner.py): what ddp's step computes
 on one rank, without its communication or an algorithm's own work. Two warm-up steps, then the
 median of the timed ones.
 """
@@ -16,6 +17,7 @@ import time
 import torch
 
 from lowband import models
+from lowband.algorithms.inner import make_optimizer_factory
 from lowband.models import lm_loss
 
 
@@ -33,7 +35,7 @@ def step_time(cfg, steps: int = TIMED, warmup: int = WARMUP) -> float:
     device = device_of(cfg)
     vocab = cfg.vocab_size or models.spec(cfg.model).vocab_size  # the model's whole vocabulary
     model = models.for_training(models.build(cfg, vocab)).to(device).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=device.type == "cuda")
+    optimizer = make_optimizer_factory(cfg, device, models.blocks_of(model))(model.parameters())
     generator = torch.Generator().manual_seed(cfg.seed)
     times = []
     for i in range(warmup + steps):

@@ -17,12 +17,12 @@ from lowband.models import ModelOptions
 from lowband.options import close_match, flag
 
 # RunOptions fields that only lowband's own loop reads
-LOOP_ONLY = ("data", "tokenizer", "val_fraction", "lr", "min_lr_ratio", "warmup_steps",
-             "weight_decay", "beta1", "beta2", "grad_clip", "eval_every", "eval_batches",
-             "time_budget", "compile", "precision", "progress", "max_skips", "stop_after",
-             "grace", "replica_accum", "oversubscribe")  # (a replica's batch is your loop's;
-# --grace's rejoin is tested in lowband's own loop only; whether a run fits the machine is
-# asked by `lowband train`'s launcher, launch/fits.py)
+LOOP_ONLY = ("data", "tokenizer", "val_fraction", "optimizer", "lr", "min_lr_ratio",
+             "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip", "eval_every",
+             "eval_batches", "time_budget", "compile", "precision", "progress", "max_skips",
+             "stop_after", "grace", "replica_accum", "oversubscribe")
+# (a replica's batch is your loop's; --grace's rejoin is tested in lowband's own loop only;
+# whether a run fits the machine is asked by `lowband train`'s launcher, launch/fits.py)
 
 
 def loop_only() -> set[str]:
