@@ -24,7 +24,8 @@ def one_sentence(code: int, stderr: str) -> bool:
 
 @pytest.mark.parametrize("argv,meant", [
     (["train", "--step", 20], "did you mean --steps?"),
-    (["train", "--model", "nano", "--sync-ev", 4], "did you mean --sync-every?"),
+    (["train", "--model", "nano", "--sync-ev", 4],
+     "did you mean --sync-every or --sync-every-warmup?"),  # each option it begins
     (["train", "--stepz", 20], "did you mean --steps?"),  # a slip, not an abbreviation
     (["plan", "--step-t", "0.1"], "did you mean --step-time?"),
     (["prepare", "src", "-o", "out", "--tokenizer", "t.json", "--overwr"],
