@@ -6,6 +6,8 @@
   r2   R=2: ddp for --steps steps (the reference), then, each given ddp's measured training
        time (--time-budget): diloco, streaming fp4-e3m0, streaming topk-2bit (streaming-2), acco
        adaptive, acco 1:1 (acco-2), edit
+  pair R=2: ddp and streaming fp4 only, as in r2 (issue 46's goals; with --optimizer muon,
+       since r2's acco refuses Muon)
   r4   R=4: ddp for --steps steps, then streaming (at its default outer learning rate) given
        ddp's time
   h    R=2 at equal tokens (ddp's, --equal tokens): ddp, streaming fp4 at H = 20 (P 4), 8
@@ -30,6 +32,7 @@ published loss figures). Then PASS/MISS per goal (issue 30):
 The outer-learning-rate sweep at R=4 is benchmarks/outer_lr.py.
 
     python benchmarks/time_to_target.py [--part r2|r4|r2-hosts|all] [--steps 200] [--dir DIR]
+        [--model mini] [--optimizer adamw|muon]
 
 A part's runs land in DIR/<part>/ (default: a fresh temporary directory); calling again with
 the same --dir continues a part that stopped (lowband compare skips finished runs). On 2 cores
@@ -57,6 +60,7 @@ PARTS = {
         ("ddp", {}), ("diloco", {}), ("streaming", {}), ("streaming", {"codec": "topk-2bit"}),
         ("acco", {}), ("acco", {"acco_micro": "1:1"}), ("edit", {})]),
     "r4": dict(replicas=4, algos=[("ddp", {}), ("streaming", {})]),
+    "pair": dict(replicas=2, algos=[("ddp", {}), ("streaming", {})]),
     "h": dict(replicas=2, equal="tokens", algos=[
         ("ddp", {}), ("streaming", {"sync_every": 20}), ("streaming", {"sync_every": 8}),
         ("streaming", {"sync_every": 4, "fragments": 2})]),
@@ -64,9 +68,11 @@ PARTS = {
 }
 
 
-def run_part(name: str, steps: int, root: Path) -> dict:
+def run_part(name: str, steps: int, root: Path, model: str = "mini",
+             optimizer: str = "adamw") -> dict:
     part = PARTS[name]
-    flags = ["--model", "mini", "--replicas", str(part["replicas"]), "--steps", str(steps),
+    flags = ["--model", model, "--optimizer", optimizer, "--replicas", str(part["replicas"]),
+             "--steps", str(steps),
              "--eval-every", str(max(steps // 10, 1)), "--eval-batches", "8",
              *(LINK if part.get("equal") != "tokens" else [])]
     t0 = time.time()
@@ -105,14 +111,17 @@ def goals(result: dict) -> list[tuple[str, bool | None, str]]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=["r2", "r4", "h", "r2-hosts", "all"], default="r2")
+    p.add_argument("--part", choices=["r2", "pair", "r4", "h", "r2-hosts", "all"], default="r2")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--dir", type=Path, default=None)
+    p.add_argument("--model", default="mini", help="every run's model (micro: the main job's)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
+                   help="every run's inner optimizer, ddp's too (issue 46)")
     a = p.parse_args()
     root = a.dir or Path(tempfile.mkdtemp(prefix="lowband-time-to-target-"))
     results = {}
     for name in (["r2", "r4", "h", "r2-hosts"] if a.part == "all" else [a.part]):
-        results[name] = run_part(name, a.steps, root)
+        results[name] = run_part(name, a.steps, root, a.model, a.optimizer)
         print(text(results[name]), flush=True)
     if "h" in results:
         print("\nloss at equal tokens against ddp's (h):")
@@ -121,7 +130,7 @@ def main() -> int:
             loss = r["final_val_loss"] / ddp["final_val_loss"] - 1
             print(f"  {r['name']}: {r['final_val_loss']:.4f} ({loss:+.2%}; ddp "
                   f"{ddp['final_val_loss']:.4f})")
-    for name in ("r2", "r2-hosts", "r4"):
+    for name in ("r2", "pair", "r2-hosts", "r4"):
         if name in results:
             print(f"\ngoals ({name}):")
             for what, ok, detail in goals(results[name]):

@@ -68,7 +68,7 @@ def test_a_compared_setting_takes_its_measured_factor(compared):
     assert s["time_to_ddp_loss_s"] != pytest.approx(figures["streaming"]["time_to_ddp_loss_s"])
     # diloco was compared at another H: its row keeps the published figure
     assert rows["diloco"]["loss_penalty"] == figures["diloco"]["loss_penalty"]
-    assert "Charles" in rows["diloco"]["loss_penalty"]["fit"]
+    assert "lowband compare" not in rows["diloco"]["loss_penalty"]["fit"]
     # edit has no published figure: calibrated, it gets a time to ddp's loss
     assert figures["edit"]["time_to_ddp_loss_s"] is None
     e = rows["edit"]
@@ -86,7 +86,7 @@ def test_a_compared_setting_takes_its_measured_factor(compared):
 def test_another_model_size_matches_nothing(compared):
     out = plan_configs(MAIN, step_time=0.03, params=2e6, calibration=compared)
     assert out["calibration"]["calibrated"] == {} == out["calibration"]["not_reached"]
-    assert "Charles" in out["algorithms"]["streaming"]["loss_penalty"]["fit"]
+    assert "lowband compare" not in out["algorithms"]["streaming"]["loss_penalty"]["fit"]
 
 
 def test_the_command_line_says_which_rows_were_calibrated(compared, capsys):
@@ -96,7 +96,8 @@ def test_the_command_line_says_which_rows_were_calibrated(compared, capsys):
     assert f"calibrated by lowband compare ({compared}, against ddp)" in out
     assert "streaming (run streaming: 1.4x ddp's tokens)" in out and "edit (run edit: 1.3x" in out
     assert f"acco: not reached in {compared} (its setting's run acco): no measured factor" in out
-    assert "Charles et al." in out  # diloco's row still rests on the figures
+    # diloco's row still rests on the figures (lowband's own, plan/measured.py, for this size)
+    assert "the loss from lowband's own measurement" in " ".join(out.split())
     edit = next(line for line in out.splitlines() if line.startswith("edit "))
     assert "no figure" not in edit and edit.rstrip().endswith("s)")
     assert "--calibrate DIR" in _parser().format_help()

@@ -98,7 +98,10 @@ def test_the_recommendation_is_the_least_penalty_that_reaches_the_target():
 def test_the_command_line_prints_times_figures_and_the_recommendation(capsys):
     assert main(["--recipe", "main", "--step-time", "30ms", "--compare", "ddp,acco"]) == 0
     out = capsys.readouterr().out
-    assert "to ddp's loss" in out and "no figure" in out and "Charles et al." in out
+    assert "to ddp's loss" in out and "no figure" in out
+    # micro at H=20 rests on lowband's own runs (plan/measured.py), the larger H the
+    # recommendation tries beyond them on the published figures
+    assert "the loss from lowband's own measurement" in " ".join(out.split())
     assert "recommended for streaming on this link: --sync-every" in out
 
 

@@ -23,12 +23,18 @@ Tokens to a target: near the end of a run, loss is taken to fall with tokens as 
 L = 18.129 N^-0.0953 falls along runs of D = 20N tokens, i.e. as D^-0.0953. A run whose loss at
 equal tokens is (1 + p) times ddp's then needs (1 + p)^(1 / 0.0953) times ddp's tokens to reach
 ddp's final loss. That is an assumption; `lowband compare` measures the real factor.
+
+Measured here: where plan/measured.py's runs (benchmarks/per_token.py: lowband's streaming
+against its ddp on its GPT presets, by inner optimizer, R and N) cover a run, its p and its
+exponent replace the figures above, and the plan says so; elsewhere the figures stand.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from lowband.plan import measured
 
 SIZES = (35e6, 550e6, 1.3e9, 2.4e9)
 DP = (3.485, 2.653, 2.460, 2.326)
@@ -72,13 +78,24 @@ def diloco_loss_ratio(params: float, replicas: int, sync_every: int) -> float:
     return 1 + (at30 - 1) * _h_excess(sync_every) / _h_excess(H_FIT)
 
 
-def penalty(kind: str | None, params: float, replicas: int, sync_every: int) -> Penalty | None:
-    """The loss penalty at equal tokens of an algorithm whose `loss_fit` is `kind`; None when no
-    figure applies."""
+def penalty(kind: str | None, params: float, replicas: int, sync_every: int,
+            algo: str = "streaming", optimizer: str = "adamw") -> Penalty | None:
+    """The loss penalty at equal tokens of algorithm `algo`, whose `loss_fit` is `kind`, with
+    inner optimizer `optimizer`: measured here where that applies, else the published figures;
+    None when no figure applies."""
     if kind == "ddp":
         return Penalty(0.0, 1.0, "ddp's updates")
     if kind != "diloco":
         return None
+    here = measured.loss_and_factor(algo, optimizer, params, replicas, sync_every, _h_excess)
+    if here is not None:
+        return Penalty(here[0], here[1], here[2])
+    return published(params, replicas, sync_every)
+
+
+def published(params: float, replicas: int, sync_every: int) -> Penalty:
+    """The DiLoCo family's penalty from the published figures alone (FIT), with where the run
+    lies outside their range."""
     p = diloco_loss_ratio(params, replicas, sync_every) - 1
     outside = [what for what, bad in (
         (f"N = {params:.3g} (35M-2.4B)", not SIZES[0] <= params <= SIZES[-1]),

@@ -36,7 +36,8 @@ def timing(cfg, run, row: dict) -> dict:
     replicas = row.get("per_replica")
     if replicas:  # replicas of unequal steps a sync train fewer tokens a run step
         per_step *= replicas["step_share"]
-    fit = penalty(REGISTRY[cfg.algo].loss_fit, run.params, run.replicas, run.sync_every)
+    fit = penalty(REGISTRY[cfg.algo].loss_fit, run.params, run.replicas, run.sync_every,
+                  cfg.algo, getattr(cfg, "optimizer", "adamw"))
     out = {"tokens_per_step": per_step, "tokens_per_s": None, "wall_s": None, "tokens": None,
            "loss_penalty": None if fit is None else asdict(fit)}
     if row.get("cu") is None:
@@ -83,7 +84,8 @@ def recommend(cfg, make_run, simulate, target: float) -> dict | None:
             run = make_run(trial)
             cu = simulate(run)
             if cu >= target:
-                fit = penalty("diloco", run.params, run.replicas, h)
+                fit = penalty("diloco", run.params, run.replicas, h, cfg.algo,
+                              getattr(cfg, "optimizer", "adamw"))
                 return {"sync_every": h, "codec": codec, "cu": cu, "loss_penalty": fit.loss,
                         "fit": fit.fit, "outside": fit.outside}
     return {"sync_every": None, "tried": f"H {min(H_CANDIDATES)}-{max(H_CANDIDATES)}, "
