@@ -14,10 +14,13 @@ depend on the link, so the machine may be shared):
              tokens factor where its final loss crosses L(S) (log-log between the two runs that
              bracket it), each run with its own full schedule, as a user would run it longer.
              The factor then is this one ("beyond 2" past 2 S); the estimate stays beside it
-Then, for each R, optimizer and variant, the least-squares slope of ln(factor) against ln N,
-beside the published fit's (plan/loss.py: DiLoCo scaling laws, Table 4, over 35M-2.4B at H=30)
-and the factor the planner takes from it (held at 35M below it). --plan prints the table
-plan/measured.py holds: the planner takes it for the settings it covers.
+Then, for each R, optimizer and variant, the least-squares slopes of ln(factor) against ln N
+(direct, and the alpha rule's), beside the published fit's (plan/loss.py: DiLoCo scaling laws,
+Table 4, over 35M-2.4B at H=30) and the factor the planner takes from it (held at 35M below
+it); the goals: MuLoCo's check (diloco at R=1 with Muon no worse than Muon ddp at equal
+tokens, from `--replicas 1 --variants diloco`) and, per model and R, the variant and optimizer
+needing the fewest tokens against their ddp. --plan prints the table plan/measured.py holds
+(direct factors of today's streaming and diloco): the planner takes it where it applies.
 
     python benchmarks/per_token.py [--models nano micro mini small] [--replicas 2 4]
         [--optimizers adamw muon] [--variants today eager warmup diloco] [--steps 300]
