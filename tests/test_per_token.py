@@ -108,7 +108,7 @@ def test_the_benchmark_runs_and_prints_the_planners_table(tmp_path):
     assert r["factor"] == r["direct"]
     if r["direct"] is not None:  # it lies between the runs that bracket ddp's loss
         assert r["direct_points"][0][0] <= r["direct"] <= r["direct_points"][-1][0]
-        assert f"('adamw', 2): (({r['params']}," in out.stdout
+        assert f"('streaming', 'adamw', 2): (\n        ({r['params']}, " in out.stdout
     assert "MEASURED = {" in out.stdout
     assert (tmp_path / "f.svg").read_text().startswith("<svg")
     # the rows of earlier calls printed together, without running
