@@ -198,7 +198,8 @@ def plot(rows: list[dict], path: Path) -> None:
            f'<text x="14" y="{Ht / 2}" transform="rotate(-90 14 {Ht / 2})" text-anchor="middle">'
            "tokens factor to ddp's loss</text>"]
     for e in range(math.ceil(x0), math.floor(x1) + 1):
-        out.append(f'<text x="{X(10 ** e):.1f}" y="{Ht - B + 15}" text-anchor="middle">1e{e}</text>')
+        out.append(f'<text x="{X(10 ** e):.1f}" y="{Ht - B + 15}" text-anchor="middle">'
+                   f'1e{e}</text>')
     for k in range(5):
         f = y0 + (y1 - y0) * k / 4
         out.append(f'<text x="{L - 5}" y="{Y(f) + 4:.1f}" text-anchor="end">{f:.2f}</text>')
@@ -231,7 +232,8 @@ def goals(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
             "equal tokens", r["loss"] <= 0 if r["optimizer"] == "muon" else None,
             f"{r['val']:.4f} vs {r['ddp_val']:.4f} ({r['loss']:+.2%})")
            for r in rows if r["replicas"] == 1 and r["variant"] == "diloco"]
-    for key in sorted({(r["replicas"], r["params"], r["model"]) for r in rows if r["replicas"] > 1}):
+    sizes = {(r["replicas"], r["params"], r["model"]) for r in rows if r["replicas"] > 1}
+    for key in sorted(sizes):
         group = [r for r in rows if (r["replicas"], r["params"], r["model"]) == key and r["factor"]]
         if group:
             b = min(group, key=lambda r: r["factor"])

@@ -24,9 +24,10 @@ L = 18.129 N^-0.0953 falls along runs of D = 20N tokens, i.e. as D^-0.0953. A ru
 equal tokens is (1 + p) times ddp's then needs (1 + p)^(1 / 0.0953) times ddp's tokens to reach
 ddp's final loss. That is an assumption; `lowband compare` measures the real factor.
 
-Measured here: where plan/measured.py's runs (benchmarks/per_token.py: lowband's streaming
-against its ddp on its GPT presets, by inner optimizer, R and N) cover a run, its p and its
-exponent replace the figures above, and the plan says so; elsewhere the figures stand.
+Measured here: where plan/measured.py's runs (benchmarks/per_token.py: lowband's streaming and
+diloco against its ddp on its GPT presets, by algorithm, inner optimizer, R and N) cover a run,
+their p and tokens factor replace the figures above, and the plan says so; elsewhere the figures
+stand.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def penalty(kind: str | None, params: float, replicas: int, sync_every: int,
         return None
     here = measured.loss_and_factor(algo, optimizer, params, replicas, sync_every, _h_excess)
     if here is not None:
-        return Penalty(here[0], here[1], here[2])
+        return Penalty(*here)
     return published(params, replicas, sync_every)
 
 

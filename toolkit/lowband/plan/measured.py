@@ -7,12 +7,12 @@ optimizer, R), each model's (N, p, factor): p = the algorithm's final validation
 steps over ddp's, minus 1, and factor = the tokens it needs to reach ddp's final loss over
 ddp's (where its runs' final losses cross ddp's, log-log between the two that bracket it).
 
-Where it applies: the run's algorithm and inner optimizer measured, R within the R measured for it (linear in
-log2 R between them), N within the sizes measured (p and ln(factor) linear in log N between
-them; with one size, that size within 10%), and H within [H/2, 2H] of the measured H (p scaled
-by the published H shape, plan/loss.py, and the factor with it, at the exponent
-ln(factor) / ln(1 + p) measured). Elsewhere the published figures stand; the plan names which
-it used. The runs are short (S = 300 steps: 0.6M tokens at R=2, 5 tokens a parameter for nano
+Where it applies: the run's algorithm and inner optimizer measured, R within the R measured
+for them (linear in log2 R between them), N within the sizes measured (p and ln(factor) linear
+in log N between them; with one size, that size within 10%), and H within [H/2, 2H] of the
+measured H (p scaled by the published H shape, plan/loss.py, and the factor with it, at the
+exponent ln(factor) / ln(1 + p) measured). Elsewhere the published figures stand; the plan
+names which it used. The runs are short (S = 300 steps: 0.6M tokens at R=2, 5 tokens a parameter for nano
 and 0.13 for mini, against the published fits' 20), so the factor is a short-run factor;
 benchmarks/RESULTS.md "per token" has the runs and how the factor moved with N.
 """
@@ -66,8 +66,8 @@ def _between(x: float, xs: list[float], ys: list[float]) -> float | None:
 
 
 def _at(points, params: float) -> tuple[float, float] | None:
-    """(p, ln factor) at N = params from one (optimizer, R)'s points; None outside their
-    sizes."""
+    """(p, ln factor) at N = params from one (algorithm, optimizer, R)'s points; None outside
+    their sizes."""
     if len(points) == 1:
         n, p, factor = points[0]
         return (p, math.log(factor)) if abs(params / n - 1) <= 0.1 else None
