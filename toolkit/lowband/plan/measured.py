@@ -12,9 +12,9 @@ for them (linear in log2 R between them), N within the sizes measured (p and ln(
 in log N between them; with one size, that size within 10%), and H within [H/2, 2H] of the
 measured H (p scaled by the published H shape, plan/loss.py, and the factor with it, at the
 exponent ln(factor) / ln(1 + p) measured). Elsewhere the published figures stand; the plan
-names which it used. The runs are short (S = 300 steps: 0.6M tokens at R=2, 5 tokens a parameter for nano
-and 0.13 for mini, against the published fits' 20), so the factor is a short-run factor;
-benchmarks/RESULTS.md "per token" has the runs and how the factor moved with N.
+names which it used. The runs are short (S = 300 steps: 0.6M tokens at R=2, 5 tokens a
+parameter for nano and 0.13 for mini, against the published fits' 20), so the factor is a
+short-run factor; benchmarks/RESULTS.md "per token" has the runs and how it moved with N.
 """
 
 from __future__ import annotations
