@@ -6,11 +6,13 @@
   codecs    int8 and fp4 encode+decode against the device's copy bandwidth (goal >= 70%),
             bitwise agreement of compiled and eager, of the device and the CPU (gpu_codecs.py)
   overhead  streaming (P=4, fp4, tau=1), edit, acco, zero1 against ddp at the same batch, world 1,
-            so only the bookkeeping is measured: extra time per token over H steps (goal <= 5%)
+            so only the bookkeeping is measured: extra time per token over H steps (goal <= 5%);
+            streaming without its guard (the guard's cost), ddp and streaming with Muon
   e2e       several ranks on one GPU (gloo with CUDA tensors: NCCL refuses two ranks on one
             device): each algorithm end to end through `lowband train`; with CUDA tensors comm
             times come from CUDA events; reports how much outer-transfer time was hidden
-            behind compute
+            behind compute; streaming with one replica 2x slower, fixed against speed-aware
+            local steps (--e2e "streaming slow,streaming slow adaptive")
 
     PYTHONPATH=toolkit python3 benchmarks/gpu.py                # a CUDA machine: GPT-2 124M
     python benchmarks/gpu.py --smoke                            # anywhere: tiny sizes, checks
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -210,6 +213,13 @@ OVERHEAD_ALGOS = {
     "edit": {"algo": "edit"},
     "acco": {"algo": "acco", "acco_micro": "1:1"},
     "zero1": {"algo": "zero1"},
+    # the guard on the outer step is streaming's default: its cost is streaming against this row
+    "streaming guard off": {"algo": "streaming", "fragments": 4, "codec": "fp4-e3m0",
+                            "overlap": 1, "guard": "off"},
+    # Muon as the inner optimizer (issue 46): its cost against AdamW, on ddp and on streaming
+    "ddp muon": {"optimizer": "muon"},
+    "streaming muon": {"algo": "streaming", "fragments": 4, "codec": "fp4-e3m0", "overlap": 1,
+                       "optimizer": "muon"},
     "ddp again": {},
 }
 
@@ -234,7 +244,7 @@ def section_overhead(args, device, root) -> list[dict]:
         tok_s = (tokens[-1] - tokens[args.warm - 1]) / (ends[-1] - ends[args.warm - 1])
         rows.append({"algo": name, "tokens_per_s": tok_s})
     # the baseline: the mean of ddp's first and last run (their spread is the run's noise)
-    ddp = [r["tokens_per_s"] for r in rows if r["algo"].startswith("ddp") and "error" not in r]
+    ddp = [r["tokens_per_s"] for r in rows if r["algo"] in ("ddp", "ddp again") and "error" not in r]
     base = statistics.mean(ddp) if ddp else float("nan")
     for r in rows:
         if "error" not in r:
@@ -258,6 +268,12 @@ E2E = {
     # with CUDA tensors, which crashed (SIGSEGV) on an H100; edit refuses that set-up
     "edit": ["--algo", "edit"],
     "aedit": ["--algo", "aedit", "--sync-seconds", "0.5"],
+    # replica 1 computes 2x slower: fixed local steps (the fast replica waits at each sync)
+    # against speed-aware ones (it runs more steps instead); longer, for several syncs
+    "streaming slow": ["--algo", "streaming", "--fragments", "2", "--overlap", "1",
+                       "--straggler", "1:2", "--steps", "32"],
+    "streaming slow adaptive": ["--algo", "streaming", "--fragments", "2", "--overlap", "1",
+                                "--straggler", "1:2", "--steps", "32", "--local-steps", "adaptive"],
 }
 
 
@@ -306,17 +322,18 @@ def hidden_share(run: Path) -> tuple[float, int, int]:
 
 
 def section_e2e(args, device, root) -> list[dict]:
-    rows = []
     model = args.e2e_model
     if model == "llama":
         model = f"hf:{llama_dir(root, not args.smoke)}"
     print(f"\n[e2e] {args.e2e_model} ({model}), data {args.e2e_data}, {args.e2e_steps} steps, "
-          f"batch {args.e2e_batch}x{args.seq_len}, emulated outer link {args.e2e_link}")
+          f"batch {args.e2e_batch}x{args.seq_len}, emulated outer link {args.e2e_link}, "
+          f"{args.e2e_parallel} at a time", flush=True)
     from gpu_target import cli_env  # benchmarks/gpu_target.py
 
     env = cli_env()
-    for name, flags in args.e2e_algos.items():
-        run = root / f"e2e-{name}"
+
+    def one(name: str, flags: list[str]) -> dict:
+        run = root / f"e2e-{name.replace(' ', '-')}"
         argv = [sys.executable, "-m", "lowband.cli", "train", "--no-progress", "--run-dir", str(run),
                 "--device", device.type, "--model", model, "--steps", str(args.e2e_steps),
                 "--data", args.e2e_data, "--seq-len", str(args.seq_len),
@@ -326,7 +343,8 @@ def section_e2e(args, device, root) -> list[dict]:
                 "--link-latency", "0ms", *flags]
         t0 = time.perf_counter()
         proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
-        row = {"algo": name, "seconds": time.perf_counter() - t0, "ok": proc.returncode == 0}
+        row = {"algo": name, "seconds": time.perf_counter() - t0, "ok": proc.returncode == 0,
+               "beside": args.e2e_parallel - 1}
         if proc.returncode == 0:
             summary = json.loads((run / "summary.json").read_text())
             config = json.loads((run / "config.json").read_text())
@@ -340,9 +358,12 @@ def section_e2e(args, device, root) -> list[dict]:
         else:
             tail = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
             row["error"] = " | ".join(tail[-3:])[:400]
-        rows.append(row)
         _print_e2e(row)
-    return rows
+        return row
+
+    # --e2e-parallel N: N runs share the GPU at a time (their tokens/s then share it too)
+    with ThreadPoolExecutor(args.e2e_parallel) as pool:
+        return list(pool.map(lambda item: one(*item), args.e2e_algos.items()))
 
 
 def _print_e2e(r: dict) -> None:
@@ -370,6 +391,12 @@ def parse(argv):
                    help="for the target section without the overhead one: ddp's tokens/s at a "
                         "world of one, measured at this batch")
     p.add_argument("--e2e-steps", type=int, help="steps of each e2e run (default 16; smoke 4)")
+    p.add_argument("--e2e", help="the e2e section's rows to run, comma-separated (default: all "
+                                 f"of {', '.join(E2E)}; smoke: ddp, streaming)")
+    p.add_argument("--e2e-parallel", type=int, default=1,
+                   help="e2e runs sharing the GPU at a time (default 1: their tokens/s alone)")
+    p.add_argument("--target-seconds", type=float,
+                   help="training seconds of each time-to-target run (default 180; smoke 5)")
     args = p.parse_args(argv)
     dev = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     args.device = torch.device(dev)
@@ -388,8 +415,14 @@ def parse(argv):
     args.e2e_steps = args.e2e_steps or (16 if big else 4)
     args.overhead = [s.strip() for s in args.overhead.split(",")] if args.overhead else None
     args.e2e_batch, args.e2e_data = (8 if big else 4), data
-    args.target_data, args.target_seconds = data, (180.0 if big else 5.0)
-    args.e2e_algos = E2E if big else {k: E2E[k] for k in ("ddp", "streaming")}
+    args.target_data = data
+    args.target_seconds = args.target_seconds or (180.0 if big else 5.0)
+    e2e = ([s.strip() for s in args.e2e.split(",")] if args.e2e else
+           list(E2E) if big else ["ddp", "streaming"])
+    if set(e2e) - set(E2E):
+        p.error(f"unknown e2e row(s) {', '.join(sorted(set(e2e) - set(E2E)))}: use "
+                f"{', '.join(E2E)}")
+    args.e2e_algos = {k: E2E[k] for k in e2e}
     args.sections = [s for s in args.sections.split(",") if s]
     unknown = set(args.sections) - set(SECTIONS)
     if unknown:
@@ -409,7 +442,9 @@ def main(argv=None) -> int:
         root = Path(tmp)
         args.results = out
         for name in args.sections:
+            t0 = time.perf_counter()
             out[name] = globals()[f"section_{name}"](args, args.device, root)
+            print(f"[{name}] took {time.perf_counter() - t0:.0f} s", flush=True)
             if args.json:  # after each section: a call cut short keeps what it finished
                 Path(args.json).write_text(json.dumps(out, indent=2, default=str))
         if args.keep_runs:

@@ -27,7 +27,7 @@ def test_gpu_benchmark_smoke(tmp_path):
 
     overhead = {r["algo"]: r for r in result["overhead"]}
     assert set(overhead) == {"ddp", "streaming", "streaming, outer on cpu", "edit", "acco", "zero1",
-                             "ddp again"}
+                             "streaming guard off", "ddp muon", "streaming muon", "ddp again"}
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in overhead.values()), overhead
 
     for row in result["e2e"]:  # a Hugging Face Llama (config only) through lowband train
