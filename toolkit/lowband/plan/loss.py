@@ -56,26 +56,18 @@ class Penalty:
     outside: str = ""     # where the run lies outside their range ("" inside)
 
 
-def _interp(x: float, xs, ys) -> float:
-    """Piecewise linear through (xs, ys), held at the ends."""
-    if x <= xs[0]:
-        return ys[0]
-    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
-        if x <= x1:
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return ys[-1]
-
-
 def _h_excess(h: float) -> float:
-    return _interp(math.log(h), [math.log(x) for x, _ in H_SWEEP], [y for _, y in H_SWEEP])
+    return measured.line(math.log(h), [math.log(x) for x, _ in H_SWEEP], [y for _, y in H_SWEEP],
+                         hold=True)
 
 
 def diloco_loss_ratio(params: float, replicas: int, sync_every: int) -> float:
     """DiLoCo's loss over DP's at equal tokens for N params, M replicas and H (above)."""
     logs = [math.log(n) for n in SIZES]
-    by_m = [_interp(math.log(params), logs, [d / p for d, p in zip(DILOCO[m], DP)])
-            for m in sorted(DILOCO)]
-    at30 = _interp(math.log2(replicas), [math.log2(m) for m in sorted(DILOCO)], by_m)
+    by_m = [measured.line(math.log(params), logs, [d / p for d, p in zip(DILOCO[m], DP)],
+                          hold=True) for m in sorted(DILOCO)]
+    at30 = measured.line(math.log2(replicas), [math.log2(m) for m in sorted(DILOCO)], by_m,
+                         hold=True)
     return 1 + (at30 - 1) * _h_excess(sync_every) / _h_excess(H_FIT)
 
 

@@ -55,10 +55,11 @@ MEASURED: dict[tuple[str, str, int], tuple[tuple[int, float, float], ...]] = {
 SOURCE = "benchmarks/per_token.py, 2026-11-29"
 
 
-def _between(x: float, xs: list[float], ys: list[float]) -> float | None:
-    """Linear through (xs, ys) at x within [xs[0], xs[-1]] (xs ascending); None outside."""
+def line(x: float, xs: list[float], ys: list[float], hold: bool = False) -> float | None:
+    """Piecewise linear through (xs, ys) (xs ascending); outside [xs[0], xs[-1]] held at the
+    nearer end with hold, else None (plan/loss.py holds the published figures' ends)."""
     if not xs or x < xs[0] or x > xs[-1]:
-        return None
+        return None if not (hold and xs) else ys[0] if x < xs[0] else ys[-1]
     for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
         if x <= x1:
             return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
@@ -72,8 +73,8 @@ def _at(points, params: float) -> tuple[float, float] | None:
         n, p, factor = points[0]
         return (p, math.log(factor)) if abs(params / n - 1) <= 0.1 else None
     logs = [math.log(n) for n, _, _ in points]
-    p = _between(math.log(params), logs, [p for _, p, _ in points])
-    ln_f = _between(math.log(params), logs, [math.log(f) for _, _, f in points])
+    p = line(math.log(params), logs, [p for _, p, _ in points])
+    ln_f = line(math.log(params), logs, [math.log(f) for _, _, f in points])
     return None if p is None else (p, ln_f)
 
 
