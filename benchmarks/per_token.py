@@ -10,10 +10,11 @@ depend on the link, so the machine may be shared):
              its loss at equal tokens L_v, p = L_v / L(S) - 1, and the tokens it needs to reach
              L(S), estimated as (1 + p) ^ (1 / alpha): the planner's own rule (plan/loss.py),
              with the exponent measured here instead of the published 0.0953
-  --direct   each variant also for 1.5 S steps, and 2 S where 1.5 S did not reach L(S): the
-             tokens factor where its final loss crosses L(S) (log-log between the two runs that
-             bracket it), each run with its own full schedule, as a user would run it longer.
-             The factor then is this one ("beyond 2" past 2 S); the estimate stays beside it
+  --direct   each variant also for 1.5 S steps, then 2 S, 2.5 S and 3 S, each only where the
+             one before did not reach L(S): the tokens factor where its final loss crosses L(S)
+             (log-log between the two runs that bracket it), each run with its own full
+             schedule, as a user would run it longer.
+             The factor then is this one ("beyond 3" past 3 S); the estimate stays beside it
 Then, for each R, optimizer and variant, the least-squares slopes of ln(factor) against ln N
 (direct, and the alpha rule's), beside the published fit's (plan/loss.py: DiLoCo scaling laws,
 Table 4, over 35M-2.4B at H=30) and the factor the planner takes from it (held at 35M below
@@ -94,7 +95,7 @@ def crossing(target: float, points: list[tuple[float, float]]) -> float | None:
 
 def measure(model: str, replicas: int, optimizer: str, a, root: Path) -> list[dict]:
     """ddp at S and S/2, then each variant at S; with --direct each variant at 1.5 S too, and at
-    2 S when 1.5 S did not reach ddp's loss. factor: the direct one where measured, else the
+    2 S, 2.5 S and 3 S, each when the one before did not reach ddp's loss. factor: the direct one where measured, else the
     alpha rule's estimate."""
     base = ["--model", model, "--replicas", str(replicas), "--optimizer", optimizer]
     tag = f"{model}-r{replicas}-{optimizer}"
@@ -114,12 +115,12 @@ def measure(model: str, replicas: int, optimizer: str, a, root: Path) -> list[di
                "published": published.published(full["params"], replicas, H).tokens_factor}
         if a.direct:
             points = [(1.0, mine["val"])]
-            for k in (1.5, 2.0):
+            for k in (1.5, 2.0, 2.5, 3.0):  # each only where the one before did not reach
                 if crossing(full["val"], points) is not None:
                     break
                 points.append((k, run(f"{tag}-{v}", flags, round(a.steps * k), a, root)["val"]))
             row |= {"direct": crossing(full["val"], points), "direct_points": points}
-            row["factor"] = row["direct"]  # None: beyond 2 S
+            row["factor"] = row["direct"]  # None: beyond 3 S
         rows.append(row)
     return rows
 
@@ -269,7 +270,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=300, help="S: ddp's steps")
     p.add_argument("--eval-batches", type=int, default=16, help="held-out micro-batches a rank")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--direct", action="store_true", help="each variant at 1.5 S (and 2 S)")
+    p.add_argument("--direct", action="store_true", help="each variant at 1.5 S (and up to 3 S)")
     p.add_argument("--smoke", action="store_true", help="short runs of short sequences: checks "
                    "the script, measures nothing")
     p.add_argument("--dir", help="keep the run directories here (default: a temporary one)")
