@@ -41,6 +41,7 @@ MEASURED: dict[tuple[str, str, int], tuple[tuple[int, float, float], ...]] = {
     ('streaming', 'adamw', 4): (
         (123200, 0.04561, 1.3609),
         (836736, 0.05667, 1.3018),
+        (4820224, 0.13138, 2.1931),
     ),
     ('streaming', 'muon', 2): (
         (123200, 0.00402, 1.0328),
