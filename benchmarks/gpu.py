@@ -259,7 +259,7 @@ def section_overhead(args, device, root) -> list[dict]:
 
 
 E2E = {
-    "ddp": [],
+    "ddp": ["--algo", "ddp"],  # named: lowband train's own default is streaming
     "diloco": ["--algo", "diloco"],
     "streaming": ["--algo", "streaming", "--fragments", "2", "--overlap", "1"],
     "zero1": ["--algo", "zero1"],
@@ -350,7 +350,8 @@ def section_e2e(args, device, root) -> list[dict]:
             config = json.loads((run / "config.json").read_text())
             share, n, cuda = hidden_share(run)
             losses = [e["loss"] for e in read_events(run, ("step",)) if e["rank"] == 0]
-            row.update(backend=config["meta"]["backend"], world=config["meta"]["world"],
+            row.update(ran=config["algo"], backend=config["meta"]["backend"],
+                       world=config["meta"]["world"],
                        tokens_per_s=summary["tokens_per_s"], hidden=share, comm_events=n,
                        cuda_timed=cuda, val_loss=summary["final_val_loss"],
                        first_loss=losses[0], last_loss=losses[-1], steps=summary["steps"],

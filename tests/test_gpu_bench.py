@@ -32,6 +32,7 @@ def test_gpu_benchmark_smoke(tmp_path):
 
     for row in result["e2e"]:  # a Hugging Face Llama (config only) through lowband train
         assert row["ok"], row
+        assert row["ran"] == row["algo"]  # the algorithm the row names, not lowband's default
         assert row["backend"] == "gloo" and row["world"] == 2 and row["comm_events"] > 0
         assert row["cuda_timed"] == 0  # CPU tensors are timed on the host
         assert row["last_loss"] < row["first_loss"] and row["steps"] == 4
