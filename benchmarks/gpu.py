@@ -205,21 +205,19 @@ def section_codecs(args, device, root) -> list[dict]:
     return rows
 
 
+STREAMING = {"algo": "streaming", "fragments": 4, "codec": "fp4-e3m0", "overlap": 1}
 OVERHEAD_ALGOS = {
     "ddp": {},
-    "streaming": {"algo": "streaming", "fragments": 4, "codec": "fp4-e3m0", "overlap": 1},
-    "streaming, outer on cpu": {"algo": "streaming", "fragments": 4, "codec": "fp4-e3m0",
-                                "overlap": 1, "outer_state_device": "cpu"},
+    "streaming": STREAMING,
+    "streaming, outer on cpu": {**STREAMING, "outer_state_device": "cpu"},
     "edit": {"algo": "edit"},
     "acco": {"algo": "acco", "acco_micro": "1:1"},
     "zero1": {"algo": "zero1"},
     # the guard on the outer step is streaming's default: its cost is streaming against this row
-    "streaming guard off": {"algo": "streaming", "fragments": 4, "codec": "fp4-e3m0",
-                            "overlap": 1, "guard": "off"},
+    "streaming guard off": {**STREAMING, "guard": "off"},
     # Muon as the inner optimizer (issue 46): its cost against AdamW, on ddp and on streaming
     "ddp muon": {"optimizer": "muon"},
-    "streaming muon": {"algo": "streaming", "fragments": 4, "codec": "fp4-e3m0", "overlap": 1,
-                       "optimizer": "muon"},
+    "streaming muon": {**STREAMING, "optimizer": "muon"},
     "ddp again": {},
 }
 
@@ -244,7 +242,8 @@ def section_overhead(args, device, root) -> list[dict]:
         tok_s = (tokens[-1] - tokens[args.warm - 1]) / (ends[-1] - ends[args.warm - 1])
         rows.append({"algo": name, "tokens_per_s": tok_s})
     # the baseline: the mean of ddp's first and last run (their spread is the run's noise)
-    ddp = [r["tokens_per_s"] for r in rows if r["algo"] in ("ddp", "ddp again") and "error" not in r]
+    ddp = [r["tokens_per_s"] for r in rows
+           if r["algo"] in ("ddp", "ddp again") and "error" not in r]
     base = statistics.mean(ddp) if ddp else float("nan")
     for r in rows:
         if "error" not in r:
@@ -258,10 +257,11 @@ def section_overhead(args, device, root) -> list[dict]:
     return rows
 
 
+E2E_STREAMING = ["--algo", "streaming", "--fragments", "2", "--overlap", "1"]
 E2E = {
     "ddp": ["--algo", "ddp"],  # named: lowband train's own default is streaming
     "diloco": ["--algo", "diloco"],
-    "streaming": ["--algo", "streaming", "--fragments", "2", "--overlap", "1"],
+    "streaming": E2E_STREAMING,
     "zero1": ["--algo", "zero1"],
     "acco": ["--algo", "acco", "--acco-micro", "1:1"],
     # one shard a replica: with several shards on one GPU, FSDP2's collectives go through gloo
@@ -270,10 +270,9 @@ E2E = {
     "aedit": ["--algo", "aedit", "--sync-seconds", "0.5"],
     # replica 1 computes 2x slower: fixed local steps (the fast replica waits at each sync)
     # against speed-aware ones (it runs more steps instead); longer, for several syncs
-    "streaming slow": ["--algo", "streaming", "--fragments", "2", "--overlap", "1",
-                       "--straggler", "1:2", "--steps", "32"],
-    "streaming slow adaptive": ["--algo", "streaming", "--fragments", "2", "--overlap", "1",
-                                "--straggler", "1:2", "--steps", "32", "--local-steps", "adaptive"],
+    "streaming slow": [*E2E_STREAMING, "--straggler", "1:2", "--steps", "32"],
+    "streaming slow adaptive": [*E2E_STREAMING, "--straggler", "1:2", "--steps", "32",
+                                "--local-steps", "adaptive"],
 }
 
 
@@ -334,7 +333,8 @@ def section_e2e(args, device, root) -> list[dict]:
 
     def one(name: str, flags: list[str]) -> dict:
         run = root / f"e2e-{name.replace(' ', '-')}"
-        argv = [sys.executable, "-m", "lowband.cli", "train", "--no-progress", "--run-dir", str(run),
+        argv = [sys.executable, "-m", "lowband.cli", "train", "--no-progress", "--run-dir",
+                str(run),
                 "--device", device.type, "--model", model, "--steps", str(args.e2e_steps),
                 "--data", args.e2e_data, "--seq-len", str(args.seq_len),
                 "--batch-size", str(args.e2e_batch),

@@ -13,8 +13,8 @@ depend on the link, so the machine may be shared):
   --direct   each variant also for 1.5 S steps, then 2 S, 2.5 S and 3 S, each only where the
              one before did not reach L(S): the tokens factor where its final loss crosses L(S)
              (log-log between the two runs that bracket it), each run with its own full
-             schedule, as a user would run it longer.
-             The factor then is this one ("beyond 3" past 3 S); the estimate stays beside it
+             schedule, as a user would run it longer. The factor then is this one ("beyond 3"
+             past 3 S); the estimate stays beside it
 Then, for each R, optimizer and variant, the least-squares slopes of ln(factor) against ln N
 (direct, and the alpha rule's), beside the published fit's (plan/loss.py: DiLoCo scaling laws,
 Table 4, over 35M-2.4B at H=30) and the factor the planner takes from it (held at 35M below
@@ -95,8 +95,8 @@ def crossing(target: float, points: list[tuple[float, float]]) -> float | None:
 
 def measure(model: str, replicas: int, optimizer: str, a, root: Path) -> list[dict]:
     """ddp at S and S/2, then each variant at S; with --direct each variant at 1.5 S too, and at
-    2 S, 2.5 S and 3 S, each when the one before did not reach ddp's loss. factor: the direct one where measured, else the
-    alpha rule's estimate."""
+    2 S, 2.5 S and 3 S, each when the one before did not reach ddp's loss. factor: the direct
+    one where measured, else the alpha rule's estimate."""
     base = ["--model", model, "--replicas", str(replicas), "--optimizer", optimizer]
     tag = f"{model}-r{replicas}-{optimizer}"
     full = run(f"{tag}-ddp", ["--algo", "ddp", *base], a.steps, a, root)

@@ -59,8 +59,10 @@ SOURCE = "benchmarks/per_token.py, 2026-11-29"
 def line(x: float, xs: list[float], ys: list[float], hold: bool = False) -> float | None:
     """Piecewise linear through (xs, ys) (xs ascending); outside [xs[0], xs[-1]] held at the
     nearer end with hold, else None (plan/loss.py holds the published figures' ends)."""
-    if not xs or x < xs[0] or x > xs[-1]:
-        return None if not (hold and xs) else ys[0] if x < xs[0] else ys[-1]
+    if not xs:
+        return None
+    if x < xs[0] or x > xs[-1]:
+        return (ys[0] if x < xs[0] else ys[-1]) if hold else None
     for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
         if x <= x1:
             return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
