@@ -28,6 +28,7 @@ def one_sentence(code: int, stderr: str) -> bool:
      "did you mean --sync-every or --sync-every-warmup?"),  # each option it begins
     (["train", "--stepz", 20], "did you mean --steps?"),  # a slip, not an abbreviation
     (["plan", "--step-t", "0.1"], "did you mean --step-time?"),
+    (["plan", "--link-b", "1gbit"], "did you mean --link-bandwidth?"),  # not --link (a file)
     (["prepare", "src", "-o", "out", "--tokenizer", "t.json", "--overwr"],
      "did you mean --overwrite?"),
     (["export", "run", "-o", "out", "--whi", "outer"], "did you mean --which?"),

@@ -27,7 +27,7 @@ from types import MappingProxyType
 
 from lowband.algorithms import ALGORITHMS, inner, option_groups, registry, users
 from lowband.comm.membership.elastic import ElasticOptions
-from lowband.comm.link import LinkOptions, with_units
+from lowband.comm.link import LinkOptions, recorded, with_units
 from lowband.faults import FaultOptions
 from lowband.options import (ArgParser, ConfigError, Options, close_match, flag,  # noqa: F401
                              option)  # (ArgParser, ConfigError re-exported)
@@ -284,11 +284,11 @@ class Config(*reversed(GROUPS)):
                 raise ConfigError(f"config file '{file}' is not valid JSON ({e}): fix its syntax.") from None
             if not isinstance(values, dict):
                 raise ConfigError(f"config file '{file}' holds no JSON object of options.")
-            values.pop("meta", None)  # what the run measured about itself, not options
+            meta = values.pop("meta", None)  # what the run measured about itself, not options
             values.pop("run_dir", None)  # a repeat gets its own directory
             values.pop("overwrite", None)
             values.pop("oversubscribe", None)  # (this machine's to decide)
-            return cls.from_dict(with_units(values), source=str(file))
+            return recorded(cls.from_dict(with_units(values), source=str(file)), meta)
         try:
             values = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lowband import models
 from lowband.algorithms import ALGORITHMS, users
-from lowband.comm.link import with_units
+from lowband.comm.link import recorded, with_units
 from lowband.config import (COMMON_GROUPS, GROUPS, RESUME_MAY_CHANGE, RESUME_RULE, ArgParser,
                             Config, ConfigError)
 
@@ -88,8 +88,8 @@ def config_of_args(args: dict, *, here: bool = True, file_here: bool | None = No
         if saved is None:
             raise ConfigError(f"'{resume}' is not a lowband run directory (no config.json): give "
                               "the directory of the run to resume.")
-        saved.pop("meta", None)
-        cfg = Config.from_dict(with_units(saved), source=f"{resume}/config.json")
+        meta = saved.pop("meta", None)
+        cfg = recorded(Config.from_dict(with_units(saved), source=f"{resume}/config.json"), meta)
         cfg.stop_after = cfg.crash_checkpoint = 0  # one-shot: done before, not again
         args["run_dir"] = resume
     elif path and recipe:

@@ -104,7 +104,8 @@ class Session:
         if dist.get_rank() == 0 and topo.replica == 0:
             write_json_atomic(self.run.config, {**cfg.to_dict(), "meta": {
                 "world": topo.world, "n_params": num_params(model), "torch": torch.__version__,
-                "device": topo.device.type, "backend": dist.get_backend(), **meta}})
+                "device": topo.device.type, "backend": dist.get_backend(), **meta,
+                **({"link": cfg.measured_link} if cfg.measured_link else {})}})
         self.ledger = Ledger(topo.shards, cfg.elastic)
         return self.optimizer
 

@@ -41,8 +41,8 @@ def parser() -> ArgParser:
     p.add_argument("--no-report", action="store_true", help="write no report.html")
     p.add_argument("--test-hosts", action="store_true", help="run over a real shaped link "
                    "instead of the emulated one: one test host (network namespace) a replica, "
-                   "each host's link shaped by tc to --link-bandwidth (no latency added); needs "
-                   "root, `ip` and `tc`")
+                   "each host's link shaped by tc to --link-bandwidth, or to a measured --link "
+                   "FILE's (no latency added); needs root, `ip` and `tc`")
     return p
 
 

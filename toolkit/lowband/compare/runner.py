@@ -15,9 +15,11 @@ intact checkpoint, or starts over when it has none.
 
 With test_hosts (root), the runs go over a real shaped link instead of the emulated one: R test
 hosts (lowband.launch.hosts: network namespaces on veths, each host's egress shaped by tbf to
-the flags' --link-bandwidth), replica i's ranks on host i, the emulated link off. This kernel
-has no netem, so that link adds no latency: --link-latency is not applied there (compare.json's
-`link` says so), and the plan's columns take the hosts' bandwidth.
+the flags' --link-bandwidth, or a measured --link FILE's), replica i's ranks on host i, the
+emulated link off. This kernel has no netem, so that link adds no latency: --link-latency is
+not applied there (compare.json's `link` says so), and the plan's columns take the hosts'
+bandwidth. A measured link (--link FILE) is named as the comparison starts, and compare.json's
+`link.measured` and the report keep its record.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 from lowband.compare import entries as E
 from lowband.compare import table as T
 from lowband.config import ConfigError
+from lowband.dashboard.tables import measured_text
 from lowband.flags import parse_train
 from lowband.options import UserError, needs_extra
 from lowband.summary import one_line
@@ -97,6 +100,8 @@ def compare(recipes=(), configs=(), algos=(), *, flags=(), equal: str = "time",
     write_json_atomic(root / "compare.json", state)
     order = [ref] + [e for e in runs if e is not ref]
     given = {}
+    if ref.config.measured_link:  # --link FILE
+        say(f"lowband compare: {measured_text(ref.config.measured_link)}")
     if hosts is not None:
         say(f"lowband compare: test hosts {', '.join(hosts.names)}, each host's link shaped to "
             f"{hosts.rate} (tbf)")
@@ -226,8 +231,8 @@ def _train(e: E.Entry, run: RunDir, given: dict, hosts=None) -> int:
         argv = ["--resume", str(run.root)] + ([] if e.config.progress else ["--no-progress"])
     else:
         values = {**e.config.to_dict(), **given, "run_dir": str(run.root), "overwrite": True}
-        if hosts is not None:  # the hosts' link is the link
-            values |= {"link_bandwidth": "", "link_latency": "0ms"}
+        if hosts is not None:  # the hosts' link is the link (a measured one's bandwidth)
+            values |= {"link_bandwidth": "", "link_latency": "0ms", "link": ""}
         argv = flag_args(values)
     cfg, resume = parse_train(argv)
     return train_here(cfg, argv, resume, hosts)[0]
@@ -243,7 +248,9 @@ def _result(runs: list[E.Entry], ref: E.Entry, root: Path, equal: str, given: di
                            ref.label, None if hosts is None else link)
     return {"dir": str(root), "equal": equal, "reference": ref.label, "target_loss": loss,
             "link": {"test_hosts": hosts is not None, "bandwidth": link or None,
-                     "latency": "none added (tbf only)" if hosts else ref.config.link_latency},
+                     "latency": "none added (tbf only)" if hosts else ref.config.link_latency,
+                     **({"measured": ref.config.measured_link}
+                        if ref.config.measured_link else {})},
             "target_from": "--target-loss" if target_loss is not None else
             f"{ref.label}'s final validation loss",
             "budget_s": (ref.config.time_budget or reference.get("wall_s")) if equal == "time"

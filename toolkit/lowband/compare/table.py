@@ -22,6 +22,7 @@ from lowband.dashboard.comparison import cell
 from lowband.dashboard.model import RunModel
 from lowband.dashboard.replicas import setup_text
 from lowband.dashboard.style import fmt_value
+from lowband.dashboard.tables import measured_text
 from lowband.summary import target
 from lowband.telemetry import RunDir, read_events
 
@@ -147,9 +148,9 @@ UNEVEN = [("heterogeneity", "replicas", "differ"),  # where some run's replicas 
 
 
 def text(result: dict) -> str:
-    """The comparison as the terminal shows it: the target, the table (a line per run, in two
-    tables where one would be wider than WIDTH) and a line answering which run reached the
-    target soonest (target_answer)."""
+    """The comparison as the terminal shows it: the target (and a measured link, --link FILE),
+    the table (a line per run, in two tables where one would be wider than WIDTH) and a line
+    answering which run reached the target soonest (target_answer)."""
     runs = result["runs"]
     cols = [("name", "", "run")]
     if any(not r["name"].startswith(str(r.get("algorithm"))) for r in runs):
@@ -168,6 +169,9 @@ def text(result: dict) -> str:
                           f" ({str(result.get('target_from')).removesuffix(' validation loss')})"
                           + ("" if at is None else f"; equal time: {fmt_value('wall_s', at)} of "
                              "training, the shortest run's"), WIDTH)
+    measured = (result.get("link") or {}).get("measured")
+    if measured:  # --link FILE: the comparison's link, measured by lowband doctor
+        lines += textwrap.wrap(f"link: {measured_text(measured)}", WIDTH)
     for keys in [*tables, keys]:
         lines += [""] + ["  ".join(grid[k][i].ljust(width[k]) if k in WORDS else
                                    grid[k][i].rjust(width[k]) for k in keys).rstrip()

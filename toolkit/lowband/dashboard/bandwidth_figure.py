@@ -21,8 +21,9 @@ def bandwidth_spec(models: list[RunModel], max_bins: int = BINS) -> Spec:
     capacities = {}
     any_data = False
     for ri, m in enumerate(models):
-        if m.capacity():
-            capacities.setdefault(m.capacity(), m.name)
+        if m.capacity():  # (a measured link's, --link FILE, says so: the report's #summary)
+            measured = bool((m.config.get("meta") or {}).get("link"))
+            capacities.setdefault(m.capacity(), (m.name, measured))
         bw = m.bandwidth(max_bins=max_bins, by="total" if multi else "link")
         if not bw["series"]:
             continue
@@ -34,8 +35,9 @@ def bandwidth_spec(models: list[RunModel], max_bins: int = BINS) -> Spec:
             traces += _link_traces(bw)
     if any_data:
         x_end = max((float(t["x"][-1]) for t in traces if len(t["x"])), default=1.0)
-        for cap, name in capacities.items():
-            label = f"capacity {fmt_bits(cap)}" + (f" ({name})" if multi else "")
+        for cap, (name, measured) in capacities.items():
+            label = (f"capacity {fmt_bits(cap)}" + (" measured" if measured else "")
+                     + (f" ({name})" if multi else ""))
             traces.append(dict(type="scatter", mode="lines", x=[0, x_end], y=[cap, cap],
                                name=label, line=dict(color=ANOMALY_COLOR, dash="dot", width=1.5)))
     layout = dict(BASE_LAYOUT, title=figure_title("outer-link bandwidth"),

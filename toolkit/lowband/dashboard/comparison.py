@@ -14,7 +14,7 @@ from __future__ import annotations
 import html
 
 from .style import fmt_value
-from .tables import target_text
+from .tables import measured_text, target_text
 
 COLUMNS = [("name", "run"), ("algorithm", "algorithm"), ("heterogeneity", "replicas differ"),
            ("target.elapsed_s", "time to target"),
@@ -57,6 +57,8 @@ def note(result: dict) -> str:
     elif link.get("bandwidth"):
         given += (f", over the emulated link ({link['bandwidth']}, {link.get('latency')} "
                   "latency)")
+    if link.get("measured"):  # --link FILE: the link it emulates, or the hosts are shaped to
+        given += f", the link {measured_text(link['measured'])}"
     return (f"{given}; target validation loss {fmt_value('loss', result.get('target_loss'))} "
             f"({result.get('target_from')}); validation loss at equal time: at "
             f"{fmt_value('wall_s', at)} of training, the shortest run's end, linear between "

@@ -12,7 +12,8 @@ wall-clock time.
 
 For tests in a browser, the page has stable hooks: figure divs #lowband-loss,
 #lowband-bandwidth and #lowband-timeline-<i>, sections #headline (what ddp would have sent, as
-`lowband train` prints it: runs that are not ddp), #summary, #replicas (runs of two replicas or
+`lowband train` prints it: runs that are not ddp), #summary (with a run's measured link, --link
+FILE, above its table), #replicas (runs of two replicas or
 more: each replica's work), #config (#restarts for runs
 that restarted, #membership for --elastic runs, with #failed-commits where a commit vote
 failed), and the report's numbers as JSON in <script type="application/json"
@@ -40,7 +41,7 @@ from .model import RunModel, is_run_dir
 from .replicas import COLUMNS as REPLICA_COLUMNS
 from .replicas import replicas_table
 from .specs import make_figure
-from .tables import (commits_table, config_table, elastic_text, membership_table,
+from .tables import (commits_table, config_table, elastic_text, link_text, membership_table,
                      participation_table, restarts_table, run_record, summary_table)
 from .timeline_figure import timeline_spec
 
@@ -128,8 +129,9 @@ def render_report(run_dirs, *, title: str | None = None, window_s: float | None 
     parts = [compare_section(compare)] if compare else []
     parts += [_headline_section(models)] if any(_headline(m) for m in models) else []
     parts += [
-        f'<section id="summary"><h2>Summary</h2><div class="scroll">{summary_table(records)}'
-        f"</div>{_guard_notes(models)}</section>", _replicas_section(models),
+        f'<section id="summary"><h2>Summary</h2>{_link_notes(models)}<div class="scroll">'
+        f"{summary_table(records)}</div>{_guard_notes(models)}</section>",
+        _replicas_section(models),
         f'<section id="loss-section"><h2>Loss</h2><p class="meta">Mean over each replica\'s '
         f"ranks; validation loss, loss spikes (EWMA z-score, z &gt; {models[0].spike_params[0]:g};"
         f" the grey band is {html.escape(warmup_text(models[0].spike_params[2]))})"
@@ -226,6 +228,15 @@ def _replicas_section(models: list[RunModel]) -> str:
             "replica faster than the others waits for them at each sync; with --local-steps "
             "adaptive it runs more steps instead.</p>"
             f'<div class="scroll">{table}</div></section>')
+
+
+def _link_notes(models: list[RunModel]) -> str:
+    """Each run's outer link where it emulated a measured one (--link FILE: what it emulated,
+    and the record, as config.json's meta.link keeps it); "" where none did."""
+    return "".join('<p class="meta" data-key="measured-link">'
+                   + (f"{html.escape(m.name)}: " if len(models) > 1 else "")
+                   + f"Outer link {html.escape(link_text(m.config))}.</p>"
+                   for m in models if link_text(m.config))
 
 
 def _guard_notes(models: list[RunModel]) -> str:

@@ -8,6 +8,8 @@ import html
 import json
 import math
 
+from lowband.comm.link import describe_measured, link_words
+
 from .losses import warmup_text
 from .membership import groups_text, participation_words
 from .model import RunModel
@@ -208,6 +210,23 @@ def target_text(key: str, target) -> str:
     best = target.get("best_val_loss")
     return ("not reached" + (f" (best {best:.4f})" if isinstance(best, (int, float)) else "")
             if field == "elapsed_s" else "–")
+
+
+def measured_text(record: dict) -> str:
+    """"the link in FILE, measured by lowband doctor ...": a measured link's record (--link
+    FILE: config.json's meta.link, compare.json's link.measured) in one line."""
+    return f"the link in {record.get('file') or 'a measured link file'}, " + \
+        describe_measured(record)
+
+
+def link_text(config: dict) -> str:
+    """A run's outer link where it emulated a measured one (--link FILE, its config.json's
+    meta.link): what it emulated, then measured_text; "" for any other run."""
+    record = (config.get("meta") or {}).get("link")
+    if not isinstance(record, dict):
+        return ""
+    return (f"emulated {link_words(config.get('link_bandwidth'), config.get('link_latency'))}"
+            f" (its slowest direction and its latency): {measured_text(record)}")
 
 
 def elastic_text(key: str, elastic) -> str:

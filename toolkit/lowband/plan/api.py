@@ -152,14 +152,17 @@ def plan(target_cu: float = 0.9, algorithms=ALGORITHMS, **params) -> dict:
 
 def config_of(cfg) -> "Config":
     """A validated lowband Config: cfg itself, or one from a mapping of its options (a run's
-    config.json, less its meta). Paths that are not here (data, a tokenizer) are left unchecked:
-    the plan reads none of them."""
+    config.json: its meta's measured link, if any, is the run's, not read again). Paths that
+    are not here (data, a tokenizer) are left unchecked: the plan reads none of them."""
+    from lowband.comm.link import recorded
     from lowband.config import Config
     from lowband.flags import validate_elsewhere
 
     try:
         if not isinstance(cfg, Config):
-            cfg = Config.from_dict({k: v for k, v in dict(cfg).items() if k != "meta"})
+            values = dict(cfg)
+            meta = values.pop("meta", None)
+            cfg = recorded(Config.from_dict(values), meta)
         return validate_elsewhere(cfg)
     except ConfigError as e:
         raise PlanError(str(e)) from None

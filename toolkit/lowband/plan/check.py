@@ -21,11 +21,12 @@ from lowband.telemetry import RunDir, read_events
 
 def measured(run_dir, warmup_steps: int = 3, link: str | None = None
              ) -> tuple[dict, dict, dict]:
-    """(config without meta, summary, what the plan takes from the run: its mean compute seconds
-    per step, its parameters, the steps it ran (acco's budget makes fewer, larger steps than
-    --steps; aedit's replicas their own counts: their mean), and an unlimited link if it had no
-    emulated one) of a finished run; PlanError naming the fix otherwise. link: the bandwidth of
-    the real link the run went over (lowband compare's test hosts), planned as its link."""
+    """(config without meta but for its measured link, summary, what the plan takes from the
+    run: its mean compute seconds per step, its parameters, the steps it ran (acco's budget
+    makes fewer, larger steps than --steps; aedit's replicas their own counts: their mean), and
+    an unlimited link if it had no emulated one) of a finished run; PlanError naming the fix
+    otherwise. link: the bandwidth of the real link the run went over (lowband compare's test
+    hosts), planned as its link."""
     run = RunDir(run_dir)
     config, summary = run.read_json(run.config), run.read_json(run.summary)
     if config is None or summary is None:
@@ -35,6 +36,8 @@ def measured(run_dir, warmup_steps: int = 3, link: str | None = None
     if not steps:
         raise PlanError(f"'{run_dir}' has no step events after the first {warmup_steps} steps.")
     cfg = {k: v for k, v in config.items() if k != "meta"}
+    if (config.get("meta") or {}).get("link"):  # its measured link, kept (config_of)
+        cfg["meta"] = {"link": config["meta"]["link"]}
     # a straggler's sleep counts as its compute: the plan's step time is the unslowed one
     slow = parse_straggler(cfg.get("straggler") or "", cfg.get("replicas") or 1)
     took = {"step_time": statistics.fmean(e["compute_s"] / slow.get(e.get("replica"), 1.0)

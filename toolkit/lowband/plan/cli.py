@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from lowband.comm.link import describe_measured
 from lowband.flags import config_of_args, train_parser
 from lowband.plan.api import config_of, plan_configs
 from lowband.plan import probe
@@ -98,6 +99,8 @@ def run_plan(argv: list[str]) -> tuple[dict, bool]:
     result = plan_configs(cfg, names, own["target_cu"] or "0.9", step_time=own["step_time"],
                           params=own["params"], steady=own["steady"],
                           calibration=own["calibrate"], **extra)
+    if cfg.measured_link:  # --link FILE, or the measured link a finished run recorded
+        result["link"] = cfg.measured_link
     if taken is not None:
         row = result["algorithms"][cfg.algo]
         result["measured"] = check_run(finished, taken=taken,
@@ -191,10 +194,15 @@ def table(result: dict) -> str:
     link = {None: "none emulated (CU not shown)", "inf": "unlimited"}.get(i["bandwidth"])
     link = link or fmt_bandwidth(i["bandwidth"])
     run = "the steady state" if i["steps"] is None else f"a run of {i['steps']} steps"
+    measured_link = result.get("link")
+    where = measured_link and (measured_link.get("file") or "a measured link")
     lines = [f"{fmt_count(i['params'])} params, {i['layers']} blocks, step "
              f"{fmt_seconds(i['step_time'])}, R={i['replicas']} S={i['shards']}"
-             f"{_slower(i.get('slowdowns'))}; link {link}, latency {fmt_seconds(i['latency'])}; "
-             f"{run}", ""]
+             f"{_slower(i.get('slowdowns'))}; link {link}, latency {fmt_seconds(i['latency'])}"
+             + (f" (measured: {where})" if measured_link else "") + f"; {run}"]
+    if measured_link:  # what the file says, of which the plan takes the slowest direction
+        lines.append(f"{where}: {describe_measured(measured_link)}")
+    lines.append("")
     rows = [("algorithm", "syncs", "CU", "stall/step", "wire/step", "largest transfer",
              f"needs for CU {target:g}", "tokens/s", "to ddp's loss")]
     notes, fits = [], {}
