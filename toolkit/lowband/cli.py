@@ -1,4 +1,4 @@
-"""`lowband train | plan | report | launch | recipes | prepare | export | compare`.
+"""`lowband train | plan | report | launch | recipes | prepare | export | compare | doctor`.
 
 `lowband train` run plainly starts R x S local worker processes itself; under torchrun or TorchX
 (RANK and WORLD_SIZE in the environment) it is one worker and takes the world from there.
@@ -151,6 +151,7 @@ COMMANDS["launch"] = _subcommand("lowband.launch")
 COMMANDS["prepare"] = _subcommand("lowband.data.cli")
 COMMANDS["export"] = _subcommand("lowband.export")
 COMMANDS["compare"] = _subcommand("lowband.compare")
+COMMANDS["doctor"] = _subcommand("lowband.doctor")
 
 
 def cmd_recipes(argv: list[str]) -> int:
@@ -173,6 +174,7 @@ commands:
   prepare  tokenize text, JSONL or Parquet files into token shards for --data
   export   write a finished run's weights as a Hugging Face model directory
   compare  train several algorithms, recipes or configs at equal time or tokens, side by side
+  doctor   check that a run can work here and across machines, and measure the link between them
 
 the main job: `lowband train` (Streaming DiLoCo, 2 replicas of a 0.8M GPT, 200 steps, over an
 emulated 100 Mbit/s, 10 ms link); `lowband train --algo ddp` is its baseline over the same link,

@@ -74,6 +74,10 @@ def launch_parser() -> argparse.ArgumentParser:
                    "address every listener of the job binds on its node: the site link "
                    "(default: the interface that routes to the first node; loopback for "
                    "local_cwd; never every interface)")
+    p.add_argument("--doctor", action="store_true", help="each node first runs `lowband doctor` "
+                   "with the others: a failed check (the rendezvous, ports, names, the secret) "
+                   "ends the job in one sentence before any training process starts; the first "
+                   "node's log has the measured link and the plan on it (docs/doctor.md)")
     p.add_argument("--name", default="lowband", help="job name (default: lowband)")
     p.add_argument("--max-retries", type=int, default=0)
     p.add_argument("--requeue", type=int, nargs="?", const=300, metavar="SECONDS",
@@ -123,7 +127,8 @@ def main(argv: list[str]) -> int:
                     h=args.h, cpu=args.cpu, gpu=args.gpu, memMB=args.memMB,
                     env=_pairs(args.env, "--env"), mounts=mounts, rdzv_port=args.rdzv_port,
                     rdzv_timeout=args.rdzv_timeout, max_retries=args.max_retries,
-                    bind=args.bind, requeue=args.requeue, start=False, **elastic)
+                    bind=args.bind, requeue=args.requeue, doctor=args.doctor, start=False,
+                    **elastic)
     if args.dryrun:
         print(handle.dryrun_info)
         return 0

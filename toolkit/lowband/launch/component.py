@@ -74,6 +74,7 @@ def train(
     quorum_timeout: float = 600.0,
     elastic_timeout: float = 120.0,
     bind: Optional[str] = None,
+    doctor: bool = False,
 ) -> specs.AppDef:
     """Train a language model with `lowband train`, or your own training script, across nodes
     (one torchrun agent per node).
@@ -130,9 +131,17 @@ def train(
             listens on its node (LOWBAND_BIND_HOST): stores, gloo, the Lighthouse and torchft's
             servers; default: the interface that routes to the first node (never every
             interface; lowband launch gives loopback to a local_cwd job)
+        doctor: each node first runs `lowband doctor` with the others at the rendezvous's
+            address and port (docs/doctor.md): a failed check ends the node, in one sentence,
+            before any training process starts; the first node's log has the measured link
+            and the plan on it (not with elastic)
     """
     if bind is not None:  # (each node resolves an interface's name to its own address)
         env = {**(env or {}), BIND_ENV: check_bind(bind, here=False)}
+    if elastic and doctor:
+        raise ValueError("doctor runs with the nodes of one job at its rendezvous, which an "
+                         "elastic job's groups do not share: run `lowband doctor --nodes N "
+                         "--rdzv HOST:PORT --elastic` on its nodes first instead.")
     if elastic:
         values = {"elastic": "1", "min_replicas": str(min_replicas),
                   "max_restarts": str(max_restarts), "quorum_timeout": f"{quorum_timeout:g}",
@@ -149,12 +158,12 @@ def train(
     n, p = node_layout(replicas, shards, replicas_per_node, nnodes, nproc_per_node)
     return _nodes(flags, script, algo, replicas, shards, n, p, run_dir or f"runs/{macros.app_id}",
                   config, name, image, h, cpu, gpu, memMB, dict(env or {}), mounts, rdzv_port,
-                  rdzv_timeout, max_retries, progress, debug)
+                  rdzv_timeout, max_retries, progress, debug, doctor)
 
 
 def _nodes(flags, script, algo, replicas, shards, n, p, run_dir, config, name, image, h, cpu,
            gpu, memMB, env, mounts, rdzv_port, rdzv_timeout, max_retries, progress,
-           debug) -> specs.AppDef:
+           debug, doctor=False) -> specs.AppDef:
     """One role of n nodes x p processes, each node running lowband's agent around torchrun."""
     if script:
         if algo or config:
@@ -187,7 +196,21 @@ def _nodes(flags, script, algo, replicas, shards, n, p, run_dir, config, name, i
     timeouts = f"join_timeout={rdzv_timeout},read_timeout={min(rdzv_timeout, 60)}"
     assert role.args[1].startswith("torchrun "), role.args
     role.args[1] = f"{AGENT} --rdzv_conf {timeouts} " + role.args[1][len("torchrun "):]
+    if doctor:
+        first = _doctor(role.args[1], n, bool(script) or _resumes(flags), rdzv_port, rdzv_timeout)
+        role.args[1] = f"{first} && {role.args[1]}"
     return app
+
+
+def _doctor(command: str, n: int, no_plan: bool, port: int, timeout: int) -> str:
+    """The node's doctor (lowband/doctor/): with the other nodes at the rendezvous's address and
+    port, before its agent binds that port; the plan for `lowband train`'s own flags (those
+    after `-m lowband.cli train` in the agent's command, quoted as they are there)."""
+    plan = "--no-plan" if no_plan else "-- " + command.split(" -m lowband.cli train ", 1)[1]
+    if n == 1:  # one node: this machine and its transport
+        return "python3 -m lowband.doctor --no-plan"
+    return (f"python3 -m lowband.doctor --nodes {n} --rdzv $${{{macros.rank0_env}:=localhost}}:"
+            f"{port} --timeout {timeout} {plan}")
 
 
 def _elastic(flags, script, algo, replicas, shards, run_dir, config, name, image, h, cpu, gpu,

@@ -111,7 +111,8 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
            gpu: int = 0, memMB: int = 4096, env: dict | None = None,
            mounts: Sequence[str] | None = None, rdzv_port: int = 0, rdzv_timeout: int = 300,
            max_retries: int = 0, progress: bool = False, bind: str | None = None,
-           requeue: int | None = None, start: bool = True, **options) -> LaunchHandle:
+           requeue: int | None = None, doctor: bool = False, start: bool = True,
+           **options) -> LaunchHandle:
     """Run `lowband train` (or your own training script) as a TorchX job; return its LaunchHandle
     at once.
 
@@ -135,6 +136,8 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
     node; loopback for local_cwd; never every interface: comm/membership/bind.py).
     requeue=SECONDS (Slurm): that long before the job's time limit every rank stops at one step,
     writes a checkpoint and requeues the job, which continues from it (checkpoint/preempt.py).
+    doctor=True: each node first runs `lowband doctor` with the others (docs/doctor.md); a
+    failed check ends the job in one sentence before any training process starts.
     start=False returns the handle unsubmitted: inspect .dryrun_info, then start(). Bad input
     raises ConfigError with one sentence, before anything is submitted.
     """
@@ -192,7 +195,7 @@ def launch(flags: Sequence[str] = (), *, scheduler: str = "local_cwd", cfg: dict
             nproc_per_node=nproc_per_node, run_dir=run_dir, config=config, name=name,
             h=h, cpu=cpu, gpu=gpu, memMB=memMB, env=env, mounts=list(mounts) if mounts else None,
             rdzv_port=rdzv_port or 29500, rdzv_timeout=rdzv_timeout, max_retries=max_retries,
-            progress=progress, bind=bind, **({"image": image} if image else {}),
+            progress=progress, bind=bind, doctor=doctor, **({"image": image} if image else {}),
             **{k: v for k, v in layout.items() if k not in ("replicas", "shards")})
     except ValueError as e:
         raise ConfigError(str(e)) from None
