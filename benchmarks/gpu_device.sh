@@ -22,6 +22,8 @@ start=$SECONDS
 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, \
 'transformers', transformers.__version__)"
 } 2>&1 | tee "$out/all.log"
+# lowband doctor's CUDA and NCCL lines, and gloo over loopback on the device's host (a few s)
+timeout -k 5 60 python3 -m lowband.doctor 2>&1 | tee -a "$out/all.log"
 runs=$(mktemp -d)
 gpu() {  # gpu LIMIT NAME ARGS...: one call of benchmarks/gpu.py, its JSON in OUTDIR/NAME.json
     local limit=$1 name=$2

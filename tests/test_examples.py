@@ -4,7 +4,8 @@ replicas under torchrun, its run directory is a lowband run (summary.json with t
 over the outer link, `lowband report`), and its data loader reads nanoGPT's uint16 token files
 as well as text; diloco_avg.py, an algorithm registered from outside, trains under `lowband
 train` (tests/test_outside_algorithm.py tests the registration itself); hf_trainer.py, the
-Hugging Face Trainer with LowbandCallback, trains streaming replicas under `lowband launch`."""
+Hugging Face Trainer with LowbandCallback, and lightning_train.py, PyTorch Lightning with
+LowbandCallback, train streaming replicas under `lowband launch`."""
 
 import importlib.util
 import json
@@ -100,14 +101,23 @@ def test_the_outside_algorithm_trains_under_lowband_train(tmp_path):
     assert syncs == [(0, 4), (0, 8), (1, 4), (1, 8)]
 
 
+# the framework examples: the module each needs, its arguments that make it small, the directory
+# where the framework writes its own files
+FRAMEWORKS = {"examples/hf_trainer.py": ("accelerate", ["--layers", "2", "--width", "64"],
+                                         "hf_trainer_out"),
+              "examples/lightning_train.py": ("lightning", ["--model", "nano"], "lightning_out")}
+
+
 @pytest.mark.slow
-def test_the_hf_trainer_example_trains_streaming_under_lowband_launch(tmp_path):
+@pytest.mark.parametrize("example", list(FRAMEWORKS))
+def test_a_framework_example_trains_streaming_under_lowband_launch(tmp_path, example):
     pytest.importorskip("torchx")
-    pytest.importorskip("accelerate")
-    proc = run_readme_command("examples/hf_trainer.py", [
+    needs, small, output = FRAMEWORKS[example]
+    pytest.importorskip(needs)
+    proc = run_readme_command(example, [
         "--steps", "8", "--sync-every", "4", "--batch-size", "4", "--seq-len", "32",
-        "--eval-every", "4", "--eval-batches", "2", "--lr", "3e-3", "--layers", "2",
-        "--width", "64", "--link-bandwidth", ""], cwd=tmp_path, timeout=240)
+        "--eval-every", "4", "--eval-batches", "2", "--lr", "3e-3", *small,
+        "--link-bandwidth", ""], cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     run, = (tmp_path / "runs").iterdir()  # lowband launch's run directory, here
     summary = json.loads((run / "summary.json").read_text())
@@ -119,8 +129,8 @@ def test_the_hf_trainer_example_trains_streaming_under_lowband_launch(tmp_path):
     assert summary["final_loss"] < steps[0]["loss"] - 0.3, (steps[0]["loss"], summary)
     evals = [e for e in read_events(run, ("eval",)) if e["rank"] == 0]
     assert [e["step"] for e in evals] == [4, 8]
-    # the Trainer's own files: rank 0's, in the script's --output-dir, beside the run
-    assert (tmp_path / "hf_trainer_out").is_dir()
+    # the framework's own files: rank 0's, in the script's --output-dir, beside the run
+    assert (tmp_path / output).is_dir()
 
 
 def test_the_example_reads_nanogpts_token_files_and_text(tmp_path):

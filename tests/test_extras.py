@@ -4,8 +4,8 @@ Every command that needs an optional extra (pyproject.toml) and does not find it
 sentence naming it (`pip install 'lowband[X]'`), exit status 2, and nothing written. The module
 is hidden in this process (sys.modules[name] = None, as if it were not installed), and each
 command runs in-process (conftest.lowband_here). The extras themselves: `user` is what running
-lowband needs (the README's install, no test tools), `all` adds the Kubernetes client and
-pyarrow, `test` the test tools, and the README's test command installs `test`."""
+lowband needs (the README's install, no test tools), `all` adds the Kubernetes client,
+pyarrow and Lightning, `test` the test tools, and the README's test command installs `test`."""
 
 import re
 import sys
@@ -94,10 +94,10 @@ def _names(requirements: list[str]) -> set[str]:
 
 def test_the_user_install_has_no_test_tools_and_the_test_extra_has_them():
     assert _names(EXTRAS["user"]) == {"lowband[ui,launch,hf,elastic]"}
-    assert _names(EXTRAS["all"]) == {"lowband[user,kubernetes,parquet]"}
+    assert _names(EXTRAS["all"]) == {"lowband[user,kubernetes,parquet,lightning]"}
     user = set().union(*(_names(EXTRAS[x]) for x in ("ui", "launch", "hf", "elastic")))
     tools = {"pytest", "hypothesis", "playwright", "triton"}
-    assert not (tools | {"pyarrow", "kubernetes", "datasets"}) & user  # 1 GB, 170 MB, 48 MB
+    assert not (tools | {"pyarrow", "kubernetes", "datasets", "lightning"}) & user
     assert _names(EXTRAS["test"]) >= {"lowband[all]"} | tools
 
 

@@ -65,22 +65,26 @@ from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 
 from lowband.config import ConfigError  # noqa: E402
 from lowband.models import blocks_of  # noqa: E402
-from lowband.algorithms import ALGORITHMS  # noqa: E402
-from lowband.algorithms.base import IN_BACKWARD  # noqa: E402
-from lowband.sync import Sync, check_fits, either, fitting  # noqa: E402
+from lowband.integrations import (Framework, check_layout, check_options,  # noqa: E402
+                                  start_sync)
+from lowband.sync import Sync  # noqa: E402
 from lowband.sync.options import config_of  # noqa: E402
 from lowband.comm.topology import pick_device  # noqa: E402
 
 # torchrun's variables: with them accelerate makes a process one of a data-parallel job
 JOB_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
-# the ways of fitting a loop (algorithms/base.py's user_loop) the Trainer's loop cannot take
-REFUSED = {IN_BACKWARD: "it averages gradients inside the backward pass, which the Trainer runs, "
-                        "with its own gradient clipping before any hook of the callback: use the "
-                        "Trainer's own DDP (torchrun without the callback)"}
-# lowband options the callback takes from the Trainer's arguments, and where they are set there
-FROM_TRAINER = {"steps": "max_steps (or num_train_epochs)",
-                "batch_size": "per_device_train_batch_size",
-                "grad_accum": "gradient_accumulation_steps"}
+# the Trainer, in the callback's refusals; the lowband options it takes from the Trainer's
+# arguments, and where they are set there
+TRAINER = Framework(
+    who="the Trainer",
+    backward="which the Trainer runs, with its own gradient clipping before any hook of the "
+             "callback",
+    ddp="use the Trainer's own DDP (torchrun without the callback)",
+    owned={"steps": "the Trainer's max_steps (or num_train_epochs)",
+           "batch_size": "the Trainer's per_device_train_batch_size",
+           "grad_accum": "the Trainer's gradient_accumulation_steps"},
+    place="in the TrainingArguments",
+    resume="the Trainer's save_steps equal to checkpoint_every")
 
 
 def _job_rank(variable: str = "RANK") -> int:
@@ -143,18 +147,7 @@ class LowbandCallback(TrainerCallback):
 
     def __init__(self, algo: str = "streaming", *, recipe: str | None = None,
                  resume: bool = False, **options):
-        if algo not in ALGORITHMS:
-            names = either([repr(name) for name in fitting(tuple(REFUSED))])
-            raise ConfigError(f"LowbandCallback runs algo={names}, not {algo!r}.")
-        check_fits(algo, "LowbandCallback", REFUSED)
-        if options.get("local_steps", "fixed") != "fixed":
-            raise ConfigError("LowbandCallback runs local_steps='fixed': with other counts a "
-                              "slower replica runs fewer steps than the Trainer's max_steps; use "
-                              "lowband.Sync in your own loop (for step in sync.range()).")
-        for key, where in FROM_TRAINER.items():
-            if key in options:
-                raise ConfigError(f"{key}= is the Trainer's {where} here: set it in the "
-                                  "TrainingArguments and remove it from LowbandCallback.")
+        check_options(TRAINER, algo, options)
         self.algo, self.recipe, self.resume, self.options = algo, recipe, resume, options
         self.sync: Sync | None = None
         self.summary: dict | None = None
@@ -179,30 +172,12 @@ class LowbandCallback(TrainerCallback):
         sizes = dict(steps=state.max_steps, batch_size=args.per_device_train_batch_size,
                      grad_accum=args.gradient_accumulation_steps)
         cfg = config_of(self.algo, self.recipe, {**self.options, **sizes}, len(blocks))
-        if cfg.shards > 1:
-            raise ConfigError(f"LowbandCallback runs one rank a replica group, not shards="
-                              f"{cfg.shards}: a replica's ranks average gradients inside the "
-                              "backward pass, which the Trainer runs, with its own gradient "
-                              "clipping before any hook of the callback; use lowband.Sync in "
-                              "your own loop (sync.backward) or `lowband train`.")
-        if cfg.elastic:
-            raise ConfigError("LowbandCallback does not run elastic: a group healed from a live "
-                              "peer goes on from the peer's step, which the Trainer's own step "
-                              "count, schedule and data position cannot follow; use lowband.Sync "
-                              "in your own loop (for step in sync.range()) for an elastic job.")
+        check_layout(TRAINER, cfg)
         if isinstance(optimizer, AcceleratedOptimizer):  # accelerate's wrapper: its optimizer
             optimizer = optimizer.optimizer
-        lrs = [group["lr"] for group in optimizer.param_groups]  # the Trainer's schedule's
-        self.sync = Sync(model, optimizer, self.algo, recipe=self.recipe, blocks=blocks,
-                         resume=self.resume, **self.options, **sizes)
-        for group, lr in zip(optimizer.param_groups, lrs):  # not a resumed checkpoint's, taken
-            group["lr"] = lr  # before the scheduler's step
-        if self.sync.start_step != state.global_step:
-            with self.sync:  # left as a crash leaves it: its events closed, the model free
-                raise ConfigError(f"lowband's run continues after step {self.sync.start_step} "
-                                  f"but the Trainer's after step {state.global_step}: resume both "
-                                  "from the same step (the Trainer's save_steps equal to "
-                                  "checkpoint_every).")
+        self.sync = start_sync(TRAINER, model, optimizer, self.algo, step=state.global_step,
+                               recipe=self.recipe, blocks=blocks, resume=self.resume,
+                               options={**self.options, **sizes})
         self._hook = model.register_forward_hook(self._forward, with_kwargs=True)
         self._seen = state.num_input_tokens_seen
         if args.eval_on_start:  # the Trainer evaluates now: not training time
