@@ -320,8 +320,8 @@ class Membership:
                 weight: float | None = None):
         """A Weighted (comm/exchanges.py) averaging the flat fp32 tensor x over the groups of
         this quorum, each with its weight (--merge-weights tokens: its tokens, else 1), 0 for a
-        group healed in this quorum (its x is a copy of its source's) unless `healed_counts` (ddp: it healed before
-        computing x); wait() gives the mean. A failed exchange's error goes to the Manager,
+        group healed in this quorum (its x is a copy of its source's) unless `healed_counts`
+        (ddp: it healed before computing x); wait() gives the mean. A failed exchange's error goes to the Manager,
         never up: commit() says False. `exchange` does not apply here."""
         from lowband.comm.exchanges import Weighted, encoded
 
