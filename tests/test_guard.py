@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import lowband, train_in_one_job
-from lowband.algorithms.guard import BOUND_SLACK, Guard, Guarded, judge
+from lowband.algorithms.guard import BOUND_SLACK, Guard, Guarded, Verdict, judge
 from lowband.telemetry import RunDir, read_events
 
 CFG = SimpleNamespace(guard="norm", guard_ratio=2.0, guard_peers=4.0, guard_warmup=1,
@@ -108,6 +108,15 @@ def test_a_merge_larger_than_the_claimed_norms_allow_is_scaled_to_the_bound():
     assert got.norm().item() == pytest.approx(BOUND_SLACK * 2.0)
     record, = g.record(out.verdict, 10, 0)
     assert record["why"] == "inconsistent" and "scaled by" in record["text"]
+
+
+def test_a_verdict_kept_in_a_checkpoint_reads_back_as_it_was():
+    """A checkpoint keeps an exchange in flight with its verdict; read back, each number is in
+    its own field (scaled and mine_lr were once swapped: a resumed run then recorded a merge
+    'scaled by' its learning rates' sum that never was)."""
+    v = Verdict(left_out={1: ("norm", 3.0, 1.0)}, weighed=[0, 1], norms=[1.0, 3.0], bound=1.0,
+                again=True, mine_lr=0.006, scaled=0.5, norm=0.7)
+    assert Verdict.from_state(json.loads(json.dumps(v.state()))) == v
 
 
 @pytest.mark.parametrize("flags,words", [

@@ -108,6 +108,8 @@ def test_the_wrapper_equals_lowband_train_bitwise_and_a_resume_the_uninterrupted
     assert runs == [("start", 0), ("resume", 4), ("end", None)], runs
     steps = [e["step"] for e in events if e["kind"] == "step"]
     assert steps == list(range(1, 9))  # step 5 of the lost attempt is redone, counted once
+    # the exchange in flight at the checkpoint lands as it was judged: no merge was bounded
+    assert not [e for e in read_events(resumed) if e["kind"] == "guard"]
 
 
 BAD = textwrap.dedent('''

@@ -150,9 +150,10 @@ class Verdict:
     def from_state(cls, s: dict | None) -> "Verdict | None":
         if s is None:
             return None
-        return cls({int(r): tuple(v) for r, v in s["left_out"].items()}, list(s["weighed"]),
-                   list(s["norms"]), float(s["bound"]), bool(s["again"]), float(s["scaled"]),
-                   float(s.get("mine_lr", 0.0)), s.get("norm"))
+        return cls(left_out={int(r): tuple(v) for r, v in s["left_out"].items()},
+                   weighed=list(s["weighed"]), norms=list(s["norms"]), bound=float(s["bound"]),
+                   again=bool(s["again"]), mine_lr=float(s.get("mine_lr", 0.0)),
+                   scaled=float(s["scaled"]), norm=s.get("norm"))
 
 
 def why_text(replica: int, step: int, why: tuple) -> str:
