@@ -174,3 +174,34 @@ def test_a_missing_secret_is_named(hosts, tmp_path):
                                      f"differs from {hosts.names[0]} ({hosts.addrs[0]})'s: every "
                                      "node must read the same RUN_DIR/secret (one run "
                                      "directory, shared)."]
+
+
+def test_a_job_launched_with_doctor_stops_before_any_worker_starts(hosts, tmp_path):
+    """The component's node commands with doctor (lowband launch --doctor), run on the two
+    hosts as a scheduler would, the rank-0 host variable naming the first host: the second
+    host's secret file is missing, so both nodes stop at the doctor, in one sentence, and no
+    training process starts (no events, no checkpoint, no worker's log)."""
+    pytest.importorskip("torchx")
+    from torchx.specs import macros
+
+    from lowband.launch import components
+
+    run = tmp_path / "run"
+    made = secret.make(tmp_path / "a" / "secret")
+    app = components().train("--model", "nano", "--steps", "4", replicas=2, run_dir=str(run),
+                             rdzv_port=29500, rdzv_timeout=8, doctor=True)
+    procs = []
+    for k, path in enumerate([made, tmp_path / "b" / "secret"]):
+        role = macros.Values(img_root="", app_id="lbd-doctor", replica_id=str(k),
+                             rank0_env="LOWBAND_RANK0_HOST").apply(app.roles[0])
+        env = {**os.environ, **role.env, "LOWBAND_RANK0_HOST": hosts.names[0],
+               "LOWBAND_SECRET_FILE": str(path), "OMP_WAIT_POLICY": "PASSIVE",
+               "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])}
+        env.pop("LOWBAND_BIND_HOST", None)
+        procs.append(hosts.popen(k, [role.entrypoint, *role.args], env, tmp_path / f"n{k}.out"))
+    assert [p.wait(timeout=90) for p in procs] == [1, 1]
+    for k in range(2):  # each node's own log in the run directory, as the agent's would be
+        log = (run / "logs" / f"node{k}.log").read_text()
+        assert f"FAIL  {hosts.names[1]} ({hosts.addrs[1]}) has no secret at " in log, log
+    assert sorted(p.name for p in run.iterdir()) == ["logs"]  # nothing trained
+    assert sorted(p.name for p in (run / "logs").iterdir()) == ["node0.log", "node1.log"]
