@@ -40,9 +40,11 @@ def hosts():
 
 
 def doctors(hosts, tmp: Path, *per_host: list[str], rdzv: str | None = None,
-            timeout: float = 60) -> dict:
-    """`lowband doctor --nodes 2` on both hosts at once (the first host's address unless
-    `rdzv`), each with its own extra flags: exit codes, outputs and seconds."""
+            wait: int = 40, timeout: float = 90) -> dict:
+    """`lowband doctor --nodes 2 --timeout WAIT` on both hosts at once (the first host's
+    address unless `rdzv`), each with its own extra flags: exit codes, outputs and seconds.
+    (A loaded machine may take seconds to start the second doctor: WAIT covers it; a failure
+    found once both have met comes as soon as they have.)"""
     env = {**os.environ, "PATH": os.pathsep.join([os.path.dirname(sys.executable),
                                                    os.environ["PATH"]]),
            "OMP_WAIT_POLICY": "PASSIVE"}
@@ -51,7 +53,7 @@ def doctors(hosts, tmp: Path, *per_host: list[str], rdzv: str | None = None,
     start, procs = time.monotonic(), []
     for k, extra in enumerate(per_host):
         cmd = [sys.executable, "-m", "lowband.doctor", "--nodes", "2", "--rdzv", rdzv,
-               "--timeout", "8", *extra]
+               "--timeout", str(wait), *extra]
         procs.append(hosts.popen(k, cmd, env, tmp / f"doctor{k}.log"))
     codes = []
     for p in procs:
@@ -116,7 +118,7 @@ def test_a_port_blocked_on_one_host_is_named(hosts, tmp_path):
 
 def test_a_rendezvous_on_a_wrong_address_is_named(hosts, tmp_path):
     wrong = "10.213.41.77"  # in the hosts' subnet, held by nobody
-    r = doctors(hosts, tmp_path, [], [], rdzv=f"{wrong}:29500")
+    r = doctors(hosts, tmp_path, [], [], rdzv=f"{wrong}:29500", wait=8)
     assert r["codes"] == [1, 1], r["out"]
     for k in range(2):
         said = failures(r["out"][k])
