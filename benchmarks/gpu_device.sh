@@ -24,6 +24,9 @@ start=$SECONDS
 } 2>&1 | tee "$out/all.log"
 # lowband doctor's CUDA and NCCL lines, and gloo over loopback on the device's host (a few s)
 timeout -k 5 60 python3 -m lowband.doctor 2>&1 | tee -a "$out/all.log"
+# Muon's step, torch's per-matrix loop against lowband's batches (BatchedMuon), GPT-2's shapes
+(cd benchmarks && timeout -k 5 60 python3 muon_step.py --models mini,small,gpt2 --device cuda \
+    --json "$out/muon.json") 2>&1 | tee -a "$out/all.log"
 runs=$(mktemp -d)
 gpu() {  # gpu LIMIT NAME ARGS...: one call of benchmarks/gpu.py, its JSON in OUTDIR/NAME.json
     local limit=$1 name=$2

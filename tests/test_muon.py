@@ -157,3 +157,50 @@ def test_a_user_loop_keeps_its_own_optimizer():
 
     with pytest.raises(ConfigError, match="optimizer= is an option of `lowband train`'s own"):
         config_of("diloco", None, {"optimizer": "muon"}, 2)
+
+
+@pytest.mark.parametrize("adjust,nesterov", [("original", False), ("match_rms_adamw", True),
+                                             (None, True)])
+def test_batched_muon_is_torch_muon_bitwise_over_tall_wide_and_repeated_shapes(adjust, nesterov):
+    """BatchedMuon (made to batch on the CPU too) runs one Newton-Schulz per shape over the
+    matrices stacked; the update is torch.optim.Muon's, bit for bit for matrices of this size
+    (tall ones transposed, as torch's are)."""
+    from lowband.algorithms.inner import BatchedMuon
+
+    torch.manual_seed(0)
+    shapes = [(48, 16), (16, 48), (48, 16), (32, 32), (16, 48), (32, 32), (8, 64)]
+    ours = [torch.randn(s, requires_grad=True) for s in shapes]
+    theirs = [p.detach().clone().requires_grad_() for p in ours]
+    start = [p.detach().clone() for p in ours]
+    args = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust)
+    opts = BatchedMuon(ours, **args, batch=True), torch.optim.Muon(theirs, **args)
+    for _ in range(3):
+        grads = [torch.randn(s) for s in shapes]
+        for params, opt in zip((ours, theirs), opts):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    assert not any(torch.equal(p, s) for p, s in zip(ours, start))  # every matrix moved
+
+
+def test_the_muon_step_benchmark_runs_and_stays_bitwise(tmp_path):
+    """benchmarks/muon_step.py on nano, two steps: its rows, torch's step against the batches."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))  # (its `machine` helper)
+    try:
+        spec = importlib.util.spec_from_file_location("muon_step", bench / "muon_step.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        assert mod.main(["--models", "nano", "--steps", "2", "--device", "cpu",
+                         "--json", str(tmp_path / "m.json")]) == 0
+    finally:
+        sys.path.remove(str(bench))
+    row, = json.loads((tmp_path / "m.json").read_text())["rows"]
+    assert (row["matrices"], row["shapes"], row["bitwise_equal"]) == (8, 4, True)
+    assert row["torch_s"] > 0 and row["batched_s"] > 0

@@ -10,12 +10,15 @@
          --weight-decay carry over from AdamW; momentum 0.95 with Nesterov (torch's defaults).
          One object (MuonAdamW) steps both, so that the loop, the algorithms (which set each
          group's lr, and guard.py's recovery, which zeroes moments), the checkpoints (torch
-         DCP) and a heal see one optimizer.
+         DCP) and a heal see one optimizer. Muon is BatchedMuon: on a GPU its Newton-Schulz
+         iterations run once per matrix shape, over every matrix of it; on the CPU, torch's.
 
 Where muon cannot run, check() refuses it in one sentence before any worker starts.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -23,6 +26,84 @@ from lowband.options import ConfigError
 from lowband.params import is_dtensor
 
 MUON_MOMENTUM = 0.95  # torch.optim.Muon's default, with nesterov=True
+
+
+class BatchedMuon(torch.optim.Muon):
+    """torch.optim.Muon whose Newton-Schulz iterations run once per matrix shape, over every
+    matrix of that shape stacked (torch.baddbmm), instead of once per matrix; its state and
+    checkpoints are torch's. torch's loop launches 5 x 5 small kernels a matrix, which left
+    Muon launch-bound on a GPU (+55% a token on GPT-2 124M, an H200: benchmarks/RESULTS.md);
+    a GPT's blocks hold four shapes, so a step launches that many batches whatever the depth.
+
+    batch: None batches on a GPU only. On the CPU the batched update is torch's bit for bit
+    (tests/test_muon.py; nano to small in benchmarks/muon_step.py), and it stepped nano and
+    micro 1.5x faster but mini only 1.06x and small 0.85x: there torch's own step runs. On a
+    GPU its gain is not yet measured (the device script measures it first: issue 48)."""
+
+    def __init__(self, params, *args, batch: bool | None = None, **kwargs):
+        super().__init__(params, *args, **kwargs)
+        self.batch = batch
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for g in self.param_groups for p in g["params"]]
+        if not (self.batch if self.batch is not None else
+                any(p.device.type == "cuda" for p in params)):
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, wd, mu = float(group["lr"]), group["weight_decay"], group["momentum"]
+            shapes: dict[tuple, list] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if torch.is_complex(p) or p.grad.is_sparse or p.grad.dim() != 2:
+                    raise RuntimeError("Muon steps real 2-D parameters with dense gradients")
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(
+                        p.grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - mu)
+                update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
+                shapes.setdefault((tuple(p.shape), p.device), []).append((p, update))
+            for ((rows, cols), _), items in shapes.items():
+                done = _newton_schulz([u for _, u in items], group["ns_coefficients"],
+                                      group["ns_steps"], group["eps"])
+                scale = _adjusted(group["adjust_lr_fn"], rows, cols)
+                for (p, _), o in zip(items, done.unbind(0)):
+                    p.mul_(1 - lr * wd)
+                    p.add_(o, alpha=-lr * scale)
+        return loss
+
+
+def _newton_schulz(updates: list, coefficients, steps: int, eps: float) -> torch.Tensor:
+    """torch.optim.Muon's quintic Newton-Schulz orthogonalization of each of the updates (of
+    one shape), as one batch: in bf16 (each update converted once, straight into the batch),
+    a tall matrix as its transpose, each scaled to norm 1 first."""
+    a, b, c = coefficients
+    tall = updates[0].size(0) > updates[0].size(1)
+    x = torch.empty((len(updates), *updates[0].shape), dtype=torch.bfloat16,
+                    device=updates[0].device)
+    for i, u in enumerate(updates):
+        x[i].copy_(u)
+    if tall:
+        x = x.transpose(1, 2)
+    x.div_(x.flatten(1).norm(dim=1).clamp(min=eps).view(-1, 1, 1))
+    for _ in range(steps):
+        gram = x @ x.transpose(1, 2)
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.transpose(1, 2) if tall else x
+
+
+def _adjusted(how: str | None, rows: int, cols: int) -> float:
+    """torch.optim.Muon's per-matrix lr factor (adjust_lr_fn)."""
+    if how is None or how == "original":
+        return math.sqrt(max(1, rows / cols))
+    return 0.2 * math.sqrt(max(rows, cols)) if how == "match_rms_adamw" else 1.0
 
 
 def check(cfg, algorithm) -> None:
@@ -76,7 +157,7 @@ def make_optimizer_factory(cfg, device: torch.device, blocks=None):
             raise ConfigError("--optimizer muon found no weight matrix inside the model's "
                               "blocks to orthogonalize: use --optimizer adamw.")
         mine = {id(p) for p in hidden}
-        muon = torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay,
+        muon = BatchedMuon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                 momentum=MUON_MOMENTUM, nesterov=True,
                                 adjust_lr_fn="match_rms_adamw")
         return MuonAdamW(muon, adamw([p for p in params if id(p) not in mine]))
