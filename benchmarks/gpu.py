@@ -218,8 +218,13 @@ OVERHEAD_ALGOS = {
     # Muon as the inner optimizer (issue 46): its cost against AdamW, on ddp and on streaming
     "ddp muon": {"optimizer": "muon"},
     "streaming muon": {**STREAMING, "optimizer": "muon"},
+    # the guard's pair again, in the other order (ABBA): its cost is the mean of the two pairs
+    "streaming guard off again": {**STREAMING, "guard": "off"},
+    "streaming again": STREAMING,
     "ddp again": {},
 }
+GUARD_PAIRS = (("streaming", "streaming guard off"),
+               ("streaming again", "streaming guard off again"))
 
 
 def section_overhead(args, device, root) -> list[dict]:
@@ -254,6 +259,12 @@ def section_overhead(args, device, root) -> list[dict]:
     for r in rows:
         print(f"  {r['algo']:<24}" + (f"error: {r['error']}" if "error" in r else
                                       f"{r['tokens_per_s']:>12,.0f} tokens/s  {100 * r['extra_per_token']:+6.2f}%"))
+    speed = {r["algo"]: r["tokens_per_s"] for r in rows if "error" not in r}
+    costs = [speed[off] / speed[on] - 1 for on, off in GUARD_PAIRS if on in speed and off in speed]
+    if costs:
+        print(f"  the guard's cost (streaming against --guard off, {len(costs)} pair(s), "
+              f"alternating): {', '.join(f'{100 * c:+.2f}%' for c in costs)}; mean "
+              f"{100 * statistics.mean(costs):+.2f}%")
     return rows
 
 

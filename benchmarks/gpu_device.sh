@@ -3,7 +3,7 @@
 # the repository root of a CUDA machine whose python3 holds torch, Triton and transformers, with
 # the corpus made beforehand on any machine (`python benchmarks/gpu_target.py make --out .gpu`):
 #   bash benchmarks/gpu_device.sh OUTDIR [OVERHEAD_ROWS] [TARGET_SECONDS]
-# overhead at a world of one (the guard's and Muon's cost beside edit's by default) and the
+# overhead at a world of one (the guard's cost in two alternating pairs, and Muon's) and the
 # codecs alone on the machine; then the GPU test files start beside every algorithm on a Hugging
 # Face Llama of GPT-2's size (four runs at a time), streaming with one replica 2x slower (fixed
 # against speed-aware local steps, alone), and time to target (ddp and streaming) ends the call.
@@ -11,7 +11,7 @@
 # part writes its JSON under OUTDIR as it goes, and its output to OUTDIR/all.log.
 set -uo pipefail
 out=$1
-rows=${2:-ddp,streaming,streaming guard off,edit,ddp muon,streaming muon,ddp again}
+rows=${2:-ddp,streaming,streaming guard off,ddp muon,streaming muon,streaming guard off again,streaming again,ddp again}
 target=${3:-70}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD/toolkit${PYTHONPATH:+:$PYTHONPATH}"

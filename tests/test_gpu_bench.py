@@ -27,8 +27,10 @@ def test_gpu_benchmark_smoke(tmp_path):
 
     overhead = {r["algo"]: r for r in result["overhead"]}
     assert set(overhead) == {"ddp", "streaming", "streaming, outer on cpu", "edit", "acco", "zero1",
-                             "streaming guard off", "ddp muon", "streaming muon", "ddp again"}
+                             "streaming guard off", "ddp muon", "streaming muon",
+                             "streaming guard off again", "streaming again", "ddp again"}
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in overhead.values()), overhead
+    assert "the guard's cost (streaming against --guard off, 2 pair(s), alternating)" in proc.stdout
 
     for row in result["e2e"]:  # a Hugging Face Llama (config only) through lowband train
         assert row["ok"], row
