@@ -10,6 +10,7 @@ nothing failed, 1 when a check failed (each failure one sentence), 2 for bad inp
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import socket
@@ -63,8 +64,8 @@ def parser() -> ArgParser:
                    "model)")
     p.add_argument("--no-plan", action="store_true", help="print no plan on the measured link "
                    "(lowband launch --doctor with a script, whose config is the script's)")
-    p.add_argument("--client", action="store_true", help="(internal: the second doctor of a "
-                   "loopback measurement; never the rendezvous's host)")
+    # the second doctor of a loopback measurement: never the rendezvous's host (not for users)
+    p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
