@@ -11,12 +11,19 @@ Each framework's texts come from its `Framework`, so the sentences say whose loo
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from lowband.algorithms import ALGORITHMS
 from lowband.algorithms.base import IN_BACKWARD
 from lowband.config import Config, ConfigError
 from lowband.sync import Sync, check_fits, either, fitting
+
+
+def job_rank(variable: str = "RANK") -> int:
+    """This process's place in the job from torchrun's variables (RANK, LOCAL_RANK,
+    WORLD_SIZE), 0 where it runs alone."""
+    return int(os.environ.get(variable, 0))
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,6 @@ manual optimization steps the optimizer inside training_step: each is refused in
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Mapping
 
 import torch
@@ -70,7 +69,7 @@ from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 from lowband.comm.topology import pick_device  # noqa: E402
 from lowband.config import ConfigError  # noqa: E402
 from lowband.integrations import (Framework, check_layout, check_options,  # noqa: E402
-                                  start_sync)
+                                  job_rank, start_sync)
 from lowband.models import blocks_of  # noqa: E402
 from lowband.sync import Sync  # noqa: E402
 from lowband.sync.options import config_of  # noqa: E402
@@ -90,10 +89,6 @@ LIGHTNING = Framework(
 USE_OURS = "pass Trainer(strategy=lowband.integrations.lightning.LowbandStrategy())"
 
 
-def _job_rank(variable: str = "RANK") -> int:
-    return int(os.environ.get(variable, 0))
-
-
 class LowbandStrategy(SingleDeviceStrategy):
     """Lightning's strategy for one rank of a lowband job: this rank's replica alone on its
     device, rank 0 alone saving, the training data shared out over the replicas (module doc).
@@ -101,8 +96,8 @@ class LowbandStrategy(SingleDeviceStrategy):
 
     def __init__(self, **kwargs):
         super().__init__(device="cpu", **kwargs)  # (the device: root_device, below)
-        self.global_rank, self.local_rank = _job_rank(), _job_rank("LOCAL_RANK")
-        self.replicas = _job_rank("WORLD_SIZE") or 1  # (shards > 1 is refused by the callback)
+        self.global_rank, self.local_rank = job_rank(), job_rank("LOCAL_RANK")
+        self.replicas = job_rank("WORLD_SIZE") or 1  # (shards > 1 is refused by the callback)
 
     @property
     def root_device(self) -> torch.device:
@@ -165,7 +160,7 @@ class LowbandCallback(pl.Callback):
                               "over its devices and nodes (averaging every step's gradients, so "
                               "the replicas would no longer train apart): let lowband launch or "
                               f"torchrun start one process a replica and {USE_OURS}.")
-        world = _job_rank("WORLD_SIZE") or 1
+        world = job_rank("WORLD_SIZE") or 1
         if world > 1 and not isinstance(strategy, LowbandStrategy):
             raise ConfigError(f"in a job of {world} processes Lightning's {type(strategy).__name__}"
                               " makes every rank rank 0 (each writing the same checkpoints, all "

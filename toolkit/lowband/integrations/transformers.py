@@ -66,7 +66,7 @@ from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 from lowband.config import ConfigError  # noqa: E402
 from lowband.models import blocks_of  # noqa: E402
 from lowband.integrations import (Framework, check_layout, check_options,  # noqa: E402
-                                  start_sync)
+                                  job_rank, start_sync)
 from lowband.sync import Sync  # noqa: E402
 from lowband.sync.options import config_of  # noqa: E402
 from lowband.comm.topology import pick_device  # noqa: E402
@@ -85,10 +85,6 @@ TRAINER = Framework(
            "grad_accum": "the Trainer's gradient_accumulation_steps"},
     place="in the TrainingArguments",
     resume="the Trainer's save_steps equal to checkpoint_every")
-
-
-def _job_rank(variable: str = "RANK") -> int:
-    return int(os.environ.get(variable, 0))
 
 
 @contextlib.contextmanager
@@ -115,7 +111,7 @@ class LowbandTrainingArguments(TrainingArguments):
     `class Args(LowbandTrainingArguments, SFTConfig)`."""
 
     def __post_init__(self):
-        self.data_seed = (self.seed if self.data_seed is None else self.data_seed) + _job_rank()
+        self.data_seed = (self.seed if self.data_seed is None else self.data_seed) + job_rank()
         super().__post_init__()
 
     @cached_property
@@ -132,11 +128,11 @@ class LowbandTrainingArguments(TrainingArguments):
     @property
     def process_index(self) -> int:
         """The job's rank: the Trainer saves and logs on rank 0, each rank its own RNG file."""
-        return _job_rank()
+        return job_rank()
 
     @property
     def local_process_index(self) -> int:
-        return _job_rank("LOCAL_RANK")
+        return job_rank("LOCAL_RANK")
 
 
 class LowbandCallback(TrainerCallback):
@@ -161,7 +157,7 @@ class LowbandCallback(TrainerCallback):
     # -- the Trainer's events -------------------------------------------------------------
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        world = _job_rank("WORLD_SIZE") or 1
+        world = job_rank("WORLD_SIZE") or 1
         if world > 1 and not isinstance(args, LowbandTrainingArguments):
             raise ConfigError(f"in a job of {world} processes the Trainer's own TrainingArguments "
                               "would train data-parallel over all of them (DDP averaging every "
