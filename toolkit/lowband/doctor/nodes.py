@@ -28,7 +28,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from lowband.comm.membership import secret as run_secret
-from lowband.comm.membership.bind import interface_of, listen_socket
+from lowband.comm.membership.bind import interface_of, interfaces, listen_socket
 from lowband.options import SECRET_ENV, ConfigError
 
 PROBE_S = 3.0  # seconds a probe's connection may take: a firewall that drops shows in this
@@ -234,7 +234,7 @@ class Meeting:
                            f"{address}:{port} ({_short(e)}): another job's rendezvous? give "
                            "another port (--rdzv HOST:PORT).") from None
             self.index = 0
-            self.store.set(PREFIX + "nonce", random.token_hex(16))
+            self.put("nonce", random.token_hex(16))
         else:
             from lowband.launch.node import _wait_reachable
 
@@ -255,9 +255,8 @@ class Meeting:
     def put(self, key: str, value) -> None:
         self.store.set(PREFIX + key, json.dumps(value))
 
-    def get(self, key: str, raw: bool = False):
-        data = self.store.get(PREFIX + key).decode()
-        return data if key == "nonce" or raw else json.loads(data)
+    def get(self, key: str):
+        return json.loads(self.store.get(PREFIX + key).decode())
 
     def gather(self, key: str, what: str, rdzv: str) -> list:
         """Every node's `key/<i>`, waited for until --timeout (one sentence if not all come)."""
@@ -320,8 +319,6 @@ def check_nodes(meeting: Meeting, me: dict, rdzv: str, loopback: bool,
 def describe(address: str) -> dict:
     """This node as it tells the others: its name, the address it binds and that interface,
     and every address of its interfaces (to name the one its name resolves to)."""
-    from lowband.comm.membership.bind import interfaces
-
     held = {a: name for name, addrs in interfaces().items() for a in addrs}
     return {"name": socket.gethostname(), "address": address,
             "interface": interface_of(address) or "a secondary address", "addresses": held}
